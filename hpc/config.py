@@ -1,0 +1,203 @@
+"""Job configuration: dataclass sections, a YAML file plus ``key=value`` overrides, validated.
+
+A job config is a dataclass whose fields are sections (``model``, ``lora``, ``task``, ``run``,
+``eval`` and the method's own). Every field of a section is declared with :func:`param`, which
+records its allowed range or choices and a help text; :func:`reference_markdown` renders the
+README's config reference from those declarations, so the two never drift apart.
+
+Any unknown key, wrong type or out-of-range value raises :class:`UserError` naming the key,
+before any model is loaded.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+
+import yaml
+
+from hpc.errors import UserError
+
+
+def param(default, help: str, *, min=None, max=None, choices=None):
+    """Declare a config field with its default, help text and validation rule."""
+    meta = {"help": help, "min": min, "max": max, "choices": choices}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    path: str = param("toy", "Hugging Face model folder, or 'toy' for the built-in toy model "
+                      "(built and cached on first use)")
+    dtype: str = param("float32", "weights dtype", choices=["float32", "bfloat16", "float16"])
+    device: str = param("auto", "auto: cuda:<local rank> where CUDA is present, else cpu",
+                        choices=["auto", "cpu", "cuda"])
+
+
+@dataclass
+class LoraConfig:
+    rank: int = param(8, "LoRA rank r", min=1, max=1024)
+    alpha: float = param(16.0, "LoRA scaling numerator (scale = alpha / rank)", min=0.0)
+    targets: list = param(["q_proj", "k_proj", "v_proj", "o_proj"], "adapted module names")
+    dropout: float = param(0.0, "LoRA dropout during SFT", min=0.0, max=1.0)
+    adapter: str = param("", "existing peft adapter folder to start from ('' = fresh LoRA)")
+
+
+@dataclass
+class TaskConfig:
+    name: str = param("arith", "task", choices=["arith", "gsm8k", "math", "aime", "amc"])
+    train_path: str = param("", "training jsonl (file tasks)")
+    eval_path: str = param("", "held-out jsonl (file tasks)")
+    n_train: int = param(2000, "training prompts (arith: generated; files: first n, 0 = all)",
+                         min=0)
+    n_eval: int = param(256, "held-out prompts (0 = all)", min=0)
+    digits: int = param(2, "arith: digits per operand", min=1, max=9)
+    ops: str = param("+", "arith: operators to draw from, e.g. '+-*'")
+    seed: int = param(0, "data seed (arith generation, shuffling)", min=0)
+    max_new_tokens: int = param(8, "generated tokens per completion", min=1)
+
+
+@dataclass
+class EvalConfig:
+    every: int = param(10, "held-out evaluation every this many steps/generations (0 = end only)",
+                       min=0)
+    n_samples: int = param(8, "sampled completions per prompt for pass@k (k = 1..n)", min=1)
+    temperature: float = param(1.0, "sampling temperature for pass@k", min=0.0)
+    top_p: float = param(1.0, "nucleus sampling for pass@k", min=0.0, max=1.0)
+    batch_size: int = param(64, "prompts per generation batch", min=1)
+
+
+@dataclass
+class RunConfig:
+    out: str = param("runs/{method}-{jobid}", "output folder; {method} and {jobid} are filled in")
+    seed: int = param(0, "training seed", min=0)
+    max_time_s: float = param(0.0, "stop after this wall time in seconds (0 = no limit)", min=0.0)
+    checkpoint_every: int = param(0, "checkpoint every this many steps (0 = end only)", min=0)
+    progress: bool = param(True, "progress bar on rank 0")
+
+
+SECTION_TYPES = (ModelConfig, LoraConfig, TaskConfig, EvalConfig, RunConfig)
+
+
+def _field_type(section_cls, f: dataclasses.Field):
+    return typing.get_type_hints(section_cls)[f.name]
+
+
+def _coerce(key: str, value, ftype, meta):
+    """Check ``value`` against the declared type and rule; return it in the declared type."""
+    if ftype is bool:
+        if isinstance(value, bool):
+            out = value
+        else:
+            raise UserError(f"config key '{key}': expected true/false, got {value!r}")
+    elif ftype is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UserError(f"config key '{key}': expected an integer, got {value!r}")
+        out = value
+    elif ftype is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UserError(f"config key '{key}': expected a number, got {value!r}")
+        out = float(value)
+    elif ftype is str:
+        if isinstance(value, (dict, list)) or value is None:
+            raise UserError(f"config key '{key}': expected a string, got {value!r}")
+        out = str(value)
+    elif ftype is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise UserError(f"config key '{key}': expected a list of strings, got {value!r}")
+        out = list(value)
+    else:  # pragma: no cover - a declaration error, not a user error
+        raise TypeError(f"unsupported config type {ftype} for {key}")
+    if meta.get("choices") is not None and out not in meta["choices"]:
+        raise UserError(f"config key '{key}': {out!r} is not one of {meta['choices']}")
+    if meta.get("min") is not None and out < meta["min"]:
+        raise UserError(f"config key '{key}': {out} is below the minimum {meta['min']}")
+    if meta.get("max") is not None and out > meta["max"]:
+        raise UserError(f"config key '{key}': {out} is above the maximum {meta['max']}")
+    return out
+
+
+def _parse_override(text: str):
+    if "=" not in text:
+        raise UserError(f"override '{text}' is not of the form section.key=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def _set(cfg, key: str, value) -> None:
+    parts = key.split(".")
+    if len(parts) != 2:
+        raise UserError(f"config key '{key}' must be section.key (sections: "
+                        f"{', '.join(f.name for f in dataclasses.fields(cfg))})")
+    section_name, name = parts
+    sections = {f.name: f for f in dataclasses.fields(cfg)}
+    if section_name not in sections:
+        raise UserError(f"config key '{key}': unknown section '{section_name}' "
+                        f"(sections: {', '.join(sections)})")
+    section = getattr(cfg, section_name)
+    fields = {f.name: f for f in dataclasses.fields(section)}
+    if name not in fields:
+        raise UserError(f"config key '{key}' does not exist "
+                        f"(keys of {section_name}: {', '.join(fields)})")
+    f = fields[name]
+    setattr(section, name, _coerce(key, value, _field_type(type(section), f), f.metadata))
+
+
+def load_config(job_cls, path: str | None = None, overrides: list[str] = ()):
+    """Build ``job_cls`` from defaults, then the YAML file at ``path``, then ``overrides``.
+
+    Raises UserError for a missing or malformed file and for any invalid key or value.
+    """
+    cfg = job_cls()
+    if path:
+        if not os.path.isfile(path):
+            raise UserError(f"config file not found: {path}")
+        try:
+            with open(path) as fh:
+                data = yaml.safe_load(fh) or {}
+        except yaml.YAMLError as err:
+            raise UserError(f"config file {path} is not valid YAML: "
+                            f"{str(err).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise UserError(f"config file {path} must map section names to keys")
+        for section_name, values in data.items():
+            if not isinstance(values, dict):
+                raise UserError(f"config section '{section_name}' in {path} must be a mapping")
+            for name, value in values.items():
+                _set(cfg, f"{section_name}.{name}", value)
+    for text in overrides:
+        _set(cfg, *_parse_override(text))
+    if hasattr(cfg, "validate"):
+        cfg.validate()
+    return cfg
+
+
+def config_to_yaml(cfg) -> str:
+    """The effective config as YAML text (stored in the run file, reloadable by load_config)."""
+    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
+
+
+def reference_markdown(job_cls) -> str:
+    """A markdown table of every key of ``job_cls``: default, rule and help."""
+    rows = ["| key | default | allowed | meaning |", "|---|---|---|---|"]
+    cfg = job_cls()
+    for sf in dataclasses.fields(cfg):
+        section = getattr(cfg, sf.name)
+        for f in dataclasses.fields(section):
+            m = f.metadata
+            rule = (f"one of {', '.join(m['choices'])}" if m.get("choices") else
+                    " ".join(s for s in (f">= {m['min']}" if m.get("min") is not None else "",
+                                         f"<= {m['max']}" if m.get("max") is not None else "")
+                             if s))
+            default = getattr(section, f.name)
+            rows.append(f"| `{sf.name}.{f.name}` | `{default!r}` | {rule} | {m['help']} |")
+    return "\n".join(rows)

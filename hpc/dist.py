@@ -1,0 +1,74 @@
+"""torch.distributed bootstrapped from the MPI world, with byte-counted all-reduce.
+
+Rank 0 picks MASTER_ADDR (its host name, or MASTER_ADDR if the job script set one) and a free
+MASTER_PORT, broadcasts both over MPI, and every rank joins the default process group: NCCL when
+the rank's device is CUDA, gloo otherwise. This works the same under ``mpirun`` and ``srun``
+because the rendezvous goes through MPI, not through launcher-specific variables.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hpc.world import World
+
+_ADDR_BYTES = 256
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def init_process_group(world: World, device: torch.device, timeout_s: float = 600.0) -> str:
+    """Join (or create) the default process group for ``world``; returns the backend name."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if dist.is_initialized():
+        return dist.get_backend()
+    buf = np.zeros(_ADDR_BYTES + 4, dtype=np.uint8)
+    if world.is_root:
+        addr = os.environ.get("MASTER_ADDR") or socket.gethostname()
+        port = int(os.environ.get("MASTER_PORT") or _free_port())
+        enc = addr.encode()[:_ADDR_BYTES]
+        buf[: len(enc)] = np.frombuffer(enc, dtype=np.uint8)
+        buf[_ADDR_BYTES:] = np.frombuffer(np.array([port], dtype="<i4").tobytes(), np.uint8)
+    world.bcast(buf, tag="bootstrap")
+    addr = bytes(buf[:_ADDR_BYTES]).rstrip(b"\0").decode()
+    port = int(np.frombuffer(buf[_ADDR_BYTES:].tobytes(), dtype="<i4")[0])
+    if world.size > 1 and addr == world.hostname and world.local_size == world.size:
+        addr = "127.0.0.1"  # one node: loopback works even where the host name does not resolve
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{addr}:{port}",
+        rank=world.rank,
+        world_size=world.size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+    return backend
+
+
+def all_reduce_mean_(tensors: list[torch.Tensor], world: World, tag: str = "allreduce") -> None:
+    """Average ``tensors`` in place across ranks (one flat all-reduce) and count its bytes."""
+    if world.size == 1 or not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat /= world.size
+    world.count(tag, flat.numel() * flat.element_size())
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset:offset + n].view_as(t))
+        offset += n
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

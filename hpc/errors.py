@@ -1,0 +1,49 @@
+"""User mistakes end a job with one line and exit code 2 on every rank; never a traceback."""
+import functools
+import os
+import sys
+
+EXIT_USER_ERROR = 2
+
+
+class UserError(Exception):
+    """A problem with the user's input (config, paths, data, model). Reported as one line.
+
+    ``same_on_all_ranks`` is True when every rank detects it identically (config validation,
+    shared files); then only rank 0 prints it. Otherwise each rank prints it with its rank.
+    """
+
+    def __init__(self, message: str, same_on_all_ranks: bool = True):
+        super().__init__(message)
+        self.same_on_all_ranks = same_on_all_ranks
+
+
+def _rank_from_env() -> int:
+    for var in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def report_user_error(err: UserError) -> None:
+    """Print ``err`` as one line on stderr (rank 0 only unless the error is rank-local)."""
+    rank = _rank_from_env()
+    if err.same_on_all_ranks:
+        if rank == 0:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+    else:
+        print(f"error (rank {rank}): {err}", file=sys.stderr, flush=True)
+
+
+def user_errors_exit(main):
+    """Decorate a console entry point: a UserError becomes one line and exit code 2."""
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except UserError as err:
+            report_user_error(err)
+            sys.exit(EXIT_USER_ERROR)
+
+    return wrapper

@@ -1,0 +1,138 @@
+"""Held-out evaluation: greedy accuracy, pass@k (unbiased estimator) and avg@n, over ranks.
+
+Each rank answers its contiguous share of the problems; per-problem results cross the network
+once (Allgatherv, tag ``eval``). Also the ``hpc-eval`` command (``python -m hpc.evaluate``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hpc.config import EvalConfig, LoraConfig, ModelConfig, RunConfig, TaskConfig
+from hpc.errors import user_errors_exit
+from hpc.world import World, split_evenly
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k for one problem with ``c`` correct of ``n`` samples (Chen et al. 2021).
+
+    1 - C(n-c, k) / C(n, k), computed as the stable product 1 - prod_{i=n-c+1}^{n} (1 - k/i).
+    """
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n, got k={k}, n={n}")
+    if n - c < k:
+        return 1.0
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def pass_at_k_curve(correct_counts: np.ndarray, n: int) -> np.ndarray:
+    """Mean pass@k over problems for k = 1..n: float64 (n,). ``correct_counts``: (problems,)."""
+    return np.array([np.mean([pass_at_k(n, int(c), k) for c in correct_counts])
+                     for k in range(1, n + 1)])
+
+
+@dataclass
+class EvalResult:
+    accuracy: float  # greedy, fraction of problems
+    pass_at_k: np.ndarray  # (n_samples,), k = 1..n_samples
+    avg_at_n: float  # mean reward of all samples
+    n_problems: int
+    seconds: float
+    greedy_correct: np.ndarray = field(repr=False)  # (n_problems,) int8
+
+
+def evaluate(model, tokenizer, task, split, eval_cfg: EvalConfig, max_new_tokens: int,
+             world: World, seed: int = 0, sampled: bool = True) -> EvalResult:
+    """Greedy accuracy and (if ``sampled``) pass@k over ``split``, shared across ranks."""
+    from hpc.generation import generate
+
+    start = time.perf_counter()
+    counts = split_evenly(len(split), world.size)
+    lo = sum(counts[: world.rank])
+    mine = split.subset(range(lo, lo + counts[world.rank]))
+    greedy = generate(model, tokenizer, mine.prompts, max_new_tokens,
+                      batch_size=eval_cfg.batch_size)
+    correct = np.array(task.rewards(greedy, mine.answers), dtype=np.float64) >= 1.0
+    all_correct = world.allgatherv(correct.astype(np.int8), counts, tag="eval")
+    n = eval_cfg.n_samples
+    curve, avg = np.full(n, np.nan), float("nan")
+    if sampled:
+        samples = generate(model, tokenizer, mine.prompts, max_new_tokens, do_sample=True,
+                           temperature=eval_cfg.temperature, top_p=eval_cfg.top_p,
+                           num_return_sequences=n, batch_size=eval_cfg.batch_size,
+                           seed=seed + lo)
+        answers = [a for a in mine.answers for _ in range(n)]
+        rewards = np.array(task.rewards(samples, answers), dtype=np.float64).reshape(-1, n)
+        c = world.allgatherv((rewards >= 1.0).sum(axis=1).astype(np.int32), counts, tag="eval")
+        reward_sums = world.allgatherv(rewards.sum(axis=1), counts, tag="eval")
+        curve = pass_at_k_curve(c, n)
+        avg = float(reward_sums.sum() / (len(split) * n))
+    return EvalResult(accuracy=float(all_correct.mean()), pass_at_k=curve, avg_at_n=avg,
+                      n_problems=len(split), seconds=time.perf_counter() - start,
+                      greedy_correct=all_correct)
+
+
+def log_eval(store, step: int, result: EvalResult, prefix: str = "") -> None:
+    """Write one evaluation row to group ``eval`` of the run store."""
+    store.write_row("eval", step, **{
+        f"{prefix}accuracy": result.accuracy, f"{prefix}pass_at_k": result.pass_at_k,
+        f"{prefix}avg_at_n": result.avg_at_n, f"{prefix}seconds": result.seconds})
+
+
+def format_table(rows: list, ks=(1, 2, 4, 8, 16, 32, 64, 128, 256)) -> str:
+    """Text table of (label, EvalResult, extra dict) rows: accuracy, pass@k, extra columns."""
+    n = max(len(r[1].pass_at_k) for r in rows)
+    shown = [k for k in ks if k <= n]
+    extra_keys = list(dict.fromkeys(key for r in rows for key in r[2]))
+    head = ["model", "greedy acc"] + [f"pass@{k}" for k in shown] + extra_keys
+    lines = [head]
+    for label, res, extra in rows:
+        cells = [label, f"{100 * res.accuracy:.1f}%"]
+        cells += [f"{100 * res.pass_at_k[k - 1]:.1f}%" if k <= len(res.pass_at_k) else ""
+                  for k in shown]
+        cells += [str(extra.get(key, "")) for key in extra_keys]
+        lines.append(cells)
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines)
+
+
+@dataclass
+class EvalJobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+@user_errors_exit
+def main(argv=None):
+    """``hpc-eval [CONFIG.yaml] [key=value ...]``: evaluate a model (+ lora.adapter)."""
+    from hpc.jobs import on_all_ranks, start_job
+    from hpc.models import load_adapter, load_model
+    from hpc.runstore import RunStore, environment_attrs
+    from hpc.tasks import load_task
+
+    job = start_job(EvalJobConfig, "eval", "hpc-eval", argv)
+    cfg, world = job.cfg, job.world
+    task = on_all_ranks(world, lambda: load_task(cfg.task))
+    model, tok = on_all_ranks(world, lambda: load_model(cfg.model.path, cfg.model.dtype,
+                                                        job.device))
+    if cfg.lora.adapter:
+        model = on_all_ranks(world, lambda: load_adapter(model, cfg.lora.adapter))
+    attrs = environment_attrs(world, job.device)
+    store = RunStore(f"{job.out_dir}/eval.h5", world.is_root,
+                     dict(attrs, method="eval", config=job.config_text))
+    result = evaluate(model, tok, task, task.eval, cfg.eval, cfg.task.max_new_tokens, world,
+                      seed=cfg.run.seed)
+    log_eval(store, 0, result)
+    store.close()
+    if world.is_root:
+        label = cfg.lora.adapter or cfg.model.path
+        print(format_table([(label, result, {"problems": result.n_problems})]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Common start of every job (SFT, ESSA, F-GRPO, evaluation): arguments, config, world,
+device, output folder, task and model, all validated on every rank before any GPU work and
+before the run file exists, so a user mistake leaves nothing half-written.
+
+Command line of every job: ``PROG [CONFIG.yaml] [section.key=value ...] [--resume]``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from hpc.config import config_to_yaml, load_config
+from hpc.errors import EXIT_USER_ERROR, UserError
+from hpc.world import World, get_world, select_device
+
+
+class PeerFailed(SystemExit):
+    """Another rank reported a user error; this rank exits 2 without printing."""
+
+    def __init__(self):
+        super().__init__(EXIT_USER_ERROR)
+
+
+def on_all_ranks(world: World, fn):
+    """Run ``fn()`` on every rank; if it raises UserError on any rank, every rank stops.
+
+    The rank(s) that saw the error re-raise it (printed as one line by the entry point); the
+    others raise :class:`PeerFailed`. One 1-byte Allgather, tag ``control``.
+    """
+    err = None
+    result = None
+    try:
+        result = fn()
+    except UserError as caught:
+        err = caught
+    if world.size > 1:
+        failed = world.allgather(np.array([err is not None], dtype=np.int8), tag="control")
+        if err is None and failed.any():
+            raise PeerFailed()
+    if err is not None:
+        raise err
+    return result
+
+
+def parse_args(prog: str, argv=None, description: str = ""):
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("items", nargs="*", metavar="CONFIG.yaml | section.key=value",
+                        help="an optional YAML config file, then overrides")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the last checkpoint in run.out")
+    args = parser.parse_args(argv)
+    config_path = None
+    overrides = []
+    for item in args.items:
+        if "=" not in item and item.endswith((".yaml", ".yml")) and config_path is None:
+            config_path = item
+        else:
+            overrides.append(item)
+    return config_path, overrides, args.resume
+
+
+def _job_id(world: World) -> str:
+    if os.environ.get("SLURM_JOB_ID"):
+        return os.environ["SLURM_JOB_ID"]
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S") if world.is_root else None
+    return world.comm.bcast(stamp, root=0)  # once per job, not a hot path
+
+
+def _check_writable(out_dir: str) -> None:
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        probe = os.path.join(out_dir, ".write-test")
+        with open(probe, "w") as fh:
+            fh.write("ok")
+        os.remove(probe)
+    except OSError as err:
+        raise UserError(f"output folder {out_dir} is not writable: {err.strerror or err}")
+
+
+@dataclass
+class Job:
+    cfg: object
+    world: World
+    device: object
+    out_dir: str
+    resume: bool
+    config_text: str
+    method: str
+
+
+def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
+    """Parse, validate and prepare a job on every rank (see the module docstring)."""
+    config_path, overrides, resume = parse_args(prog, argv)
+    cfg = load_config(job_cls, config_path, overrides)
+    world = get_world()
+    if hasattr(cfg, "validate_world"):
+        cfg.validate_world(world)
+    device = on_all_ranks(world, lambda: select_device(world, cfg.model.device))
+    out_dir = cfg.run.out.format(method=method, jobid=_job_id(world))
+    on_all_ranks(world, lambda: _check_writable(out_dir) if world.is_root else None)
+    if resume and not os.path.isdir(out_dir):
+        raise UserError(f"--resume: no run folder {out_dir}")
+    return Job(cfg=cfg, world=world, device=device, out_dir=out_dir, resume=resume,
+               config_text=config_to_yaml(cfg), method=method)

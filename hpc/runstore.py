@@ -1,0 +1,206 @@
+"""One HDF5 file per run, written by rank 0 alone and flushed after every step.
+
+Schema (documented in the README):
+
+* root attributes: ``method``, ``config`` (effective config, YAML text), ``package_version``,
+  ``git_commit``, ``world_size``, ``hosts`` (JSON list, one per rank), ``device_model``,
+  ``torch_version``, ``cuda_version``, ``mpi_version``, ``start_time`` (ISO 8601, UTC),
+  ``status`` (``running``, ``complete``, ``preempted``, ``failed``) and method-specific ones.
+* step-indexed groups: each group holds ``step`` (int64, (n,)) and any number of datasets whose
+  first axis is the row. Standard groups:
+  ``metrics/<name>`` float64 (n,); ``timings/<phase>`` float64 (n, world_size) seconds, one
+  column per rank; ``bytes/<tag>`` int64 (n,) payload bytes per rank in that step;
+  ``eval/*`` at evaluation steps; methods add their own (``essa/fitness`` (n, P) ...).
+  A key missing from a row is NaN (floats) or 0 (integers).
+
+The file uses the default (oldest compatible) HDF5 format and is flushed after every row, so a
+job killed with SIGKILL leaves a file that h5py and ``h5dump`` read, holding every flushed step.
+Readers open files with locking disabled, so they work on files of jobs still running.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+
+import h5py
+import numpy as np
+
+from hpc import __version__
+from hpc.errors import UserError
+
+_CHUNK_ROWS = 64
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=os.path.dirname(os.path.abspath(__file__)), timeout=5)
+        return out.stdout.strip() if out.returncode == 0 else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def environment_attrs(world, device) -> dict:
+    """Versions, hosts and device model of this job (collective: call on every rank)."""
+    import torch
+
+    from hpc.world import _mpi
+
+    hosts = world.comm.allgather(world.hostname)  # once per run, not a hot path
+    if device.type == "cuda":
+        device_model = torch.cuda.get_device_name(device)
+    else:
+        device_model = "cpu"
+    return {
+        "package_version": __version__,
+        "git_commit": _git_commit(),
+        "world_size": world.size,
+        "hosts": json.dumps(hosts),
+        "device_model": device_model,
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda or "",
+        "mpi_version": _mpi().Get_library_version().strip().splitlines()[0],
+    }
+
+
+class RunStore:
+    """Writer of one run file. On ranks other than 0 every method is a no-op."""
+
+    def __init__(self, path: str, active: bool, attrs: dict | None = None, resume: bool = False):
+        self.path = path
+        self.file = None
+        if not active:
+            return
+        if resume and os.path.exists(path):
+            self.file = h5py.File(path, "a")
+        else:
+            tmp = path + ".tmp"
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                self.file = h5py.File(tmp, "w")
+            except OSError as err:
+                raise UserError(f"cannot write the run file {path}: {err.strerror or err}",
+                                same_on_all_ranks=False) from None
+            self.file.attrs["start_time"] = datetime.datetime.now(
+                datetime.timezone.utc).isoformat(timespec="seconds")
+            self.file.close()
+            os.replace(tmp, path)
+            self.file = h5py.File(path, "a")
+        self.file.attrs["status"] = "running"
+        for key, value in (attrs or {}).items():
+            self.file.attrs[key] = value
+        self.file.flush()
+
+    @property
+    def active(self) -> bool:
+        return self.file is not None
+
+    def set_attrs(self, **attrs) -> None:
+        if self.file is None:
+            return
+        for key, value in attrs.items():
+            self.file.attrs[key] = value
+        self.file.flush()
+
+    def write_row(self, group: str, step: int, flush: bool = True, **values) -> None:
+        """Append one row at ``step`` to every dataset of ``group`` (missing keys padded)."""
+        if self.file is None:
+            return
+        grp = self.file.require_group(group)
+        n = grp["step"].shape[0] if "step" in grp else 0
+        for name, value in [("step", np.int64(step))] + list(values.items()):
+            arr = np.asarray(value)
+            if name not in grp:
+                dtype = np.int64 if arr.dtype.kind in "iub" else np.float64
+                grp.create_dataset(name, shape=(n,) + arr.shape, maxshape=(None,) + arr.shape,
+                                   dtype=dtype, chunks=(_CHUNK_ROWS,) + arr.shape,
+                                   fillvalue=0 if dtype == np.int64 else np.nan)
+            ds = grp[name]
+            ds.resize(n + 1, axis=0)
+            ds[n] = arr
+        for name in grp:
+            if grp[name].shape[0] < n + 1:
+                grp[name].resize(n + 1, axis=0)  # missing key: the fill value (NaN or 0)
+        if flush:
+            self.file.flush()
+
+    def log_step(self, step: int, metrics: dict | None = None, timings: dict | None = None,
+                 nbytes: dict | None = None) -> None:
+        """One training step: scalar metrics, per-rank phase seconds, payload bytes by tag."""
+        if metrics:
+            self.write_row("metrics", step, flush=False, **metrics)
+        if timings:
+            self.write_row("timings", step, flush=False, **timings)
+        if nbytes is not None:
+            self.write_row("bytes", step, flush=False, **nbytes)
+        if self.file is not None:
+            self.file.flush()
+
+    def truncate_after(self, step: int) -> None:
+        """Drop every row whose step is > ``step`` (used when resuming from a checkpoint)."""
+        if self.file is None:
+            return
+
+        def visit(_, obj):
+            if isinstance(obj, h5py.Group) and "step" in obj:
+                keep = int(np.sum(obj["step"][:] <= step))
+                for name in obj:
+                    if isinstance(obj[name], h5py.Dataset):
+                        obj[name].resize(keep, axis=0)
+
+        self.file.visititems(visit)
+        self.file.flush()
+
+    def close(self, status: str = "complete") -> None:
+        if self.file is None:
+            return
+        self.file.attrs["status"] = status
+        self.file.attrs["end_time"] = datetime.datetime.now(
+            datetime.timezone.utc).isoformat(timespec="seconds")
+        self.file.close()
+        self.file = None
+
+
+class RunFile:
+    """Read a run file (complete, or still being written) into numpy arrays and frames."""
+
+    def __init__(self, path: str):
+        self.path = path
+        with h5py.File(path, "r", locking=False) as f:
+            self.attrs = {k: (v.decode() if isinstance(v, bytes) else v)
+                          for k, v in f.attrs.items()}
+            self.groups = {}
+
+            def visit(name, obj):
+                if isinstance(obj, h5py.Group) and "step" in obj:
+                    self.groups[name] = {k: obj[k][()] for k in obj
+                                         if isinstance(obj[k], h5py.Dataset)}
+
+            f.visititems(visit)
+
+    def group(self, name: str) -> dict:
+        """Arrays of one step-indexed group (empty dict if the run has not written it yet)."""
+        return self.groups.get(name, {})
+
+    def frame(self, group: str = "metrics"):
+        """A pandas DataFrame of the 1-D series of ``group`` (one row per step)."""
+        import pandas as pd
+
+        data = {k: v for k, v in self.group(group).items() if v.ndim == 1}
+        return pd.DataFrame(data)
+
+    def timings_frame(self):
+        """Long-format pandas DataFrame: step, rank, phase, seconds."""
+        import pandas as pd
+
+        g = self.group("timings")
+        rows = []
+        for phase, arr in g.items():
+            if phase == "step":
+                continue
+            for i, step in enumerate(g["step"]):
+                for rank, sec in enumerate(np.atleast_1d(arr[i])):
+                    rows.append((int(step), rank, phase, float(sec)))
+        return pd.DataFrame(rows, columns=["step", "rank", "phase", "seconds"])

@@ -1,0 +1,87 @@
+"""Tasks: prompts, gold answers, SFT solutions, a prompt template and a reward function.
+
+``arith`` is generated (no files, the demo task); ``gsm8k``, ``math``, ``aime`` and ``amc`` read
+jsonl files (:mod:`hpc.mathdata`). Rewards live in :mod:`hpc.rewards`.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+from hpc.errors import UserError
+
+ARITH_TEMPLATE = "{question}="
+
+
+@dataclass
+class Split:
+    """One split of a task. All lists have the same length (one entry per problem)."""
+
+    prompts: list  # model inputs, template already applied
+    answers: list  # gold final answers, as strings
+    solutions: list  # SFT targets: the text a model should write after the prompt
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def subset(self, indices) -> "Split":
+        return Split([self.prompts[i] for i in indices], [self.answers[i] for i in indices],
+                     [self.solutions[i] for i in indices])
+
+
+@dataclass
+class Task:
+    name: str
+    train: Split
+    eval: Split
+    reward_fn: Callable[[str, str], float]  # (completion, gold answer) -> reward in [0, 1]
+
+    def rewards(self, completions: list, answers: list) -> list:
+        """Reward of each completion against its gold answer (floats in [0, 1])."""
+        return [float(self.reward_fn(c, a)) for c, a in zip(completions, answers)]
+
+
+def _arith_problem(rng: random.Random, digits: int, ops: str):
+    low = 10 ** (digits - 1) if digits > 1 else 0
+    high = 10 ** digits - 1
+    a, b, op = rng.randint(low, high), rng.randint(low, high), rng.choice(ops)
+    value = {"+": a + b, "-": a - b, "*": a * b}[op]
+    return f"{a}{op}{b}", str(value)
+
+
+def arith_task(n_train: int, n_eval: int, digits: int = 2, ops: str = "+", seed: int = 0) -> Task:
+    """Procedural arithmetic: prompt ``'47+38='``, answer ``'85'``; eval disjoint from train.
+
+    Difficulty knobs: ``digits`` per operand and the operator set ``ops`` (from ``+-*``).
+    """
+    from hpc.rewards import numeric_reward
+
+    if not ops or any(op not in "+-*" for op in ops):
+        raise UserError(f"config key 'task.ops': {ops!r} must use only the operators + - *")
+    rng = random.Random(seed)
+    n_possible = len(set(ops)) * (10 ** digits - (10 ** (digits - 1) if digits > 1 else 0)) ** 2
+    if n_train + n_eval > n_possible // 2:
+        raise UserError(f"arith with {digits} digits and ops {ops!r} has only {n_possible} "
+                        f"problems; ask for at most {n_possible // 2} (task.n_train + n_eval)")
+    seen, problems = set(), []
+    while len(problems) < n_eval + n_train:
+        question, answer = _arith_problem(rng, digits, ops)
+        if question not in seen:
+            seen.add(question)
+            problems.append((ARITH_TEMPLATE.format(question=question), answer))
+
+    def split(items):
+        return Split([p for p, _ in items], [a for _, a in items], [a for _, a in items])
+
+    return Task("arith", train=split(problems[n_eval:]), eval=split(problems[:n_eval]),
+                reward_fn=numeric_reward)
+
+
+def load_task(cfg) -> Task:
+    """Build the task described by a :class:`hpc.config.TaskConfig` (UserError if unusable)."""
+    if cfg.name == "arith":
+        return arith_task(cfg.n_train, cfg.n_eval, cfg.digits, cfg.ops, cfg.seed)
+    from hpc.mathdata import load_file_task
+
+    return load_file_task(cfg)

