@@ -1,0 +1,109 @@
+"""Clipped GRPO policy loss (token-level PPO surrogate + k3 KL), its aggregations, and helpers.
+
+Per valid token (b, t), with ratio rho = exp(logp - old_logp) and advantage A_b:
+
+    loss_bt = -min(rho * A_b, clip(rho, 1 - epsilon, 1 + epsilon_high) * A_b) + beta * k3_bt
+    k3_bt   = exp(ref - logp) - (ref - logp) - 1         (Schulman's k3 estimator, as in TRL)
+
+Aggregations (``loss_type``), with m the (B, T) mask and L = ``max_completion_length``:
+
+* ``token-mean`` (DAPO):             sum_bt m*loss / sum_bt m
+* ``seq-mean-token-mean`` (GRPO):    (1/B) sum_b [sum_t m*loss / max(sum_t m, 1)]
+* ``seq-mean-token-sum-norm`` (Dr. GRPO): (1/B) sum_b [sum_t m*loss / L]
+
+Data parallel + gradient accumulation (the ``normalizer`` contract). Every aggregation is
+``numerator / D``: a sum over this call's tokens or sequences divided by a denominator D that
+is the batch's valid-token count (token-mean) or sequence count (both seq modes). When one
+optimizer step's batch is split over micro-batches and ranks, the trainer must
+
+1. compute D over the WHOLE step: the valid tokens (token-mean) or sequences (seq modes) of
+   every micro-batch on every rank (a SUM all-reduce of the local counts), and pass it as
+   ``normalizer`` to every call; for ``seq-mean-token-sum-norm`` also pass the same
+   ``max_completion_length`` everywhere (the default, this call's T, varies with padding);
+2. call ``loss.backward()`` on each micro-batch's loss unscaled (gradients add up);
+3. SUM the gradients over ranks. With a MEAN all-reduce (``hpc.dist.all_reduce_mean_``),
+   multiply the result by the world size, or equivalently pass ``normalizer = D / world_size``.
+
+The summed losses and gradients then equal one ``normalizer=None`` call on the full batch.
+``old_logp``, ``ref_logp`` and ``advantages`` are treated as constants (detached).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+LOSS_TYPES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, loss_type: str,
+                epsilon: float, epsilon_high: float, beta: float = 0.0,
+                ref_logp: Tensor | None = None, max_completion_length: int | None = None,
+                normalizer: float | None = None) -> tuple[Tensor, dict[str, float]]:
+    """Clipped surrogate loss, see the module docstring.
+
+    logp, old_logp, ref_logp, mask: (B, T), log-probabilities in nats of the sampled tokens
+    under the current / sampling / reference policy; mask is bool or 0/1 float (1 = valid).
+    advantages: (B,). ``normalizer`` overrides the denominator D (see the module docstring).
+    Returns (scalar loss with grad through ``logp``, stats) where stats are floats over this
+    call's valid tokens: ``clip_fraction`` (tokens where the clip changed the objective),
+    ``kl`` (mean k3, 0.0 without KL), ``ratio_mean``, ``loss_mean`` (mean per-token loss) and
+    ``valid_tokens`` (their count, to weight stats across micro-batches).
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    valid = mask.bool()
+    m = valid.to(logp.dtype)
+    # Zero the log-ratios at padding so garbage there cannot turn into inf/nan (forward or grad).
+    log_ratio = torch.where(valid, logp - old_logp.detach(), torch.zeros_like(logp))
+    ratio = torch.exp(log_ratio)
+    adv = advantages.detach().to(logp.dtype)[:, None]
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon_high) * adv
+    per_token = -torch.minimum(unclipped, clipped)
+    use_kl = beta != 0.0 and ref_logp is not None
+    if use_kl:
+        ref_gap = torch.where(valid, ref_logp.detach() - logp, torch.zeros_like(logp))
+        kl = torch.exp(ref_gap) - ref_gap - 1.0
+        per_token = per_token + beta * kl
+    masked = per_token * m
+    if loss_type == "token-mean":
+        denom = float(m.sum()) if normalizer is None else float(normalizer)
+        loss = masked.sum() / (denom if denom > 0 else 1.0)  # no valid tokens: numerator is 0
+    else:
+        if loss_type == "seq-mean-token-mean":
+            per_seq = masked.sum(dim=1) / m.sum(dim=1).clamp(min=1.0)
+        else:
+            per_seq = masked.sum(dim=1) / float(max_completion_length or logp.shape[1])
+        denom = float(logp.shape[0] if normalizer is None else normalizer)
+        loss = per_seq.sum() / (denom if denom > 0 else 1.0)
+    with torch.no_grad():
+        n = m.sum()
+        n_safe = n.clamp(min=1.0)
+        stats = {
+            "clip_fraction": ((clipped < unclipped).to(m.dtype) * m).sum() / n_safe,
+            "kl": (kl * m).sum() / n_safe if use_kl else n.new_zeros(()),
+            "ratio_mean": (ratio * m).sum() / n_safe,
+            "loss_mean": (masked.sum() / n_safe),
+            "valid_tokens": n,
+        }
+    return loss, dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # one device sync
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
+    """(B, T) log-probabilities (nats, float32) of ``tokens`` (B, T) under ``logits`` (B, T, V).
+
+    Equals ``log_softmax(logits.float(), -1).gather(-1, tokens)``, computed as gathered logit
+    minus logsumexp so no (B, T, V) log-softmax tensor is kept. Differentiable.
+    """
+    lf = logits.float()
+    picked = lf.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(lf, dim=-1)
+
+
+@torch.no_grad()
+def entropy_from_logits(logits: Tensor, mask: Tensor) -> float:
+    """Mean token entropy (nats) of softmax(``logits`` (B, T, V)) over valid tokens of ``mask``."""
+    entropy = torch.special.entr(torch.softmax(logits.float(), dim=-1)).sum(dim=-1)  # 0 log 0 = 0
+    valid = mask.bool()
+    total = torch.where(valid, entropy, torch.zeros_like(entropy)).sum()
+    return float(total / valid.sum().clamp(min=1))

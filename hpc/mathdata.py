@@ -1,0 +1,133 @@
+"""File tasks (``gsm8k``, ``math``, ``aime``, ``amc``): jsonl rows to prompts, gold answers and
+SFT solutions.
+
+Row formats (one JSON object per line; blank lines are skipped):
+
+* gsm8k: ``question``, ``answer`` (worked solution ending in ``#### <number>``). The SFT
+  solution drops the ``<<a*b=c>>`` calculator tags and ends with ``The answer is <number>.``
+* math: ``question`` or ``problem``; ``solution`` or ``answer`` holding the worked LaTeX solution
+  with the final answer in ``\\boxed{}``, optionally followed by ``The answer is: <answer>``,
+  which then is the gold answer.
+* aime, amc: ``question`` or ``problem``; ``answer`` (a number); optional ``solution``. The SFT
+  solution is that text (if any) followed by ``The answer is \\boxed{<answer>}.``
+
+``task.eval_path`` is required. ``task.train_path`` may be empty (evaluation-only jobs); the
+train split is then empty. Train rows are shuffled with ``task.seed`` before the first
+``n_train`` are kept; eval keeps file order. Solutions start with a space, to follow the prompt.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+from fractions import Fraction
+
+from hpc.errors import UserError
+from hpc.rewards import gsm8k_gold, last_boxed, math_reward, numeric_reward
+from hpc.tasks import Split, Task
+
+GSM8K_TEMPLATE = "Question: {question}\nAnswer: Let's think step by step."
+MATH_TEMPLATE = "Problem: {question}\nSolution:"
+_CALCULATOR_RE = re.compile(r"<<[^<>]*>>")
+_ANSWER_SUFFIX = "The answer is:"
+
+
+def read_jsonl(path: str) -> list:
+    """``(line number, object)`` for each non-blank line of ``path``; UserError naming the file."""
+    if not os.path.isfile(path):
+        raise UserError(f"task data file not found: {path}")
+    rows = []
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for number, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise UserError(f"{path} line {number}: not valid JSON ({err.msg})") from None
+                if not isinstance(row, dict):
+                    raise UserError(f"{path} line {number}: expected a JSON object")
+                rows.append((number, row))
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"cannot read task data file {path}: {err}") from None
+    if not rows:
+        raise UserError(f"task data file {path} has no rows")
+    return rows
+
+
+def _field(row: dict, names: tuple, path: str, number: int) -> str:
+    for name in names:
+        if row.get(name) not in (None, ""):
+            return row[name]
+    raise UserError(f"{path} line {number}: missing field {' or '.join(map(repr, names))}")
+
+
+def _gsm8k(row: dict, path: str, number: int):
+    text = str(_field(row, ("answer",), path, number))
+    if "####" not in text:
+        raise UserError(f"{path} line {number}: the 'answer' has no '#### <number>' final line")
+    gold = gsm8k_gold(text)
+    body = _CALCULATOR_RE.sub("", text.rsplit("####", 1)[0]).strip()
+    solution = f" {body}\nThe answer is {gold}." if body else f" The answer is {gold}."
+    question = _field(row, ("question",), path, number)
+    return GSM8K_TEMPLATE.format(question=question), gold, solution
+
+
+def _math(row: dict, path: str, number: int):
+    text = str(_field(row, ("solution", "answer"), path, number))
+    worked, suffix, stated = text.rpartition(_ANSWER_SUFFIX)
+    if not suffix:
+        worked, stated = text, ""
+    gold = stated.strip() or last_boxed(worked)
+    if not gold:
+        raise UserError(f"{path} line {number}: the solution has no \\boxed{{}} final answer")
+    question = _field(row, ("question", "problem"), path, number)
+    return MATH_TEMPLATE.format(question=question), gold, " " + worked.strip()
+
+
+def _number_text(value) -> str:
+    """An answer as a string; integral numbers plainly ('27.0' and '027' -> '27')."""
+    text = str(value).strip()
+    try:
+        number = Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        return text
+    return str(number.numerator) if number.denominator == 1 else text
+
+
+def _competition(row: dict, path: str, number: int):
+    gold = _number_text(_field(row, ("answer",), path, number))
+    worked = str(row.get("solution") or "").strip()
+    final = f"The answer is \\boxed{{{gold}}}."
+    solution = f" {worked}\n{final}" if worked else f" {final}"
+    question = _field(row, ("question", "problem"), path, number)
+    return MATH_TEMPLATE.format(question=question), gold, solution
+
+
+_ROW_READERS = {"gsm8k": _gsm8k, "math": _math, "aime": _competition, "amc": _competition}
+_REWARDS = {"gsm8k": numeric_reward, "math": math_reward, "aime": numeric_reward,
+            "amc": numeric_reward}
+
+
+def _split(name: str, path: str, n: int, rng: random.Random | None = None) -> Split:
+    """All rows of ``path`` checked and converted; shuffled by ``rng`` if given; first ``n``."""
+    items = [_ROW_READERS[name](row, path, number) for number, row in read_jsonl(path)]
+    if rng is not None:
+        rng.shuffle(items)
+    items = items[:n or None]
+    return Split([p for p, _, _ in items], [a for _, a, _ in items], [s for _, _, s in items])
+
+
+def load_file_task(cfg) -> Task:
+    """The file task ``cfg.name`` from ``cfg.train_path`` and ``cfg.eval_path`` (a TaskConfig)."""
+    if cfg.name not in _ROW_READERS:
+        raise UserError(f"config key 'task.name': {cfg.name!r} is not a file task "
+                        f"({', '.join(_ROW_READERS)})")
+    if not cfg.eval_path:
+        raise UserError(f"config key 'task.eval_path' is required for task {cfg.name}")
+    train = (_split(cfg.name, cfg.train_path, cfg.n_train, random.Random(cfg.seed))
+             if cfg.train_path else Split([], [], []))
+    evaluation = _split(cfg.name, cfg.eval_path, cfg.n_eval)
+    return Task(cfg.name, train=train, eval=evaluation, reward_fn=_REWARDS[cfg.name])
