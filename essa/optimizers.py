@@ -1,0 +1,253 @@
+"""Evolution strategies behind one ask/tell interface, MAXIMISING fitness, with savable state.
+
+Every optimizer is a deterministic function of its seed and of the fitness values told: MPI
+ranks that build one with the same seed and tell it the same (all-gathered) fitness hold
+bitwise identical state, so solutions never cross the network. ``state_dict()`` holds numpy
+arrays, Python scalars and bytes only; after ``load_state_dict`` in any process, ask/tell
+continue bitwise as if never stopped. Save between generations (after tell, before ask).
+"""
+import contextlib
+import pickle
+from typing import Protocol
+
+import cma
+import numpy as np
+
+from hpc.errors import UserError
+
+OPTIMIZERS = ("cma", "sep-cma", "openai-es")
+
+
+class Optimizer(Protocol):
+    """The ask/tell interface. P = popsize members, dim = search space length."""
+
+    popsize: int
+    dim: int
+
+    @property
+    def mean(self) -> np.ndarray:
+        """(dim,) float64 centre of the search distribution."""
+
+    def ask(self) -> np.ndarray:
+        """(P, dim) float64 members of the current generation."""
+
+    def tell(self, solutions: np.ndarray, fitness: np.ndarray) -> None:
+        """Finish the generation: solutions (P, dim) from ask, fitness (P,), higher is better."""
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume bitwise."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from ``state_dict()`` output."""
+
+
+def _check_config(dim: int, popsize: int, sigma: float) -> None:
+    if dim < 1:
+        raise UserError(f"the search space is empty (dim = {dim})")
+    if popsize < 2:
+        raise UserError(f"popsize must be at least 2, got {popsize}")
+    if not sigma > 0:
+        raise UserError(f"sigma0 must be positive, got {sigma}")
+
+
+def _check_tell(solutions, fitness, popsize: int, dim: int):
+    solutions = np.asarray(solutions, dtype=np.float64)
+    fitness = np.asarray(fitness, dtype=np.float64)
+    if solutions.shape != (popsize, dim) or fitness.shape != (popsize,):
+        raise ValueError(f"tell needs solutions ({popsize}, {dim}) and fitness ({popsize},), "
+                         f"got {solutions.shape} and {fitness.shape}")
+    if not np.all(np.isfinite(fitness)):
+        raise ValueError(f"fitness holds NaN or infinite values: {fitness}")
+    return solutions, fitness
+
+
+def _check_state(state: dict, **expected) -> None:
+    for key, value in expected.items():
+        if state[key] != value:
+            raise UserError(f"optimizer checkpoint has {key} = {state[key]!r}, but this run "
+                            f"uses {value!r}; resume with the original settings")
+
+
+def _randn(*shape) -> np.ndarray:
+    """numpy's global randn, referenced by module path so it survives pickling: pickle turns
+    ``np.random.randn`` itself into a bound method of a detached COPY of the global RNG."""
+    return np.random.randn(*shape)
+
+
+class CMAES:
+    """pycma's CMA-ES (``diagonal=True``: separable sep-CMA-ES) from x0 = 0, maximising.
+
+    pycma draws from numpy's GLOBAL RNG (samples, and stochastic rounding of mirrored samples
+    for popsize < 6). Each call into pycma swaps in this object's own MT19937 state and swaps
+    it back out, so instances never disturb each other or the caller (not thread-safe).
+    """
+
+    def __init__(self, dim: int, popsize: int, sigma0: float, seed: int, diagonal: bool = False):
+        _check_config(dim, popsize, sigma0)
+        self.dim, self.popsize, self.diagonal = dim, popsize, diagonal
+        self._rng_state = np.random.RandomState(seed).get_state()
+        self._asked = False
+        options = {"popsize": popsize, "seed": np.nan, "randn": _randn,
+                   "CMA_diagonal": True if diagonal else 0, "bounds": [None, None],
+                   "verbose": -9, "verb_log": 0, "verb_disp": 0}
+        with self._own_rng():
+            self._es = cma.CMAEvolutionStrategy(np.zeros(dim), sigma0, options)
+
+    @contextlib.contextmanager
+    def _own_rng(self):
+        outer = np.random.get_state()
+        np.random.set_state(self._rng_state)
+        try:
+            yield
+        finally:
+            self._rng_state = np.random.get_state()
+            np.random.set_state(outer)
+
+    @property
+    def mean(self) -> np.ndarray:
+        """(dim,) float64 distribution mean."""
+        return np.array(self._es.mean, dtype=np.float64)
+
+    @property
+    def sigma(self) -> float:
+        """Current global step size."""
+        return float(self._es.sigma)
+
+    def ask(self) -> np.ndarray:
+        """(P, dim) float64 new members; each call draws a fresh population."""
+        with self._own_rng():
+            population = np.array(self._es.ask(), dtype=np.float64)
+        self._asked = True
+        return population
+
+    def tell(self, solutions: np.ndarray, fitness: np.ndarray) -> None:
+        """Update from the asked solutions (P, dim) and their fitness (P,), higher is better."""
+        solutions, fitness = _check_tell(solutions, fitness, self.popsize, self.dim)
+        with self._own_rng():
+            self._es.tell(list(solutions), list(-fitness))
+        self._asked = False
+
+    def state_dict(self) -> dict:
+        """Pickled pycma object + RNG state. Only between generations: pycma files asked
+        members under ``hash(bytes)``, which differs between processes, so a pending
+        generation could not be told after a restart."""
+        if self._asked:
+            raise RuntimeError("CMAES.state_dict() between ask() and tell(); save after tell()")
+        _, keys, pos, has_gauss, cached = self._rng_state
+        return {"kind": "sep-cma" if self.diagonal else "cma", "dim": self.dim,
+                "popsize": self.popsize, "es": self._es.pickle_dumps(),
+                "rng_keys": np.array(keys, dtype=np.uint32), "rng_pos": int(pos),
+                "rng_has_gauss": int(has_gauss), "rng_cached_gaussian": float(cached)}
+
+    def load_state_dict(self, state: dict) -> None:
+        _check_state(state, kind="sep-cma" if self.diagonal else "cma", dim=self.dim,
+                     popsize=self.popsize)
+        self._es = pickle.loads(state["es"])
+        self._rng_state = ("MT19937", np.asarray(state["rng_keys"], dtype=np.uint32),
+                           int(state["rng_pos"]), int(state["rng_has_gauss"]),
+                           float(state["rng_cached_gaussian"]))
+        self._asked = False
+
+
+def centered_ranks(fitness: np.ndarray) -> np.ndarray:
+    """(P,) fitness -> (P,) weights in [-0.5, 0.5] by rank; tied values share their mean rank,
+    so an antithetic pair with equal fitness contributes nothing."""
+    order = np.argsort(fitness, kind="stable")
+    ranks = np.empty(len(fitness))
+    ranks[order] = np.arange(len(fitness))
+    _, tie, counts = np.unique(fitness, return_inverse=True, return_counts=True)
+    ranks = np.bincount(tie, weights=ranks)[tie] / counts[tie]
+    return ranks / (len(fitness) - 1) - 0.5
+
+
+class OpenAIES:
+    """OpenAI-ES (Salimans et al. 2017): antithetic pairs, centered ranks, Adam on the mean.
+
+    Generation g has P/2 integer seeds drawn from SeedSequence([seed, g]); pair j's noise is
+    eps_j = standard normal (dim,) from Philox(seed_j), member 2j = mean + sigma eps_j and
+    member 2j+1 = mean - sigma eps_j. Any rank rebuilds any member from (seed_j, sign), and tell
+    regenerates the noise pair by pair: O(dim) memory however large P is.
+    """
+
+    def __init__(self, dim: int, popsize: int, sigma: float, lr: float, seed: int,
+                 betas: tuple = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
+        _check_config(dim, popsize, sigma)
+        if popsize % 2:
+            raise UserError(f"openai-es needs an even popsize (antithetic pairs), got {popsize}")
+        if not lr > 0:
+            raise UserError(f"lr must be positive, got {lr}")
+        if seed < 0:
+            raise UserError(f"seed must be non-negative, got {seed}")
+        self.dim, self.popsize, self.sigma, self.lr = dim, popsize, sigma, lr
+        self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
+        self.seed, self.generation = seed, 0
+        self._mean, self._m, self._v = np.zeros(dim), np.zeros(dim), np.zeros(dim)
+
+    @property
+    def mean(self) -> np.ndarray:
+        """(dim,) float64 distribution mean."""
+        return self._mean.copy()
+
+    def member_seeds(self) -> np.ndarray:
+        """(P/2,) int64 noise seeds of the current generation (identical on every rank)."""
+        state = np.random.SeedSequence([self.seed, self.generation]).generate_state(
+            self.popsize // 2, dtype=np.uint64)
+        return (state >> np.uint64(1)).astype(np.int64)
+
+    def _noise(self, seed) -> np.ndarray:
+        return np.random.Generator(np.random.Philox(int(seed))).standard_normal(self.dim)
+
+    def member(self, i: int) -> np.ndarray:
+        """(dim,) member i of the current generation, rebuilt from its seed alone."""
+        sign = 1.0 if i % 2 == 0 else -1.0
+        return self._mean + sign * self.sigma * self._noise(self.member_seeds()[i // 2])
+
+    def ask(self) -> np.ndarray:
+        """(P, dim) float64 members; the same array until tell() ends the generation."""
+        population = np.empty((self.popsize, self.dim))
+        for j, seed in enumerate(self.member_seeds()):
+            step = self.sigma * self._noise(seed)
+            population[2 * j] = self._mean + step
+            population[2 * j + 1] = self._mean - step
+        return population
+
+    def tell(self, solutions: np.ndarray, fitness: np.ndarray) -> None:
+        """One Adam ascent step along the rank-shaped gradient estimate
+        g = sum_j (w_2j - w_2j+1) eps_j / (P sigma) - weight_decay * mean."""
+        _, fitness = _check_tell(solutions, fitness, self.popsize, self.dim)
+        weights = centered_ranks(fitness)
+        grad = np.zeros(self.dim)
+        for j, seed in enumerate(self.member_seeds()):
+            grad += (weights[2 * j] - weights[2 * j + 1]) * self._noise(seed)
+        grad = grad / (self.popsize * self.sigma) - self.weight_decay * self._mean
+        beta1, beta2 = self.betas
+        self.generation += 1
+        self._m = beta1 * self._m + (1 - beta1) * grad
+        self._v = beta2 * self._v + (1 - beta2) * grad ** 2
+        m_hat = self._m / (1 - beta1 ** self.generation)
+        v_hat = self._v / (1 - beta2 ** self.generation)
+        self._mean = self._mean + self.lr * m_hat / (np.sqrt(v_hat) + self.eps)
+
+    def state_dict(self) -> dict:
+        return {"kind": "openai-es", "dim": self.dim, "popsize": self.popsize,
+                "seed": self.seed, "generation": self.generation, "mean": self._mean.copy(),
+                "adam_m": self._m.copy(), "adam_v": self._v.copy()}
+
+    def load_state_dict(self, state: dict) -> None:
+        _check_state(state, kind="openai-es", dim=self.dim, popsize=self.popsize)
+        self.seed, self.generation = int(state["seed"]), int(state["generation"])
+        self._mean = np.array(state["mean"], dtype=np.float64)
+        self._m = np.array(state["adam_m"], dtype=np.float64)
+        self._v = np.array(state["adam_v"], dtype=np.float64)
+
+
+def make_optimizer(name: str, dim: int, popsize: int, sigma0: float, seed: int,
+                   lr: float = 0.01) -> Optimizer:
+    """``name`` in OPTIMIZERS; ``lr`` is used by openai-es only."""
+    if name == "cma":
+        return CMAES(dim, popsize, sigma0, seed)
+    if name == "sep-cma":
+        return CMAES(dim, popsize, sigma0, seed, diagonal=True)
+    if name == "openai-es":
+        return OpenAIES(dim, popsize, sigma0, lr, seed)
+    raise UserError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
