@@ -33,6 +33,8 @@ setup(
             "hpc-sft=hpc.sft:main",
             "hpc-eval=hpc.evaluate:main",
             "hpc-toy=hpc.toy:main",
+            "hpc-report=hpc.report:main",
+            "hpc-scaling=hpc.scaling:main",
         ],
     },
 )
