@@ -59,9 +59,9 @@ def environment_attrs(world, device) -> dict:
         "world_size": world.size,
         "hosts": json.dumps(hosts),
         "device_model": device_model,
-        "torch_version": torch.__version__,
+        "torch_version": str(torch.__version__),
         "cuda_version": torch.version.cuda or "",
-        "mpi_version": _mpi().Get_library_version().strip().splitlines()[0],
+        "mpi_version": _mpi().Get_library_version().replace("\0", "").strip().splitlines()[0],
     }
 
 

@@ -54,3 +54,62 @@ def run_mpi(n: int, args: list, timeout: float = 300, env: dict | None = None, c
 def shared_data():
     require(os.path.isdir(SHARED_DATA), f"the shared data folder {SHARED_DATA}")
     return SHARED_DATA
+
+
+def run_cli(args: list, timeout: float = 300, env: dict | None = None):
+    """Run ``python args...`` as one process (no mpirun); returns CompletedProcess."""
+    full_env = dict(os.environ, **MPI_ENV, **(env or {}))
+    return subprocess.run([sys.executable] + list(args), capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=REPO)
+
+
+def our_lines(stderr: str) -> list:
+    """The lines our program wrote to stderr (mpirun's own banners removed)."""
+    lines = []
+    in_banner = False
+    for line in stderr.splitlines():
+        if line.startswith("-----"):
+            in_banner = not in_banner
+            continue
+        if not in_banner and line.strip():
+            lines.append(line)
+    return lines
+
+
+@pytest.fixture(scope="session")
+def toy_adapter(tmp_path_factory):
+    """A LoRA (rank 8) SFT adapter on the built-in toy model: 15 quick SFT steps, one process.
+
+    Builds the toy model first if it is not cached (a few CPU minutes, once).
+    """
+    out = tmp_path_factory.mktemp("toy-sft")
+    proc = run_cli(["-m", "hpc.sft", "model.path=toy", "lora.rank=8", "sft.steps=15",
+                    "sft.batch_size=32", "task.n_train=512", "task.n_eval=16",
+                    "eval.n_samples=2", "run.progress=false", f"run.out={out}"], timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return str(out / "adapter")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """Two random tiny Qwen2 models (the second ~4x the parameters) with a LoRA adapter each
+    whose B factors are random (so every singular value is non-zero)."""
+    import torch
+
+    from hpc.models import attach_lora, save_adapter, tiny_model
+
+    root = tmp_path_factory.mktemp("tiny")
+    out = {}
+    for name, (hidden, layers) in {"small": (32, 2), "large": (64, 4)}.items():
+        model_dir, adapter_dir = root / name, root / f"{name}-adapter"
+        model, _ = tiny_model(hidden=hidden, layers=layers, save_dir=str(model_dir))
+        peft_model = attach_lora(model, 4, 8.0, ["q_proj", "k_proj", "v_proj", "o_proj"])
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for pname, p in peft_model.named_parameters():
+                if "lora_B" in pname:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        save_adapter(peft_model, str(adapter_dir))
+        out[name] = (str(model_dir), str(adapter_dir),
+                     sum(p.numel() for p in model.parameters()))
+    return out

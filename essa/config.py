@@ -1,0 +1,54 @@
+"""ESSA job configuration (the ``essa`` section plus the shared sections)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hpc.config import EvalConfig, LoraConfig, ModelConfig, RunConfig, TaskConfig, param
+from hpc.errors import UserError
+
+
+@dataclass
+class ESSAConfig:
+    optimizer: str = param("cma", "cma (full covariance, pycma), sep-cma (diagonal), openai-es",
+                           choices=["cma", "sep-cma", "openai-es"])
+    space: str = param("sv", "sv: offsets to the adapter's singular values; lora: every "
+                       "adapter entry (use with openai-es)", choices=["sv", "lora"])
+    alpha: float = param(1.0, "searched fraction of each factor's singular values (top "
+                         "ceil(alpha*r))", min=0.0, max=1.0)
+    population: int = param(96, "population size P (paper: 24-128); must be >= ranks", min=2)
+    minibatch: int = param(100, "training prompts M scored per generation (paper: 100-500)",
+                           min=1)
+    sigma0: float = param(0.1, "initial step size of the search distribution", min=0.0)
+    lr: float = param(0.01, "openai-es: Adam learning rate", min=0.0)
+    generations: int = param(100, "stop after this many generations", min=1)
+    target_accuracy: float = param(0.0, "stop once the mean's held-out accuracy reaches this "
+                                   "(0 = off)", min=0.0, max=1.0)
+    members_per_pass: int = param(1, "population members evaluated in one batched generation "
+                                  "(k)", min=1)
+    keep_checkpoints: int = param(3, "newest checkpoints kept", min=1)
+
+
+@dataclass
+class ESSAJobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    essa: ESSAConfig = field(default_factory=ESSAConfig)
+
+    def validate(self):
+        if self.essa.optimizer == "openai-es" and self.essa.population % 2:
+            raise UserError(f"config key 'essa.population': openai-es uses antithetic pairs, "
+                            f"so it must be even (got {self.essa.population})")
+        if self.essa.space == "lora" and self.essa.optimizer != "openai-es":
+            raise UserError("config key 'essa.space': the lora space has millions of "
+                            "dimensions; use essa.optimizer=openai-es with it")
+        if not self.lora.adapter:
+            raise UserError("config key 'lora.adapter': ESSA starts from an SFT adapter; "
+                            "give its folder (hpc-sft writes <run.out>/adapter)")
+
+    def validate_world(self, world):
+        if self.essa.population < world.size:
+            raise UserError(f"essa.population={self.essa.population} is smaller than the "
+                            f"{world.size} ranks: every rank needs at least one member")

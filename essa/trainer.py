@@ -1,0 +1,172 @@
+"""The ESSA training loop, top to bottom: ask, score my members, gather fitness, tell.
+
+Every rank holds an identical optimizer (same seed, same fitness), so each generation only the
+fitness vector (8 bytes a member) crosses the network, plus the per-rank phase timings and a
+1-byte stop flag. Run files: ``<run.out>/essa.h5``, ``checkpoints/``, ``adapter-mean`` and
+``adapter-best`` (peft format).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from essa.config import ESSAJobConfig
+from essa.optimizers import make_optimizer
+from essa.population import minibatch_indices, owners, score_members
+from essa.space import LoraEntrySpace, SingularValueSpace
+from hpc.checkpoint import load_latest, save_checkpoint
+from hpc.errors import UserError, user_errors_exit
+from hpc.evaluate import evaluate, format_table, log_eval
+from hpc.jobs import on_all_ranks, start_job
+from hpc.models import load_adapter, load_model
+from hpc.runstore import RunStore, environment_attrs
+from hpc.tasks import load_task
+from hpc.timing import PhaseTimer, gather_timings
+from hpc.world import split_evenly
+
+PHASES = ["rebuild", "generate", "reward", "waiting", "communication", "update", "eval",
+          "checkpoint"]
+
+
+def gather_fitness(world, mine: np.ndarray, population: int, timer) -> np.ndarray:
+    """All members' fitness on every rank (float64 (P,)); time spent waiting for stragglers
+    (a barrier) is charged apart from the transfer itself."""
+    with timer.phase("waiting"):
+        world.barrier()
+    with timer.phase("communication"):
+        return world.allgatherv(mine, split_evenly(population, world.size), tag="fitness")
+
+
+def sanitize(fitness: np.ndarray) -> tuple:
+    """Replace NaN/inf fitness by the worst finite value minus 1; returns (fitness, n_bad)."""
+    bad = ~np.isfinite(fitness)
+    if not bad.any():
+        return fitness, 0
+    worst = fitness[~bad].min() if (~bad).any() else 0.0
+    out = fitness.copy()
+    out[bad] = worst - 1.0
+    return out, int(bad.sum())
+
+
+def run(job) -> dict:
+    """Train ESSA for ``job`` (a :class:`hpc.jobs.Job`); returns a summary on every rank."""
+    cfg, world = job.cfg, job.world
+    e = cfg.essa
+    task = on_all_ranks(world, lambda: load_task(cfg.task))
+    if len(task.train) == 0 or len(task.eval) == 0:
+        raise UserError(f"task {cfg.task.name} has an empty training or held-out split")
+    base, tok = on_all_ranks(world, lambda: load_model(cfg.model.path, cfg.model.dtype,
+                                                       job.device))
+    model = on_all_ranks(world, lambda: load_adapter(base, cfg.lora.adapter))
+    space_cls = SingularValueSpace if e.space == "sv" else LoraEntrySpace
+    space = on_all_ranks(world, lambda: space_cls.from_peft(model, e.alpha, cfg.lora.targets)
+                         if e.space == "sv" else space_cls.from_peft(model))
+    opt = make_optimizer(e.optimizer, space.dim, e.population, e.sigma0, cfg.run.seed, e.lr)
+    ckpt_dir = f"{job.out_dir}/checkpoints"
+    state = load_latest(ckpt_dir, warn=world.is_root) if job.resume else None
+    start_gen, elapsed0 = 0, 0.0
+    best_x, best_fit = opt.mean.copy(), -np.inf
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
+        start_gen, elapsed0 = state["generation"], state["elapsed_s"]
+        best_x, best_fit = state["best_x"], state["best_fitness"]
+    attrs = dict(environment_attrs(world, job.device), method="essa", config=job.config_text,
+                 search_dim=space.dim, population=e.population)
+    store = RunStore(f"{job.out_dir}/essa.h5", world.is_root, attrs, resume=job.resume)
+    store.truncate_after(start_gen - 1)
+    sync = torch.cuda.synchronize if job.device.type == "cuda" else None
+    timer = PhaseTimer(PHASES, sync=sync)
+    who = owners(e.population, world.size)
+    my_members = np.flatnonzero(who == world.rank)
+    max_new = cfg.task.max_new_tokens
+
+    def held_out(x, sampled=False):
+        space.apply(model, x)
+        return evaluate(model, tok, task, task.eval, cfg.eval, max_new, world,
+                        seed=cfg.run.seed, sampled=sampled)
+
+    start_eval = held_out(opt.mean, sampled=True) if start_gen == 0 else None
+    if start_eval is not None:
+        log_eval(store, -1, start_eval)
+    progress = tqdm(total=e.generations, initial=start_gen, desc="essa",
+                    disable=not (world.is_root and cfg.run.progress))
+    t0 = time.perf_counter() - elapsed0
+    gen = start_gen
+    while gen < e.generations:
+        X = opt.ask()
+        batch = minibatch_indices(len(task.train), e.minibatch, cfg.run.seed, gen)
+        prompts = [task.train.prompts[i] for i in batch]
+        answers = [task.train.answers[i] for i in batch]
+        mine = score_members(model, tok, space, X[my_members], task, prompts, answers,
+                             max_new, cfg.eval.batch_size, timer, e.members_per_pass)
+        fitness, n_bad = sanitize(gather_fitness(world, mine, e.population, timer))
+        with timer.phase("update"):
+            opt.tell(X, fitness)
+        gen += 1
+        if fitness.max() > best_fit:
+            best_fit, best_x = float(fitness.max()), X[int(fitness.argmax())].copy()
+        metrics = {"fitness_mean": fitness.mean(), "fitness_max": fitness.max(),
+                   "fitness_min": fitness.min(), "bad_fitness": n_bad,
+                   "wall_s": time.perf_counter() - t0}
+        if getattr(opt, "sigma", None) is not None:
+            metrics["sigma"] = float(opt.sigma)
+        store.write_row("essa", gen, flush=False, fitness=fitness, evaluated_by=who)
+        reached = False
+        if cfg.eval.every and gen % cfg.eval.every == 0 or gen == e.generations:
+            with timer.phase("eval"):
+                res_mean = held_out(opt.mean)
+                res_best = held_out(X[int(fitness.argmax())])
+            store.write_row("heldout", gen, flush=False, mean_accuracy=res_mean.accuracy,
+                            best_accuracy=res_best.accuracy, wall_s=time.perf_counter() - t0)
+            reached = e.target_accuracy > 0 and res_mean.accuracy >= e.target_accuracy
+        out_of_time = np.array([cfg.run.max_time_s > 0 and
+                                time.perf_counter() - t0 >= cfg.run.max_time_s], dtype=np.int8)
+        world.bcast(out_of_time, tag="control")  # rank 0's clock decides for everyone
+        stop = reached or bool(out_of_time[0])
+        if cfg.run.checkpoint_every and gen % cfg.run.checkpoint_every == 0 or stop or \
+                gen == e.generations:
+            with timer.phase("checkpoint"):
+                if world.is_root:
+                    save_checkpoint(ckpt_dir, gen, {"generation": gen,
+                                                    "optimizer": opt.state_dict(),
+                                                    "elapsed_s": time.perf_counter() - t0,
+                                                    "best_x": best_x, "best_fitness": best_fit,
+                                                    "torch_rng": torch.get_rng_state()},
+                                    keep=e.keep_checkpoints)
+        store.log_step(gen, metrics=metrics, timings=gather_timings(world, timer),
+                       nbytes=world.take_bytes())
+        progress.update(1)
+        progress.set_postfix(fit=f"{fitness.mean():.3f}")
+        if stop:
+            break
+    progress.close()
+    wall = time.perf_counter() - t0
+    final_mean = held_out(opt.mean, sampled=True)
+    log_eval(store, gen, final_mean)
+    store.write_row("final", gen, mean=opt.mean, best=best_x, best_fitness=best_fit)
+    if world.is_root:
+        space.export_adapter(model, opt.mean, f"{job.out_dir}/adapter-mean")
+        space.export_adapter(model, best_x, f"{job.out_dir}/adapter-best")
+    store.set_attrs(generations_done=gen, wall_seconds=wall)
+    store.close("complete")
+    return {"start": start_eval, "final": final_mean, "generations": gen, "wall_s": wall,
+            "mean": opt.mean}
+
+
+@user_errors_exit
+def main(argv=None):
+    """``essa [CONFIG.yaml] [key=value ...] [--resume]`` under mpirun/srun (or alone)."""
+    job = start_job(ESSAJobConfig, "essa", "essa", argv)
+    summary = run(job)
+    if job.world.is_root:
+        rows = []
+        if summary["start"] is not None:
+            rows.append(("sft start", summary["start"], {}))
+        rows.append(("essa mean", summary["final"],
+                     {"generations": summary["generations"],
+                      "wall s": f"{summary['wall_s']:.0f}"}))
+        print(format_table(rows))
+        print(f"run: {job.out_dir}")

@@ -1,0 +1,51 @@
+"""F-GRPO job configuration. Option names follow TRL's GRPOConfig where one exists."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hpc.config import EvalConfig, LoraConfig, ModelConfig, RunConfig, TaskConfig, param
+from fgrpo.loss import LOSS_TYPES
+from hpc.errors import UserError
+
+
+@dataclass
+class FGRPOConfig:
+    steps: int = param(50, "optimizer steps (each on a fresh batch of prompts)", min=1)
+    batch_prompts: int = param(32, "prompts per step, over all ranks", min=1)
+    num_generations: int = param(8, "G: completions sampled per prompt (TRL num_generations); "
+                                 "group advantages need G >= 2", min=2)
+    gamma: float = param(1.0, "focal exponent: advantages scaled by (1 - p)^gamma; 0 = plain "
+                         "GRPO", min=0.0)
+    scale_rewards: str = param("group", "advantage std scaling (TRL scale_rewards); none = "
+                               "Dr. GRPO", choices=["group", "batch", "none"])
+    loss_type: str = param("token-mean", "aggregation: token-mean (DAPO), seq-mean-token-mean "
+                           "(GRPO), seq-mean-token-sum-norm (Dr. GRPO)", choices=list(LOSS_TYPES))
+    epsilon: float = param(0.2, "lower clip of the importance ratio", min=0.0)
+    epsilon_high: float = param(0.28, "upper clip (clip-higher as in DAPO)", min=0.0)
+    beta: float = param(0.0, "KL penalty to the reference (k3); under LoRA the reference is the "
+                        "base model with the adapter disabled", min=0.0)
+    num_iterations: int = param(1, "mu: optimizer passes over the same rollouts", min=1)
+    learning_rate: float = param(2e-3, "AdamW learning rate", min=0.0)
+    weight_decay: float = param(0.0, "AdamW weight decay", min=0.0)
+    max_grad_norm: float = param(1.0, "gradient clipping (0 = off)", min=0.0)
+    micro_batch: int = param(64, "sequences per forward/backward (gradient accumulation)",
+                             min=1)
+    temperature: float = param(1.0, "rollout sampling temperature", min=0.0)
+    top_p: float = param(1.0, "rollout nucleus sampling", min=0.0, max=1.0)
+    full_finetune: bool = param(False, "train every weight instead of a LoRA")
+    keep_checkpoints: int = param(3, "newest checkpoints kept", min=1)
+
+
+@dataclass
+class FGRPOJobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    fgrpo: FGRPOConfig = field(default_factory=FGRPOConfig)
+
+    def validate_world(self, world):
+        if self.fgrpo.batch_prompts < world.size:
+            raise UserError(f"fgrpo.batch_prompts={self.fgrpo.batch_prompts} is smaller than "
+                            f"the {world.size} ranks")

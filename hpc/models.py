@@ -1,0 +1,203 @@
+"""Loading causal LMs and tokenizers from local folders, and LoRA adapters (PEFT format).
+
+Every problem with a user-given folder (missing, incomplete, unloadable, adapter made for another
+model) raises :class:`UserError` with one line naming the folder and what is wrong, before or
+instead of a library traceback. Nothing is ever downloaded (``local_files_only``).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import warnings
+
+import torch
+import transformers
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hpc.errors import UserError
+
+# Jobs print on rank 0 only, and only what the user asked for: no per-rank weight-loading bars
+# or library deprecation notices.
+transformers.utils.logging.set_verbosity_error()
+transformers.utils.logging.disable_progress_bar()
+warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|peft)\b")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _resolve_device(device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def check_model_folder(path: str) -> None:
+    """Raise UserError unless ``path`` holds config.json, weights and tokenizer files."""
+    if not os.path.isdir(path):
+        raise UserError(f"model folder not found: {path}")
+    files = set(os.listdir(path))
+    if "config.json" not in files:
+        raise UserError(f"model folder {path} has no config.json")
+    if not files.intersection(WEIGHT_FILES):
+        raise UserError(f"model folder {path} has no weights ({' or '.join(WEIGHT_FILES[::2])})")
+    if not files.intersection(TOKENIZER_FILES):
+        raise UserError(f"model folder {path} has no tokenizer files "
+                        f"({', '.join(TOKENIZER_FILES)})")
+
+
+def load_model(path: str, dtype: str = "float32", device="cpu"):
+    """Load ``(model, tokenizer)`` from a local Hugging Face folder, or ``'toy'``.
+
+    ``dtype`` is ``float32``, ``bfloat16`` or ``float16``; ``device`` a torch device or
+    ``'auto'`` (CUDA if present). The model is in eval mode. The tokenizer always has a pad
+    token (eos when it has none) and pads on the left (generation).
+    """
+    if path == "toy":
+        from hpc.toy import toy_model_path
+
+        path = toy_model_path()
+    if dtype not in DTYPES:
+        raise UserError(f"model dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    check_model_folder(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype],
+                                                     local_files_only=True)
+    except Exception as err:  # noqa: BLE001 - any loader failure is a bad model folder
+        raise UserError(f"cannot load the model in {path}: {_first_line(err)}") from None
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise UserError(f"the tokenizer in {path} has neither a pad nor an eos token")
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model.to(_resolve_device(device)).eval(), tokenizer
+
+
+def _matches(name: str, target: str) -> bool:
+    """PEFT's rule for a list of target names: the module name equals or ends with it."""
+    return name == target or name.endswith("." + target)
+
+
+LORA_LAYER_TYPES = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d)
+
+
+def attach_lora(model, rank: int, alpha: float, targets: list[str], dropout: float = 0.0,
+                seed: int = 0) -> PeftModel:
+    """Wrap ``model`` with fresh LoRA adapters on the modules named ``targets``.
+
+    Adapted weights get ``W + (alpha / rank) * B @ A`` with A (rank, in) random (seeded by
+    ``seed``, global RNG untouched) and B (out, rank) zero, so the model is unchanged at first.
+    Base weights are frozen. The base model is modified in place.
+    """
+    modules = dict(model.named_modules())
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items()
+                     if isinstance(m, torch.nn.Linear)})
+    for target in targets:
+        found = [m for n, m in modules.items() if _matches(n, target)]
+        if not found:
+            raise UserError(f"LoRA target module {target!r} not found in the model "
+                            f"(its linear layers: {', '.join(linear)})")
+        if not all(isinstance(m, LORA_LAYER_TYPES) for m in found):
+            raise UserError(f"LoRA target module {target!r} is a {type(found[0]).__name__}, "
+                            f"not a layer LoRA can adapt (linear layers: {', '.join(linear)})")
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets),
+                        lora_dropout=dropout, task_type="CAUSAL_LM")
+    device = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        return get_peft_model(model, config)
+
+
+def _lora_module_names(peft_model) -> list[str]:
+    return [name for name, mod in peft_model.named_modules() if hasattr(mod, "lora_A")]
+
+
+def load_adapter(model, adapter_dir: str, is_trainable: bool = False,
+                 targets: list[str] | None = None) -> PeftModel:
+    """Wrap ``model`` with the saved PEFT adapter in ``adapter_dir``.
+
+    UserError if the folder or its adapter_config.json / weights are missing, if the adapter
+    was made for a model of another shape, or if it does not adapt every module in
+    ``targets`` (when given). On error the base model may already hold injected (empty)
+    adapter layers; load it again before reuse.
+    """
+    if not os.path.isdir(adapter_dir):
+        raise UserError(f"adapter folder not found: {adapter_dir}")
+    files = set(os.listdir(adapter_dir))
+    if "adapter_config.json" not in files:
+        raise UserError(f"adapter folder {adapter_dir} has no adapter_config.json")
+    if not files.intersection(ADAPTER_WEIGHT_FILES):
+        raise UserError(f"adapter folder {adapter_dir} has no adapter weights "
+                        f"({' or '.join(ADAPTER_WEIGHT_FILES)})")
+    try:
+        peft_model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=is_trainable)
+    except (RuntimeError, ValueError, KeyError) as err:
+        lines = [ln.strip() for ln in str(err).splitlines() if "size mismatch" in ln]
+        if lines:
+            raise UserError(f"adapter {adapter_dir} was made for a model of another shape: "
+                            f"{lines[0]}") from None
+        raise UserError(f"cannot load the adapter in {adapter_dir}: "
+                        f"{_first_line(err)}") from None
+    adapted = _lora_module_names(peft_model)
+    missing = [t for t in targets or [] if not any(_matches(n, t) for n in adapted)]
+    if missing:
+        raise UserError(f"adapter {adapter_dir} does not adapt {', '.join(missing)} "
+                        f"(lora.targets asks for them)")
+    return peft_model
+
+
+def save_adapter(peft_model, out_dir: str) -> None:
+    """Save the LoRA adapter in standard PEFT format (``adapter_config.json`` +
+    ``adapter_model.safetensors``) into ``out_dir``: written to a temporary sibling folder,
+    then renamed, so a reader never sees a half-written adapter. Replaces an existing one."""
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    try:
+        peft_model.save_pretrained(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private
+        if os.path.exists(out_dir):
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
+            os.rename(out_dir, os.path.join(old, "adapter"))
+            os.rename(tmp, out_dir)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def tiny_model(hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+               seed: int = 0, save_dir: str | None = None):
+    """A randomly initialised small Qwen2ForCausalLM and the toy character tokenizer (tests).
+
+    Built in well under a second; ``save_dir`` saves both (loadable by :func:`load_model`).
+    Returns ``(model, tokenizer)`` with the model in eval mode on CPU, float32.
+    """
+    from transformers import Qwen2ForCausalLM
+
+    from hpc.toy import build_tokenizer, qwen2_config
+
+    tokenizer = build_tokenizer()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(qwen2_config(len(tokenizer), hidden, layers, heads, kv_heads))
+    model.eval()
+    if save_dir:
+        model.save_pretrained(save_dir)
+        tokenizer.save_pretrained(save_dir)
+    return model, tokenizer

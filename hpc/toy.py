@@ -1,0 +1,227 @@
+"""The built-in toy model: a ~0.6M-parameter Qwen2 with a character tokenizer, half-taught
+2-digit addition, so that LoRA SFT, ESSA and F-GRPO have headroom to show progress on CPU.
+
+Built once (about two CPU minutes) and cached in ``$HPC_CACHE/toy-model-v1`` (default
+``<repo>/.cache/toy-model-v1``) as a standard Hugging Face folder: ``config.json``,
+``model.safetensors``, tokenizer files and ``toy_info.json`` (accuracy, steps, seconds).
+
+Training data: all 2-digit ``a+b=`` problems except the first 1024 distinct problems of the
+``arith`` stream with seed 0, so the demo task's held-out set (``task.seed=0``, ``n_eval`` up
+to 1024) is never seen. Of those reserved problems, 0..255 are the demo held-out set (the
+reported accuracy) and 512..767 the early-stopping probe. Training stops as soon as greedy
+accuracy on the probe reaches ``TARGET_ACCURACY``, so the model stays far from perfect.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from hpc.errors import user_errors_exit
+
+VERSION = "toy-model-v1"
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
+CHARACTERS = "0123456789+-*= abcdefghijklmnopqrstuvwxyz.,:?!()\n"
+INFO_FILE = "toy_info.json"
+
+DATA_SEED = 1234  # toy training order/init; the demo task uses seed 0 for its problems
+N_RESERVED = 1024  # first distinct problems of the seed-0 arith stream, never trained on
+TARGET_ACCURACY = 0.40  # early stop once the held-out probe reaches this greedy accuracy
+BUDGET_S = 150.0  # hard wall-time cap of a build (2 threads)
+MAX_STEPS = 4000
+BATCH = 64
+LR = 1e-3
+PROBE_EVERY = 50
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Character-level tokenizer: one token per character of ``CHARACTERS`` plus specials.
+
+    Ids: ``<pad>`` 0, ``<eos>`` 1, ``<unk>`` 2, then the characters in order. No BOS is added;
+    ``padding_side`` is ``left`` (generation).
+    """
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(CHARACTERS))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<unk>", padding_side="left")
+
+
+def qwen2_config(vocab_size: int, hidden: int = 128, layers: int = 4, heads: int = 4,
+                 kv_heads: int = 2, intermediate: int | None = None) -> Qwen2Config:
+    """A small Qwen2 config (tied embeddings, 64 positions) for the character tokenizer."""
+    return Qwen2Config(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads,
+                       intermediate_size=intermediate or 2 * hidden, max_position_embeddings=64,
+                       tie_word_embeddings=True, pad_token_id=0, eos_token_id=1,
+                       bos_token_id=None)
+
+
+def cache_dir() -> str:
+    """Where the toy model lives: ``$HPC_CACHE/toy-model-v1`` or ``<repo>/.cache/toy-model-v1``."""
+    root = os.environ.get("HPC_CACHE") or os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache")
+    return os.path.join(root, VERSION)
+
+
+def _problem_sets() -> tuple[list, list, list]:
+    """(train, demo held-out, probe) lists of ``(prompt, answer)`` for 2-digit addition."""
+    from hpc.tasks import ARITH_TEMPLATE, _arith_problem
+
+    rng, reserved, seen = random.Random(0), [], set()
+    while len(reserved) < N_RESERVED:  # the arith task's stream for seed 0 (see hpc.tasks)
+        question, answer = _arith_problem(rng, 2, "+")
+        if question not in seen:
+            seen.add(question)
+            reserved.append((ARITH_TEMPLATE.format(question=question), answer))
+    train = [(ARITH_TEMPLATE.format(question=f"{a}+{b}"), str(a + b))
+             for a in range(10, 100) for b in range(10, 100) if f"{a}+{b}" not in seen]
+    return train, reserved[:256], reserved[512:768]
+
+
+def _encode(tokenizer, pairs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forcing batch: input ids (B, T) right-padded and labels (B, T), -100 except on
+    the answer and its eos (prompt and padding masked out)."""
+    rows = [(tokenizer.encode(p), tokenizer.encode(a) + [tokenizer.eos_token_id])
+            for p, a in pairs]
+    width = max(len(p) + len(a) for p, a in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    labels = torch.full((len(rows), width), -100)
+    for i, (p, a) in enumerate(rows):
+        ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+        labels[i, len(p): len(p) + len(a)] = torch.tensor(a)
+    return ids, labels
+
+
+def greedy_accuracy(model, tokenizer, pairs) -> float:
+    """Fraction of ``(prompt, answer)`` pairs whose greedy completion equals the answer."""
+    from hpc.generation import generate
+
+    outs = generate(model, tokenizer, [p for p, _ in pairs], max_new_tokens=4, batch_size=256)
+    return sum(o.strip() == a for o, (_, a) in zip(outs, pairs)) / len(pairs)
+
+
+def train_toy(out_dir: str, budget_s: float = BUDGET_S, log=print) -> dict:
+    """Train the toy model and save it (model, tokenizer, ``toy_info.json``) into ``out_dir``.
+
+    Deterministic for a fixed torch build and thread count unless the ``budget_s`` wall-time
+    cap is what stops it (then the step count varies). Returns the info dict.
+    """
+    start, threads = time.time(), torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        tokenizer = build_tokenizer()
+        train, heldout, probe = _problem_sets()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(DATA_SEED)
+            model = Qwen2ForCausalLM(qwen2_config(len(tokenizer)))
+            opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+            order = torch.Generator().manual_seed(DATA_SEED)
+            all_ids, all_labels = _encode(tokenizer, train)
+            step, probe_acc, stop = 0, 0.0, "max_steps"
+            while step < MAX_STEPS:
+                model.train()
+                idx = torch.randint(len(train), (BATCH,), generator=order)
+                loss = model(input_ids=all_ids[idx], labels=all_labels[idx]).loss
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                step += 1
+                if step % PROBE_EVERY == 0:
+                    probe_acc = greedy_accuracy(model, tokenizer, probe)
+                    log(f"toy step {step}: loss {loss.item():.3f}, probe accuracy {probe_acc:.3f}")
+                    if probe_acc >= TARGET_ACCURACY:
+                        stop = "target_accuracy"
+                        break
+                if time.time() - start > budget_s:
+                    stop = "budget_s"
+                    break
+        info = {"version": VERSION, "parameters": sum(p.numel() for p in model.parameters()),
+                "steps": step, "batch": BATCH, "lr": LR, "stopped_by": stop,
+                "probe_accuracy": probe_acc,
+                "heldout_accuracy": greedy_accuracy(model, tokenizer, heldout),
+                "heldout": "arith 2-digit '+', seed 0, first 256 problems (demo eval set)",
+                "train_problems": len(train), "seed": DATA_SEED,
+                "build_seconds": round(time.time() - start, 1)}
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+        with open(os.path.join(out_dir, INFO_FILE), "w") as fh:
+            json.dump(info, fh, indent=1)
+        return info
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _local_rank() -> int:
+    from hpc.world import _LOCAL_RANK_VARS
+
+    return next((int(os.environ[v]) for v in _LOCAL_RANK_VARS if v in os.environ), 0)
+
+
+def build_toy(final: str, budget_s: float = BUDGET_S, log=print) -> None:
+    """Build into a temporary sibling folder, then rename it to ``final`` (atomic). If another
+    process finished first, its folder is kept and this build is discarded."""
+    parent = os.path.dirname(final)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{VERSION}-build-", dir=parent)
+    try:
+        train_toy(tmp, budget_s, log)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; other users of the cache read it
+        os.rename(tmp, final)
+    except OSError:
+        if not os.path.isfile(os.path.join(final, INFO_FILE)):
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def toy_model_path(wait_s: float = 4 * BUDGET_S, log=print) -> str:
+    """Folder of the cached toy model, building it if absent.
+
+    Local rank 0 of a node builds; other local ranks wait up to ``wait_s`` seconds for the
+    folder to appear (then build it themselves, which is safe, if it still has not).
+    """
+    final = cache_dir()
+    info_file = os.path.join(final, INFO_FILE)  # written last, inside the renamed folder
+    if not os.path.isfile(info_file) and _local_rank() != 0:
+        deadline = time.time() + wait_s
+        while not os.path.isfile(info_file) and time.time() < deadline:
+            time.sleep(1.0)
+    if not os.path.isfile(info_file):
+        log(f"building the toy model in {final} (about {BUDGET_S:.0f} s, once)")
+        build_toy(final, log=log)
+    return final
+
+
+def toy_info(path: str | None = None) -> dict:
+    """The ``toy_info.json`` of a built toy model folder (default: the cached one)."""
+    with open(os.path.join(path or toy_model_path(), INFO_FILE)) as fh:
+        return json.load(fh)
+
+
+@user_errors_exit
+def main(argv=None) -> None:
+    """``hpc-toy``: build the toy model if needed; print its folder and held-out accuracy."""
+    parser = argparse.ArgumentParser(prog="hpc-toy", description=__doc__.splitlines()[0])
+    parser.add_argument("--rebuild", action="store_true", help="delete the cached model first")
+    args = parser.parse_args(argv)
+    if args.rebuild:
+        shutil.rmtree(cache_dir(), ignore_errors=True)
+    path = toy_model_path()
+    info = toy_info(path)
+    print(f"{path}\nheld-out greedy accuracy {info['heldout_accuracy']:.3f} "
+          f"({info['parameters']} parameters, {info['steps']} steps, "
+          f"{info['build_seconds']} s to build)")
+
+
+if __name__ == "__main__":
+    main()
