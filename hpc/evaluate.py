@@ -74,11 +74,10 @@ def evaluate(model, tokenizer, task, split, eval_cfg: EvalConfig, max_new_tokens
                       greedy_correct=all_correct)
 
 
-def log_eval(store, step: int, result: EvalResult, prefix: str = "") -> None:
-    """Write one evaluation row to group ``eval`` of the run store."""
-    store.write_row("eval", step, **{
-        f"{prefix}accuracy": result.accuracy, f"{prefix}pass_at_k": result.pass_at_k,
-        f"{prefix}avg_at_n": result.avg_at_n, f"{prefix}seconds": result.seconds})
+def log_eval(store, step: int, result: EvalResult) -> None:
+    """Write one full evaluation (start: step -1, or final) to group ``eval`` of the store."""
+    store.write_row("eval", step, accuracy=result.accuracy, pass_at_k=result.pass_at_k,
+                    avg_at_n=result.avg_at_n, seconds=result.seconds)
 
 
 def format_table(rows: list, ks=(1, 2, 4, 8, 16, 32, 64, 128, 256)) -> str:
