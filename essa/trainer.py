@@ -76,7 +76,7 @@ def run(job) -> dict:
     attrs = dict(environment_attrs(world, job.device), method="essa", config=job.config_text,
                  search_dim=space.dim, population=e.population)
     store = RunStore(f"{job.out_dir}/essa.h5", world.is_root, attrs, resume=job.resume)
-    store.truncate_after(start_gen - 1)
+    store.truncate_after(start_gen)
     sync = torch.cuda.synchronize if job.device.type == "cuda" else None
     timer = PhaseTimer(PHASES, sync=sync)
     who = owners(e.population, world.size)

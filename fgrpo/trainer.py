@@ -130,7 +130,7 @@ def run(job) -> dict:
     attrs = dict(environment_attrs(world, job.device), method="fgrpo", config=job.config_text,
                  trainable_parameters=sum(p.numel() for p in params))
     store = RunStore(f"{job.out_dir}/fgrpo.h5", world.is_root, attrs, resume=job.resume)
-    store.truncate_after(start_step - 1)
+    store.truncate_after(start_step)
     sync = torch.cuda.synchronize if job.device.type == "cuda" else None
     timer = PhaseTimer(PHASES, sync=sync)
     max_new = cfg.task.max_new_tokens
