@@ -18,7 +18,10 @@ class ESSAConfig:
     population: int = param(96, "population size P (paper: 24-128); must be >= ranks", min=2)
     minibatch: int = param(100, "training prompts M scored per generation (paper: 100-500)",
                            min=1)
-    sigma0: float = param(0.1, "initial step size of the search distribution", min=0.0)
+    sigma0: float = param(0.3, "initial step size of the search distribution", min=0.0)
+    sigma_scale: str = param("relative", "relative: the initial std of each offset is sigma0 "
+                             "times its singular value (B's are ~10x smaller than A's); "
+                             "absolute: sigma0 for every offset", choices=["relative", "absolute"])
     lr: float = param(0.01, "openai-es: Adam learning rate", min=0.0)
     generations: int = param(100, "stop after this many generations", min=1)
     target_accuracy: float = param(0.0, "stop once the mean's held-out accuracy reaches this "
@@ -44,6 +47,10 @@ class ESSAJobConfig:
         if self.essa.space == "lora" and self.essa.optimizer != "openai-es":
             raise UserError("config key 'essa.space': the lora space has millions of "
                             "dimensions; use essa.optimizer=openai-es with it")
+        if self.essa.sigma_scale == "relative" and (self.essa.optimizer == "openai-es" or
+                                                    self.essa.space == "lora"):
+            raise UserError("config key 'essa.sigma_scale': relative scaling is for the CMA "
+                            "optimizers over singular values; use absolute with openai-es")
         if not self.lora.adapter:
             raise UserError("config key 'lora.adapter': ESSA starts from an SFT adapter; "
                             "give its folder (hpc-sft writes <run.out>/adapter)")

@@ -82,7 +82,10 @@ class CMAES:
     it back out, so instances never disturb each other or the caller (not thread-safe).
     """
 
-    def __init__(self, dim: int, popsize: int, sigma0: float, seed: int, diagonal: bool = False):
+    def __init__(self, dim: int, popsize: int, sigma0: float, seed: int, diagonal: bool = False,
+                 stds: np.ndarray | None = None):
+        """``stds`` (dim,): per-coordinate scale of the initial search distribution (pycma's
+        ``CMA_stds``); the initial std of coordinate i is ``sigma0 * stds[i]``."""
         _check_config(dim, popsize, sigma0)
         self.dim, self.popsize, self.diagonal = dim, popsize, diagonal
         self._rng_state = np.random.RandomState(seed).get_state()
@@ -90,6 +93,8 @@ class CMAES:
         options = {"popsize": popsize, "seed": np.nan, "randn": _randn,
                    "CMA_diagonal": True if diagonal else 0, "bounds": [None, None],
                    "verbose": -9, "verb_log": 0, "verb_disp": 0}
+        if stds is not None:
+            options["CMA_stds"] = np.asarray(stds, dtype=np.float64)
         with self._own_rng():
             self._es = cma.CMAEvolutionStrategy(np.zeros(dim), sigma0, options)
 
@@ -242,12 +247,13 @@ class OpenAIES:
 
 
 def make_optimizer(name: str, dim: int, popsize: int, sigma0: float, seed: int,
-                   lr: float = 0.01) -> Optimizer:
-    """``name`` in OPTIMIZERS; ``lr`` is used by openai-es only."""
+                   lr: float = 0.01, stds: np.ndarray | None = None) -> Optimizer:
+    """``name`` in OPTIMIZERS; ``lr`` is used by openai-es only, ``stds`` (per-coordinate
+    scale of the initial distribution) by the CMA variants only."""
     if name == "cma":
-        return CMAES(dim, popsize, sigma0, seed)
+        return CMAES(dim, popsize, sigma0, seed, stds=stds)
     if name == "sep-cma":
-        return CMAES(dim, popsize, sigma0, seed, diagonal=True)
+        return CMAES(dim, popsize, sigma0, seed, diagonal=True, stds=stds)
     if name == "openai-es":
         return OpenAIES(dim, popsize, sigma0, lr, seed)
     raise UserError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")

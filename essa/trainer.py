@@ -64,7 +64,10 @@ def run(job) -> dict:
     space_cls = SingularValueSpace if e.space == "sv" else LoraEntrySpace
     space = on_all_ranks(world, lambda: space_cls.from_peft(model, e.alpha, cfg.lora.targets)
                          if e.space == "sv" else space_cls.from_peft(model))
-    opt = make_optimizer(e.optimizer, space.dim, e.population, e.sigma0, cfg.run.seed, e.lr)
+    stds = (np.maximum(space.singular_values(), 1e-3 * space.singular_values().max())
+            if e.sigma_scale == "relative" else None)
+    opt = make_optimizer(e.optimizer, space.dim, e.population, e.sigma0, cfg.run.seed, e.lr,
+                         stds=stds)
     ckpt_dir = f"{job.out_dir}/checkpoints"
     state = load_latest(ckpt_dir, warn=world.is_root) if job.resume else None
     start_gen, elapsed0 = 0, 0.0

@@ -186,11 +186,14 @@ def config_to_yaml(cfg) -> str:
     return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
 
 
-def reference_markdown(job_cls) -> str:
-    """A markdown table of every key of ``job_cls``: default, rule and help."""
+def reference_markdown(job_cls, sections=None) -> str:
+    """A markdown table of the keys of ``job_cls`` (of ``sections`` only, if given): default,
+    rule and help."""
     rows = ["| key | default | allowed | meaning |", "|---|---|---|---|"]
     cfg = job_cls()
     for sf in dataclasses.fields(cfg):
+        if sections is not None and sf.name not in sections:
+            continue
         section = getattr(cfg, sf.name)
         for f in dataclasses.fields(section):
             m = f.metadata
