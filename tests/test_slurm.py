@@ -1,0 +1,279 @@
+"""The Slurm job scripts, for real: a one-node Slurm (jobscripts/local-slurm/start.sh), the
+sbatch scripts submitted at 2 ranks on the toy model, the results read back with h5py.
+
+Needs root and Debian's slurmctld, slurmd, slurm-client and munge: skipped where they are
+absent, failed under HPC_TEST_STRICT=1 (CI). LAUNCHER=srun also needs libpmix-dev. The sweep
+dry run needs no Slurm.
+"""
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+import h5py
+import pytest
+
+from conftest import MPI_ENV, REPO, require
+
+START = os.path.join(REPO, "jobscripts", "local-slurm", "start.sh")
+STOP = os.path.join(REPO, "jobscripts", "local-slurm", "stop.sh")
+SWEEP = os.path.join(REPO, "jobscripts", "sweep.sh")
+SLURM_DIR = os.environ.get("HPC_SLURM_DIR", "/tmp/hpc-slurm")
+TINY_SFT = ["sft.steps=2", "task.n_train=64", "task.n_eval=16", "eval.n_samples=2"]
+SWEEP_VARS = ("GPU_COUNTS", "GPUS_PER_NODE", "METHODS", "SBATCH_ARGS", "RUN_ROOT")
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+# Stand-in for a trainer, started by the job scripts as `$PYTHON -m MODULE ARGS...`: it keeps
+# the trainers' preemption contract (SIGUSR1 or SIGTERM: checkpoint, exit 3; --resume: carry
+# on) and records each start, so the tests see what the scripts did around it.
+STAND_IN = """
+import os, signal, sys, time
+args = sys.argv[3:]
+out = next(a.split("=", 1)[1] for a in args if a.startswith("run.out="))
+rank = os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ["SLURM_PROCID"]
+os.makedirs(out, exist_ok=True)
+with open(os.path.join(out, "starts"), "a") as fh:
+    fh.write(f"{rank} {'resume' if '--resume' in args else 'fresh'} "
+             f"{os.environ.get('SLURM_RESTART_COUNT', '0')}\\n")
+if "--resume" in args:
+    sys.exit(0)
+
+def checkpoint_and_stop(signum, frame):
+    os.makedirs(os.path.join(out, "checkpoints"), exist_ok=True)
+    open(os.path.join(out, "checkpoints", "step-00000001.pt"), "w").close()
+    sys.exit(3)
+
+signal.signal(signal.SIGUSR1, checkpoint_and_stop)
+signal.signal(signal.SIGTERM, checkpoint_and_stop)
+open(os.path.join(out, f"ready-{rank}"), "w").close()
+time.sleep(300)
+sys.exit(1)
+"""
+
+
+def _alive(pidfile: str) -> bool:
+    try:
+        with open(pidfile) as fh:
+            os.kill(int(fh.read()), 0)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """Environment for sbatch and scontrol on the local Slurm, started here if not running.
+
+    Jobs inherit it (--export=ALL): this interpreter's folder first on PATH (its mpirun) and
+    as PYTHON, offline Hugging Face, Open MPI allowed to run as root, LAUNCHER=mpirun.
+    """
+    sbin = os.environ.get("PATH", "") + os.pathsep + "/usr/sbin:/sbin"
+    missing = [c for c in ("sbatch", "scontrol", "slurmctld", "slurmd", "munged")
+               if shutil.which(c, path=sbin) is None]
+    require(not missing, f"Slurm ({', '.join(missing)})")
+    require(os.geteuid() == 0, "root (to start the local Slurm)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_"))}
+    env.update(MPI_ENV, SLURM_CONF=f"{SLURM_DIR}/slurm.conf", PYTHON=sys.executable,
+               LAUNCHER="mpirun",
+               PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
+    was_up = _alive(f"{SLURM_DIR}/slurmctld.pid") and _alive(f"{SLURM_DIR}/slurmd.pid")
+    proc = subprocess.run(["bash", START], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    yield env
+    if not was_up:
+        subprocess.run(["bash", STOP], env=env, capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def toy_model(slurm):
+    """Build the cached toy model if absent (2-3 minutes) before any job, not inside one."""
+    proc = subprocess.run([sys.executable, "-m", "hpc.toy"], env=slurm, cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def job_info(env, jobid) -> dict:
+    out = subprocess.run(["scontrol", "show", "job", "-o", jobid], env=env, capture_output=True,
+                         text=True, timeout=60).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
+def sbatch(env, method, args, out_dir, wait=True, **variables):
+    """Submit jobscripts/slurm/METHOD.sbatch at 2 ranks; (exit code if waited, job id).
+
+    Waits by polling scontrol, as `sbatch --wait` backs off to polls half a minute apart.
+    """
+    cmd = ["sbatch", "--parsable", f"--chdir={REPO}", f"--output={out_dir}/slurm-%x-%j.out",
+           "--ntasks-per-node=2", "--gpus-per-node=2", "--export=ALL",
+           f"jobscripts/slurm/{method}.sbatch", *args]
+    proc = subprocess.run(cmd, env=dict(env, RUN_ROOT=str(out_dir), **variables), cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"sbatch failed: {proc.stderr}"
+    jobid = proc.stdout.split(";")[0].strip()
+    if not wait:
+        return None, jobid
+    wait_for(lambda: job_info(env, jobid)["JobState"] in ENDED, 900, f"job {jobid} to end")
+    return int(job_info(env, jobid)["ExitCode"].split(":")[0]), jobid
+
+
+def job_log(out_dir, method, jobid) -> str:
+    path = os.path.join(out_dir, f"slurm-{method}-{jobid}.out")
+    if not os.path.exists(path):
+        return "(no job log)"
+    with open(path) as fh:
+        return fh.read()
+
+
+def wait_for(condition, timeout, what):
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.5)
+
+
+def srun_pmix_works(env) -> bool:
+    """srun can start 2 MPI ranks of this interpreter that see each other."""
+    proc = subprocess.run(
+        ["srun", "--mpi=pmix", "-n", "2", "--gpus-per-node=0", sys.executable, "-c",
+         "from mpi4py import MPI; print(MPI.COMM_WORLD.allreduce(1))"],
+        env=dict(env, PMIX_MCA_psec="native"), capture_output=True, text=True, timeout=120)
+    return proc.returncode == 0 and proc.stdout.split() == ["2", "2"]
+
+
+def _sweep(args, tmp_path, **variables):
+    # An sbatch that only records its calls: a dry run must not submit anything.
+    fake = tmp_path / "bin" / "sbatch"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\necho called >> {tmp_path}/sbatch-calls\nexit 1\n")
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in SWEEP_VARS}
+    env.update(variables, PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    proc = subprocess.run(["bash", SWEEP, *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert not (tmp_path / "sbatch-calls").exists()
+    return proc
+
+
+def test_sweep_dry_run_prints_one_sbatch_line_per_size_and_method(tmp_path):
+    proc = _sweep(["--dry-run", "configs/exp.yaml", "task.ops=+-*", "run.seed=3"], tmp_path,
+                  RUN_ROOT="runs/sweep-test")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 8
+    seen = []
+    for line in lines:
+        argv = shlex.split(line)
+        assert argv[0] == "sbatch"
+        at = next(i for i, a in enumerate(argv) if a.endswith(".sbatch"))
+        opts = dict(a[2:].split("=", 1) for a in argv[1:at])
+        gpus = int(opts["ntasks"])
+        assert opts["nodes"] == str(gpus // 8)
+        assert opts["ntasks-per-node"] == opts["gpus-per-node"] == "8"
+        assert opts["export"] == "ALL,RUN_ROOT=runs/sweep-test"
+        assert argv[at + 1:] == ["configs/exp.yaml", "task.ops=+-*", "run.seed=3"]
+        method = re.fullmatch(r"jobscripts/slurm/(\w+)\.sbatch", argv[at]).group(1)
+        assert opts["job-name"] == f"{method}-{gpus}g"
+        seen.append((method, gpus))
+    assert sorted(seen) == [(m, g) for m in ("essa", "fgrpo") for g in (16, 32, 64, 128)]
+
+
+def test_sweep_rejects_a_partial_node_before_printing_anything(tmp_path):
+    proc = _sweep(["--dry-run"], tmp_path, GPU_COUNTS="16 12", GPUS_PER_NODE="8")
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert "12 GPUs" in proc.stderr
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "srun"])
+def test_sft_job_writes_its_run_file(slurm, toy_model, tmp_path, launcher):
+    if launcher == "srun":
+        require(srun_pmix_works(slurm), "srun --mpi=pmix (Debian: apt-get install libpmix-dev)")
+    rc, jobid = sbatch(slurm, "sft", TINY_SFT, tmp_path, LAUNCHER=launcher)
+    log = job_log(tmp_path, "sft", jobid)
+    assert rc == 0, log[-4000:]
+    assert f"+ {launcher} " in log
+    assert job_info(slurm, jobid)["JobState"] == "COMPLETED"
+    run = tmp_path / f"sft-{jobid}"
+    with h5py.File(run / "sft.h5", "r") as f:
+        assert f.attrs["method"] == "sft"
+        assert f.attrs["status"] == "complete"
+        assert int(f.attrs["world_size"]) == 2
+        assert {"metrics", "timings", "bytes", "eval"} <= set(f)
+        assert len(f["metrics/loss"]) == 2  # sft.steps=2
+        assert f["timings/forward_backward"].shape == (2, 2)  # one column per rank
+        assert len(f["eval/accuracy"]) == 2  # before and after training
+    assert (run / "adapter").is_dir()
+
+
+@pytest.mark.parametrize("method", ["sft", "essa", "fgrpo", "eval"])
+def test_user_error_fails_the_job_and_is_not_requeued(slurm, tmp_path, method):
+    rc, jobid = sbatch(slurm, method, ["run.seed=-1"], tmp_path)
+    log = job_log(tmp_path, method, jobid)
+    assert rc == 2, log[-4000:]
+    assert "run.seed" in log and "Traceback" not in log
+    info = job_info(slurm, jobid)
+    assert (info["JobState"], info["Restarts"], info["ExitCode"]) == ("FAILED", "0", "2:0")
+
+
+def _start_stand_in(env, tmp_path, launcher):
+    trainer = tmp_path / "trainer"
+    trainer.write_text(f"#!{sys.executable}\n{STAND_IN}")
+    trainer.chmod(0o755)
+    runs = tmp_path / "runs"
+    runs.mkdir()  # Slurm does not create the folder of the job log
+    # The stand-in uses no MPI, so srun needs no PMIx here: this runs in CI as it is.
+    _, jobid = sbatch(env, "fgrpo", ["fgrpo.steps=5"], runs, wait=False, PYTHON=str(trainer),
+                      LAUNCHER=launcher, SRUN_MPI="none")
+    run = runs / f"fgrpo-{jobid}"
+
+    def ready():
+        assert job_info(env, jobid)["JobState"] in ("PENDING", "RUNNING"), job_log(runs, "fgrpo",
+                                                                                  jobid)
+        return all((run / f"ready-{r}").exists() for r in (0, 1))
+
+    wait_for(ready, 300, "both ranks")
+    return jobid, run, runs
+
+
+def _starts(run) -> list:
+    return sorted(tuple(line.split()) for line in (run / "starts").read_text().splitlines())
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "srun"])
+def test_usr1_before_time_limit_checkpoints_requeues_and_resumes(slurm, tmp_path, launcher):
+    jobid, run, runs = _start_stand_in(slurm, tmp_path, launcher)
+    # What Slurm does at `--signal=B:USR1@120`: SIGUSR1 to the batch shell alone.
+    subprocess.run(["scancel", "--signal=USR1", "--batch", jobid], env=slurm, check=True)
+
+    def requeued():
+        info = job_info(slurm, jobid)
+        return (info["JobState"], info["Restarts"]) == ("PENDING", "1")
+
+    wait_for(requeued, 120, "the requeue")
+    # Slurm holds a requeued job for about two minutes before it may start again.
+    subprocess.run(["scontrol", "update", f"JobId={jobid}", "StartTime=now"], env=slurm,
+                   check=True)
+    wait_for(lambda: job_info(slurm, jobid)["JobState"] in ENDED, 300, "the requeued job to end")
+    log = job_log(runs, "fgrpo", jobid)
+    assert job_info(slurm, jobid)["JobState"] == "COMPLETED", log
+    # Each rank: started fresh, was requeued (restart 1) into the same folder with --resume.
+    assert _starts(run) == [("0", "fresh", "0"), ("0", "resume", "1"),
+                            ("1", "fresh", "0"), ("1", "resume", "1")]
+    assert "fgrpo.steps=5 run.out=" in log and log.count("--resume") == 1
+    assert "requeueing" in log
+
+
+def test_cancelled_job_stays_cancelled_despite_checkpoint_exit(slurm, tmp_path):
+    # srun passes Slurm's SIGTERM to the ranks, which then checkpoint and exit 3.
+    jobid, run, runs = _start_stand_in(slurm, tmp_path, "srun")
+    subprocess.run(["scancel", jobid], env=slurm, check=True)
+    wait_for(lambda: job_info(slurm, jobid)["JobState"] == "CANCELLED", 120, "the cancel")
+    time.sleep(5)  # time enough for a wrong `scontrol requeue` to have brought it back
+    info = job_info(slurm, jobid)
+    log = job_log(runs, "fgrpo", jobid)
+    assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), log
+    assert "stopped by SIGTERM" in log
+    assert [s[1] for s in _starts(run)] == ["fresh", "fresh"]
