@@ -7,6 +7,7 @@ fitness vector (8 bytes a member) crosses the network, plus the per-rank phase t
 """
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
@@ -22,6 +23,7 @@ from hpc.errors import UserError, user_errors_exit
 from hpc.evaluate import evaluate, format_table, log_eval
 from hpc.jobs import on_all_ranks, start_job
 from hpc.models import load_adapter, load_model
+from hpc.preempt import EXIT_PREEMPTED, StopSignals, preempted_exit, should_stop
 from hpc.runstore import RunStore, environment_attrs
 from hpc.tasks import load_task
 from hpc.timing import PhaseTimer, gather_timings
@@ -68,6 +70,7 @@ def run(job) -> dict:
             if e.sigma_scale == "relative" else None)
     opt = make_optimizer(e.optimizer, space.dim, e.population, e.sigma0, cfg.run.seed, e.lr,
                          stds=stds)
+    signals = StopSignals()
     ckpt_dir = f"{job.out_dir}/checkpoints"
     state = load_latest(ckpt_dir, warn=world.is_root) if job.resume else None
     start_gen, elapsed0 = 0, 0.0
@@ -97,7 +100,7 @@ def run(job) -> dict:
     progress = tqdm(total=e.generations, initial=start_gen, desc="essa",
                     disable=not (world.is_root and cfg.run.progress))
     t0 = time.perf_counter() - elapsed0
-    gen = start_gen
+    gen, preempted = start_gen, False
     while gen < e.generations:
         X = opt.ask()
         batch = minibatch_indices(len(task.train), e.minibatch, cfg.run.seed, gen)
@@ -125,10 +128,13 @@ def run(job) -> dict:
             store.write_row("heldout", gen, flush=False, mean_accuracy=res_mean.accuracy,
                             best_accuracy=res_best.accuracy, wall_s=time.perf_counter() - t0)
             reached = e.target_accuracy > 0 and res_mean.accuracy >= e.target_accuracy
-        out_of_time = np.array([cfg.run.max_time_s > 0 and
-                                time.perf_counter() - t0 >= cfg.run.max_time_s], dtype=np.int8)
-        world.bcast(out_of_time, tag="control")  # rank 0's clock decides for everyone
-        stop = reached or bool(out_of_time[0])
+        stop, preempted = should_stop(world, signals, cfg.run.max_time_s > 0 and
+                                      time.perf_counter() - t0 >= cfg.run.max_time_s)
+        stop = stop or reached
+        # The row goes out before the checkpoint: a kill in between leaves a row that the
+        # resumed run truncates and recomputes, never a checkpoint without its row.
+        store.log_step(gen, metrics=metrics, timings=gather_timings(world, timer),
+                       nbytes=world.take_bytes())
         if cfg.run.checkpoint_every and gen % cfg.run.checkpoint_every == 0 or stop or \
                 gen == e.generations:
             with timer.phase("checkpoint"):
@@ -136,17 +142,16 @@ def run(job) -> dict:
                     save_checkpoint(ckpt_dir, gen, {"generation": gen,
                                                     "optimizer": opt.state_dict(),
                                                     "elapsed_s": time.perf_counter() - t0,
-                                                    "best_x": best_x, "best_fitness": best_fit,
-                                                    "torch_rng": torch.get_rng_state()},
+                                                    "best_x": best_x, "best_fitness": best_fit},
                                     keep=e.keep_checkpoints)
-        store.log_step(gen, metrics=metrics, timings=gather_timings(world, timer),
-                       nbytes=world.take_bytes())
         progress.update(1)
         progress.set_postfix(fit=f"{fitness.mean():.3f}")
         if stop:
             break
     progress.close()
     wall = time.perf_counter() - t0
+    if preempted:
+        return preempted_exit(world, store, gen, wall)
     final_mean = held_out(opt.mean, sampled=True)
     log_eval(store, gen, final_mean)
     store.write_row("final", gen, mean=opt.mean, best=best_x, best_fitness=best_fit)
@@ -156,7 +161,7 @@ def run(job) -> dict:
     store.set_attrs(generations_done=gen, wall_seconds=wall)
     store.close("complete")
     return {"start": start_eval, "final": final_mean, "generations": gen, "wall_s": wall,
-            "mean": opt.mean}
+            "preempted": False}
 
 
 @user_errors_exit
@@ -164,6 +169,8 @@ def main(argv=None):
     """``essa [CONFIG.yaml] [key=value ...] [--resume]`` under mpirun/srun (or alone)."""
     job = start_job(ESSAJobConfig, "essa", "essa", argv)
     summary = run(job)
+    if summary["preempted"]:
+        sys.exit(EXIT_PREEMPTED)
     if job.world.is_root:
         rows = []
         if summary["start"] is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 import time
 
 import numpy as np
@@ -27,6 +28,7 @@ from hpc.errors import user_errors_exit
 from hpc.evaluate import evaluate, format_table, log_eval
 from hpc.jobs import on_all_ranks, start_job
 from hpc.models import attach_lora, load_adapter, load_model, save_adapter
+from hpc.preempt import EXIT_PREEMPTED, StopSignals, preempted_exit, should_stop
 from hpc.runstore import RunStore, environment_attrs
 from hpc.tasks import load_task
 from hpc.timing import PhaseTimer, gather_timings
@@ -118,6 +120,7 @@ def run(job) -> dict:
     init_process_group(world, job.device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=f.learning_rate, weight_decay=f.weight_decay)
+    signals = StopSignals()
     ckpt_dir = f"{job.out_dir}/checkpoints"
     state = load_latest(ckpt_dir, warn=world.is_root) if job.resume else None
     start_step, elapsed0, skipped = 0, 0.0, 0
@@ -145,7 +148,7 @@ def run(job) -> dict:
     progress = tqdm(total=f.steps, initial=start_step, desc="fgrpo",
                     disable=not (world.is_root and cfg.run.progress))
     t0 = time.perf_counter() - elapsed0
-    step = start_step
+    step, preempted = start_step, False
     while step < f.steps:
         batch = np.random.default_rng([cfg.run.seed, step]).choice(
             len(task.train), size=min(f.batch_prompts, len(task.train)), replace=False)
@@ -208,10 +211,11 @@ def run(job) -> dict:
                 res = held_out()
             store.write_row("heldout", step, flush=False, accuracy=res.accuracy,
                             wall_s=time.perf_counter() - t0)
-        out_of_time = np.array([cfg.run.max_time_s > 0 and
-                                time.perf_counter() - t0 >= cfg.run.max_time_s], dtype=np.int8)
-        world.bcast(out_of_time, tag="control")
-        stop = bool(out_of_time[0])
+        stop, preempted = should_stop(world, signals, cfg.run.max_time_s > 0 and
+                                      time.perf_counter() - t0 >= cfg.run.max_time_s)
+        # The row goes out before the checkpoint (see essa.trainer for why).
+        store.log_step(step, metrics=metrics, timings=gather_timings(world, timer),
+                       nbytes=world.take_bytes())
         if cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0 or stop or \
                 step == f.steps:
             with timer.phase("checkpoint"):
@@ -220,14 +224,14 @@ def run(job) -> dict:
                         "step": step, "params": [p.detach().clone() for p in params],
                         "optimizer": opt.state_dict(), "elapsed_s": time.perf_counter() - t0,
                         "skipped": skipped}, keep=f.keep_checkpoints)
-        store.log_step(step, metrics=metrics, timings=gather_timings(world, timer),
-                       nbytes=world.take_bytes())
         progress.update(1)
         progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}")
         if stop:
             break
     progress.close()
     wall = time.perf_counter() - t0
+    if preempted:
+        return preempted_exit(world, store, step, wall)
     model.eval()
     final = held_out(sampled=True)
     log_eval(store, step, final)
@@ -235,7 +239,8 @@ def run(job) -> dict:
         save_adapter(model, f"{job.out_dir}/adapter")
     store.set_attrs(steps_done=step, wall_seconds=wall)
     store.close("complete")
-    return {"start": start_eval, "final": final, "steps": step, "wall_s": wall}
+    return {"start": start_eval, "final": final, "steps": step, "wall_s": wall,
+            "preempted": False}
 
 
 @user_errors_exit
@@ -243,6 +248,8 @@ def main(argv=None):
     """``fgrpo [CONFIG.yaml] [key=value ...] [--resume]`` under mpirun/srun (or alone)."""
     job = start_job(FGRPOJobConfig, "fgrpo", "fgrpo", argv)
     summary = run(job)
+    if summary["preempted"]:
+        sys.exit(EXIT_PREEMPTED)
     if job.world.is_root:
         rows = []
         if summary["start"] is not None:

@@ -1,0 +1,137 @@
+"""Fault injection under real mpirun: preemption signals, damaged checkpoints."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import MPI_ENV, REPO, mpirun_path, require, run_mpi
+from hpc.checkpoint import list_checkpoints, load_latest, save_checkpoint
+from hpc.errors import UserError
+from hpc.runstore import RunFile
+
+P = 6
+
+
+def essa_args(adapter, out, generations, *extra):
+    return ["-m", "essa", "model.path=toy", f"lora.adapter={adapter}", "task.n_train=200",
+            "task.n_eval=16", f"essa.population={P}", "essa.minibatch=16",
+            f"essa.generations={generations}", "eval.every=0", "eval.n_samples=2",
+            "eval.batch_size=16", "run.progress=false", "run.checkpoint_every=1",
+            f"run.out={out}", *extra]
+
+
+def fgrpo_args(adapter, out, steps, *extra):
+    return ["-m", "fgrpo", "model.path=toy", f"lora.adapter={adapter}", "task.n_train=200",
+            "task.n_eval=16", "fgrpo.batch_prompts=8", "fgrpo.num_generations=4",
+            f"fgrpo.steps={steps}", "eval.every=0", "eval.n_samples=2", "run.progress=false",
+            "run.checkpoint_every=1", f"run.out={out}", *extra]
+
+
+def _rows(path, group):
+    try:
+        return len(RunFile(path).group(group).get("step", []))
+    except (OSError, KeyError):
+        return 0
+
+
+def rank_pids(marker: str) -> list:
+    """Process ids of the Python ranks whose command line contains ``marker``."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmd = fh.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if cmd and "python" in os.path.basename(cmd[0]) and any(marker in c for c in cmd):
+            pids.append(int(pid))
+    return pids
+
+
+def run_and_signal(args, h5, group, after_rows, sig, to_ranks=False):
+    """Start ``args`` on 2 ranks; once ``after_rows`` rows exist send ``sig`` to mpirun (which
+    forwards SIGUSR1 to its ranks, as srun does) or, with ``to_ranks``, to every rank directly
+    (as Slurm does with SIGTERM at preemption; mpirun itself would kill its ranks on SIGTERM)."""
+    mpirun = mpirun_path()
+    require(mpirun is not None, "mpirun")
+    proc = subprocess.Popen([mpirun, "-n", "2", "--oversubscribe", sys.executable] + args,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, **MPI_ENV), cwd=REPO)
+    deadline = time.time() + 300
+    while _rows(h5, group) < after_rows and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    if to_ranks:
+        marker = next(a for a in args if a.startswith("run.out="))
+        for pid in rank_pids(marker):
+            os.kill(pid, sig)
+    else:
+        proc.send_signal(sig)
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out, err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
+def test_essa_preemption_then_resume_is_bitwise(toy_adapter, tmp_path, sig):
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert run_mpi(2, essa_args(toy_adapter, full, 8)).returncode == 0
+    h5 = str(part / "essa.h5")
+    code, out, err = run_and_signal(essa_args(toy_adapter, part, 8), h5, "essa", 2, sig,
+                                    to_ranks=sig == signal.SIGTERM)
+    assert code == 3, err[-3000:]
+    assert "preempted after step" in out
+    stopped = RunFile(h5)
+    assert stopped.attrs["status"] == "preempted"
+    g = stopped.group("essa")["step"][-1]
+    assert 2 <= g < 8
+    assert os.path.basename(list_checkpoints(str(part / "checkpoints"))[-1]) == \
+        f"step-{g:08d}.pt"
+    resumed = run_mpi(2, essa_args(toy_adapter, part, 8) + ["--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = RunFile(str(full / "essa.h5")), RunFile(h5)
+    assert b.attrs["status"] == "complete"
+    assert b.group("essa")["step"].tolist() == list(range(1, 9))
+    assert np.array_equal(a.group("essa")["fitness"], b.group("essa")["fitness"])
+    assert np.array_equal(a.group("final")["mean"], b.group("final")["mean"])
+
+
+def test_fgrpo_preemption_then_resume_is_bitwise(toy_adapter, tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert run_mpi(2, fgrpo_args(toy_adapter, full, 6)).returncode == 0
+    h5 = str(part / "fgrpo.h5")
+    code, _, err = run_and_signal(fgrpo_args(toy_adapter, part, 6), h5, "metrics", 2,
+                                  signal.SIGUSR1)
+    assert code == 3, err[-3000:]
+    assert RunFile(h5).attrs["status"] == "preempted"
+    resumed = run_mpi(2, fgrpo_args(toy_adapter, part, 6) + ["--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = RunFile(str(full / "fgrpo.h5")), RunFile(h5)
+    assert b.group("metrics")["step"].tolist() == list(range(1, 7))
+    for key in ("reward_mean", "loss", "entropy"):
+        assert np.array_equal(a.group("metrics")[key], b.group("metrics")[key]), key
+
+
+def test_damaged_checkpoint_falls_back_to_previous(tmp_path, capsys):
+    for step in (1, 2, 3):
+        save_checkpoint(str(tmp_path), step, {"step": step, "x": torch.arange(4) * step},
+                        keep=2)
+    assert [os.path.basename(p) for p in list_checkpoints(str(tmp_path))] == \
+        ["step-00000002.pt", "step-00000003.pt"]
+    newest = tmp_path / "step-00000003.pt"
+    newest.write_bytes(newest.read_bytes()[:-20])  # truncated
+    assert load_latest(str(tmp_path))["step"] == 2
+    assert "truncated or corrupted" in capsys.readouterr().err
+    older = tmp_path / "step-00000002.pt"
+    data = bytearray(older.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte
+    older.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="every checkpoint"):
+        load_latest(str(tmp_path))
+
+
+def test_no_checkpoint_folder_means_fresh_start(tmp_path):
+    assert load_latest(str(tmp_path / "none")) is None
