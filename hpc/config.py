@@ -80,6 +80,9 @@ class RunConfig:
 
 
 SECTION_TYPES = (ModelConfig, LoraConfig, TaskConfig, EvalConfig, RunConfig)
+# One experiment file may configure every method (a sweep submits it to each): a job skips the
+# sections of the other methods, and still rejects any other unknown section.
+METHOD_SECTIONS = ("sft", "essa", "fgrpo")
 
 
 def _field_type(section_cls, f: dataclasses.Field):
@@ -140,6 +143,8 @@ def _set(cfg, key: str, value) -> None:
                         f"{', '.join(f.name for f in dataclasses.fields(cfg))})")
     section_name, name = parts
     sections = {f.name: f for f in dataclasses.fields(cfg)}
+    if section_name in METHOD_SECTIONS and section_name not in sections:
+        return
     if section_name not in sections:
         raise UserError(f"config key '{key}': unknown section '{section_name}' "
                         f"(sections: {', '.join(sections)})")

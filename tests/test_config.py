@@ -55,3 +55,14 @@ def test_reference_lists_every_key():
     table = reference_markdown(EvalJobConfig)
     for key in ("model.path", "lora.rank", "task.name", "eval.n_samples", "run.out"):
         assert f"`{key}`" in table
+
+
+def test_other_methods_sections_are_skipped(tmp_path):
+    from essa.config import ESSAJobConfig
+
+    path = tmp_path / "experiment.yaml"
+    path.write_text("essa:\n  population: 8\nfgrpo:\n  steps: 3\n")
+    cfg = load_config(ESSAJobConfig, str(path), ["fgrpo.gamma=2", "lora.adapter=x"])
+    assert cfg.essa.population == 8
+    with pytest.raises(UserError, match="essa.popsize"):
+        load_config(ESSAJobConfig, str(path), ["essa.popsize=3", "lora.adapter=x"])
