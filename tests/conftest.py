@@ -78,13 +78,12 @@ def our_lines(stderr: str) -> list:
 
 @pytest.fixture(scope="session")
 def toy_adapter(tmp_path_factory):
-    """A LoRA (rank 8) SFT adapter on the built-in toy model: 15 quick SFT steps, one process.
+    """The demo's SFT adapter (configs/demo/sft.yaml: LoRA rank 16, 10 steps), one process.
 
     Builds the toy model first if it is not cached (a few CPU minutes, once).
     """
     out = tmp_path_factory.mktemp("toy-sft")
-    proc = run_cli(["-m", "hpc.sft", "model.path=toy", "lora.rank=8", "sft.steps=15",
-                    "sft.batch_size=32", "task.n_train=512", "task.n_eval=16",
+    proc = run_cli(["-m", "hpc.sft", "configs/demo/sft.yaml", "task.n_eval=16",
                     "eval.n_samples=2", "run.progress=false", f"run.out={out}"], timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return str(out / "adapter")
