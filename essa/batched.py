@@ -46,7 +46,7 @@ class MemberLora:
 
     ``fused`` (default: on CUDA only) casts the factors once to the base layer's dtype, folds
     ``scaling`` into B' and adds the delta inside the second matmul (``torch.baddbmm``): two
-    kernels per layer and step instead of six. Unfused, the delta is computed exactly as peft
+    kernels per layer and step instead of up to six. Unfused, the delta is computed exactly as peft
     does (in the adapter's dtype, fp32 even on a bf16 model, then added and cast back).
     """
 
@@ -110,18 +110,28 @@ def _fused_forward(base, a_t: torch.Tensor, sb_t: torch.Tensor):
     return forward
 
 
-def choose_k(model, k: int, n_members: int, rows_per_member: int, seq_len: int) -> int:
+def choose_k(model, tokenizer, k: int, n_members: int, prompts: list, batch_size: int,
+             max_new_tokens: int) -> int:
     """Members per batched generation: ``k`` capped by ``n_members`` and, on CUDA, by
-    :func:`members_that_fit` in the free memory (``torch.cuda.mem_get_info``). Always >= 1."""
+    :func:`members_on_device` for generate chunks of ``batch_size`` of ``prompts`` (longest
+    tokenised prompt + ``max_new_tokens`` tokens per row). Always >= 1; on CPU nothing is
+    tokenised."""
     k = max(1, min(k, n_members))
-    param = next(model.parameters())
-    if param.device.type != "cuda":
+    if next(model.parameters()).device.type != "cuda":
         return k
+    seq_len = max(len(ids) for ids in tokenizer(prompts)["input_ids"]) + max_new_tokens
+    return min(k, members_on_device(model, n_members, min(batch_size, len(prompts)), seq_len))
+
+
+def members_on_device(model, n_members: int, rows_per_member: int, seq_len: int) -> int:
+    """:func:`members_that_fit` in the free memory of the model's CUDA device now
+    (``torch.cuda.mem_get_info``), with the model's dtype and LoRA size."""
+    param = next(model.parameters())
     lora = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                if "lora_" in n)
     free, _ = torch.cuda.mem_get_info(param.device)
-    return min(k, members_that_fit(model.config, param.element_size(), lora, free, n_members,
-                                   rows_per_member, seq_len))
+    return members_that_fit(model.config, param.element_size(), lora, free, n_members,
+                            rows_per_member, seq_len)
 
 
 def members_that_fit(config, elem_bytes: int, lora_bytes: int, free_bytes: int, n_members: int,
@@ -181,12 +191,11 @@ def score_members_batched(model, tokenizer, space, members: np.ndarray, task, pr
     Same result as :func:`essa.population.score_members` (mean reward in [0, 1], float64
     (n,)); k is capped by :func:`choose_k` and the last group may be shorter. The model's own
     adapter weights are not touched. Phases: ``rebuild`` (A', B' of all n members in one
-    vectorised call, then sliced per group), ``generate``, ``reward``.
+    vectorised call, then sliced per group; also :func:`choose_k`), ``generate``,
+    ``reward``.
     """
-    rows = min(batch_size, len(prompts))
-    seq_len = max(len(ids) for ids in tokenizer(prompts)["input_ids"]) + max_new_tokens
-    k = choose_k(model, k, len(members), rows, seq_len)
     with timer.phase("rebuild"):
+        k = choose_k(model, tokenizer, k, len(members), prompts, batch_size, max_new_tokens)
         factors = space.factors_batch(members)
     fitness = np.empty(len(members), dtype=np.float64)
     cache = {}

@@ -33,11 +33,12 @@ PHASES = ["rebuild", "generate", "reward", "waiting", "communication", "update",
           "checkpoint"]
 
 
-def gather_fitness(world, mine: np.ndarray, population: int, timer) -> np.ndarray:
+def gather_fitness(world, mine: np.ndarray, population: int, timer,
+                   timeout_s: float) -> np.ndarray:
     """All members' fitness on every rank (float64 (P,)); time spent waiting for stragglers
-    (a barrier) is charged apart from the transfer itself."""
+    (a barrier with a deadline) is charged apart from the transfer itself."""
     with timer.phase("waiting"):
-        world.barrier()
+        world.arrive("fitness exchange", timeout_s)
     with timer.phase("communication"):
         return world.allgatherv(mine, split_evenly(population, world.size), tag="fitness")
 
@@ -102,13 +103,15 @@ def run(job) -> dict:
     t0 = time.perf_counter() - elapsed0
     gen, preempted = start_gen, False
     while gen < e.generations:
-        X = opt.ask()
+        with timer.phase("update"):
+            X = opt.ask()
         batch = minibatch_indices(len(task.train), e.minibatch, cfg.run.seed, gen)
         prompts = [task.train.prompts[i] for i in batch]
         answers = [task.train.answers[i] for i in batch]
         mine = score_members(model, tok, space, X[my_members], task, prompts, answers,
                              max_new, cfg.eval.batch_size, timer, e.members_per_pass)
-        fitness, n_bad = sanitize(gather_fitness(world, mine, e.population, timer))
+        fitness, n_bad = sanitize(gather_fitness(world, mine, e.population, timer,
+                                                   cfg.run.collective_timeout_s))
         with timer.phase("update"):
             opt.tell(X, fitness)
         gen += 1

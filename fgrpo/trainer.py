@@ -34,8 +34,8 @@ from hpc.tasks import load_task
 from hpc.timing import PhaseTimer, gather_timings
 from hpc.world import my_slice
 
-PHASES = ["generation", "reward", "forward_backward", "allreduce", "optimizer", "eval",
-          "checkpoint"]
+PHASES = ["generation", "reward", "forward_backward", "waiting", "allreduce", "optimizer",
+          "eval", "checkpoint"]
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -179,6 +179,8 @@ def run(job) -> dict:
             with timer.phase("forward_backward"):
                 sums = accumulate_gradients(model, rollouts, row_adv, cfg, world,
                                             max_new, old_logp, ref_logp)
+            with timer.phase("waiting"):
+                world.arrive("gradient all-reduce", cfg.run.collective_timeout_s)
             with timer.phase("allreduce"):
                 all_reduce_mean_([p.grad for p in params], world, tag="grad_allreduce")
             finite = all(torch.isfinite(p.grad).all() for p in params)

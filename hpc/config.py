@@ -77,6 +77,9 @@ class RunConfig:
     max_time_s: float = param(0.0, "stop after this wall time in seconds (0 = no limit)", min=0.0)
     checkpoint_every: int = param(0, "checkpoint every this many steps (0 = end only)", min=0)
     progress: bool = param(True, "progress bar on rank 0")
+    collective_timeout_s: float = param(600.0, "a rank that has not reached a step's exchange "
+                                        "after this many seconds is named and the job aborted",
+                                        min=1.0)
 
 
 SECTION_TYPES = (ModelConfig, LoraConfig, TaskConfig, EvalConfig, RunConfig)

@@ -26,8 +26,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def init_process_group(world: World, device: torch.device, timeout_s: float = 600.0) -> str:
-    """Join (or create) the default process group for ``world``; returns the backend name."""
+def init_process_group(world: World, device: torch.device) -> str:
+    """Join (or create) the default process group for ``world``; returns the backend name.
+
+    Its collectives time out after ``world.timeout_s`` (``run.collective_timeout_s``)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if dist.is_initialized():
         return dist.get_backend()
@@ -48,7 +50,7 @@ def init_process_group(world: World, device: torch.device, timeout_s: float = 60
         init_method=f"tcp://{addr}:{port}",
         rank=world.rank,
         world_size=world.size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=datetime.timedelta(seconds=world.timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
     return backend

@@ -23,7 +23,7 @@ import numpy as np
 from hpc.errors import UserError
 
 _LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
-_LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
+_ARRIVE_TAG, _RELEASE_TAG = 7301, 7302
 
 
 def _mpi():
@@ -43,6 +43,7 @@ class World:
     local_size: int
     hostname: str
     bytes_by_tag: dict = field(default_factory=lambda: defaultdict(int))
+    timeout_s: float = 600.0  # deadline of every collective (run.collective_timeout_s)
 
     @property
     def is_root(self) -> bool:
@@ -59,7 +60,7 @@ class World:
 
     def bcast(self, buf: np.ndarray, root: int = 0, tag: str = "bcast") -> np.ndarray:
         """Broadcast ``buf`` (any shape, contiguous) in place from ``root``; returns it."""
-        self.comm.Bcast(buf, root=root)
+        self._complete(self.comm.Ibcast(buf, root=root), tag)
         self.count(tag, buf.nbytes)
         return buf
 
@@ -67,7 +68,7 @@ class World:
         """Gather equal-sized ``send`` arrays (shape S) from all ranks: result (size, *S)."""
         send = np.ascontiguousarray(send)
         recv = np.empty((self.size,) + send.shape, dtype=send.dtype)
-        self.comm.Allgather(send, recv)
+        self._complete(self.comm.Iallgather(send, recv), tag)
         self.count(tag, recv.nbytes)
         return recv
 
@@ -80,12 +81,69 @@ class World:
         recv = np.empty(int(sum(counts)), dtype=send.dtype)
         displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int)
         mpi_type = _mpi()._typedict[send.dtype.char]
-        self.comm.Allgatherv(send, [recv, list(counts), list(displs), mpi_type])
+        self._complete(self.comm.Iallgatherv(send, [recv, list(counts), list(displs), mpi_type]),
+                       tag)
         self.count(tag, recv.nbytes)
         return recv
 
     def barrier(self) -> None:
-        self.comm.Barrier()
+        self._complete(self.comm.Ibarrier(), "barrier")
+
+    def _complete(self, request, label: str, poll_s: float = 0.0005) -> None:
+        """Wait for a non-blocking collective, aborting the job after ``timeout_s``."""
+        import time
+
+        deadline = time.monotonic() + self.timeout_s
+        while not request.Test():
+            if time.monotonic() > deadline:
+                self._abort(f"collective '{label}' did not complete within "
+                            f"{self.timeout_s:.0f} s: a rank is hung, stopped or dead; "
+                            f"aborting the job")
+            time.sleep(poll_s)
+
+    def arrive(self, label: str, timeout_s: float, poll_s: float = 0.001) -> None:
+        """A barrier with a deadline that names the ranks that did not arrive.
+
+        Every rank sends rank 0 a 1-byte arrival message and waits for rank 0's release. If
+        some rank has not arrived after ``timeout_s`` (hung, stopped or dead), rank 0 prints
+        one line naming it and aborts the whole job (MPI_Abort, exit code 1); a rank that
+        never hears back from rank 0 does the same. Tag ``control``, 1 byte per rank.
+        """
+        import time
+
+        MPI = _mpi()
+        if self.size == 1:
+            return
+        deadline = time.monotonic() + timeout_s
+        token = np.zeros(1, dtype=np.uint8)
+        if self.is_root:
+            bufs = [np.zeros(1, dtype=np.uint8) for _ in range(1, self.size)]
+            reqs = [self.comm.Irecv(buf, source=r, tag=_ARRIVE_TAG)
+                    for r, buf in zip(range(1, self.size), bufs)]
+            while not MPI.Request.Testall(reqs):
+                if time.monotonic() > deadline:
+                    missing = [r for r, req in zip(range(1, self.size), reqs) if not req.Test()]
+                    self._abort(f"rank(s) {missing} did not reach '{label}' within "
+                                f"{timeout_s:.0f} s (hung, stopped or dead); aborting the job")
+                time.sleep(poll_s)
+            releases = [self.comm.Isend(token, dest=r, tag=_RELEASE_TAG)
+                        for r in range(1, self.size)]
+            MPI.Request.Waitall(releases)
+        else:
+            self.comm.Isend(token, dest=0, tag=_ARRIVE_TAG).Wait()
+            req = self.comm.Irecv(token, source=0, tag=_RELEASE_TAG)
+            while not req.Test():
+                if time.monotonic() > deadline + timeout_s:
+                    self._abort(f"rank 0 did not release '{label}' within {2 * timeout_s:.0f} "
+                                f"s (hung, stopped or dead); aborting the job")
+                time.sleep(poll_s)
+        self.count("control", self.size - 1 if self.is_root else 1)
+
+    def _abort(self, message: str) -> None:
+        import sys
+
+        print(f"error (rank {self.rank}): {message}", file=sys.stderr, flush=True)
+        self.comm.Abort(1)
 
     def agree_all(self, ok: bool, tag: str = "control") -> bool:
         """True only if ``ok`` is True on every rank (one small Allgather)."""

@@ -53,7 +53,14 @@ def rank_pids(marker: str) -> list:
     return pids
 
 
-def run_and_signal(args, h5, group, after_rows, sig, to_ranks=False):
+def rank_of(pid: int) -> int:
+    with open(f"/proc/{pid}/environ", "rb") as fh:
+        env = dict(kv.split("=", 1) for kv in fh.read().decode(errors="replace").split("\0")
+                   if "=" in kv)
+    return int(env["OMPI_COMM_WORLD_RANK"])
+
+
+def run_and_signal(args, h5, group, after_rows, sig, to_ranks=False, only_rank=None):
     """Start ``args`` on 2 ranks; once ``after_rows`` rows exist send ``sig`` to mpirun (which
     forwards SIGUSR1 to its ranks, as srun does) or, with ``to_ranks``, to every rank directly
     (as Slurm does with SIGTERM at preemption; mpirun itself would kill its ranks on SIGTERM)."""
@@ -68,10 +75,16 @@ def run_and_signal(args, h5, group, after_rows, sig, to_ranks=False):
     if to_ranks:
         marker = next(a for a in args if a.startswith("run.out="))
         for pid in rank_pids(marker):
-            os.kill(pid, sig)
+            if only_rank is None or rank_of(pid) == only_rank:
+                os.kill(pid, sig)
     else:
         proc.send_signal(sig)
-    out, err = proc.communicate(timeout=300)
+    try:
+        out, err = proc.communicate(timeout=120)  # the bound: a hang fails the test here
+    finally:
+        if to_ranks:
+            for pid in rank_pids(next(a for a in args if a.startswith("run.out="))):
+                os.kill(pid, signal.SIGKILL)
     return proc.returncode, out, err
 
 
@@ -135,3 +148,32 @@ def test_damaged_checkpoint_falls_back_to_previous(tmp_path, capsys):
 
 def test_no_checkpoint_folder_means_fresh_start(tmp_path):
     assert load_latest(str(tmp_path / "none")) is None
+
+
+def test_killed_rank_ends_the_job_and_resume_works(toy_adapter, tmp_path):
+    out = tmp_path / "run"
+    h5 = str(out / "essa.h5")
+    code, _, err = run_and_signal(essa_args(toy_adapter, out, 6), h5, "essa", 2,
+                                  signal.SIGKILL, to_ranks=True, only_rank=1)
+    assert code != 0
+    assert "exited on signal 9" in err or "rank 1" in err or ",1]" in err, err[-2000:]
+    assert RunFile(h5).attrs["status"] == "running"  # readable; marked as not finished
+    g = len(list_checkpoints(str(out / "checkpoints")))
+    assert g >= 1
+    resumed = run_mpi(2, essa_args(toy_adapter, out, 6) + ["--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    run = RunFile(h5)
+    assert run.attrs["status"] == "complete"
+    assert run.group("essa")["step"].tolist() == list(range(1, 7))
+
+
+def test_hung_rank_is_named_and_the_job_aborted(toy_adapter, tmp_path):
+    out = tmp_path / "run"
+    h5 = str(out / "essa.h5")
+    code, _, err = run_and_signal(essa_args(toy_adapter, out, 50, "run.collective_timeout_s=5"),
+                                  h5, "essa", 2, signal.SIGSTOP, to_ranks=True, only_rank=1)
+    assert code != 0
+    # Rank 1 is almost always stopped while generating, so rank 0 names it at the fitness
+    # exchange; if it was stopped inside a collective, that collective's deadline fires.
+    assert ("rank(s) [1] did not reach 'fitness exchange' within 5 s" in err or
+            "did not complete within 5 s" in err), err[-2000:]

@@ -1,0 +1,88 @@
+"""Shared benchmark helpers: the machine in words, the benchmark model and LoRA, mpirun.
+
+The model is the cached toy model (``hpc-toy``) when it is built, else a random tiny Qwen2 of
+the same shape; either way with a fresh rank-8 LoRA on q/k/v/o whose B factors are random, so
+that every singular value is non-zero (as after SFT).
+"""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)  # the benchmarks import hpc, essa and fgrpo from this checkout
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is first imported
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+LORA_RANK = 8
+LORA_ALPHA = 16.0
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (platform's guess elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> str:
+    """One line: CPU, cores visible, torch threads, library versions, GPU if any."""
+    import transformers
+
+    gpu = (f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "")
+    return (f"{cpu_model()}, {len(os.sched_getaffinity(0))} cores visible, "
+            f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, "
+            f"transformers {transformers.__version__}{gpu}")
+
+
+def model_path(scratch: str) -> tuple:
+    """(model folder, description): the cached toy model if built, else a random tiny Qwen2
+    of the toy's shape saved under ``scratch``."""
+    from hpc.models import tiny_model
+    from hpc.toy import INFO_FILE, cache_dir
+
+    if os.path.isfile(os.path.join(cache_dir(), INFO_FILE)):
+        return cache_dir(), f"toy model ({cache_dir()})"
+    path = os.path.join(scratch, "tiny-model")
+    tiny_model(hidden=128, layers=4, save_dir=path)
+    return path, "random tiny Qwen2 of the toy's shape (toy model not built)"
+
+
+def lora_model(path: str, device: str = "cpu", seed: int = 1):
+    """(peft model, tokenizer, description): the model in ``path`` (fp32) with a fresh
+    rank-8 LoRA on q/k/v/o whose B is random (seeded), eval mode."""
+    from hpc.models import attach_lora, load_model
+
+    model, tok = load_model(path, "float32", device)
+    n = sum(p.numel() for p in model.parameters())
+    peft_model = attach_lora(model, LORA_RANK, LORA_ALPHA, TARGETS)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen).to(p.device) * 0.05)
+    return peft_model.eval(), tok, f"{n / 1e6:.2f}M parameters, LoRA r={LORA_RANK} on q/k/v/o"
+
+
+def launch_mpi(n: int, argv: list) -> None:
+    """Run ``python argv...`` on ``n`` ranks under mpirun (one thread per rank, oversubscribed
+    if needed); RuntimeError with the tail of stderr if it fails."""
+    mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = [mpirun if os.path.exists(mpirun) else "mpirun", "-n", str(n), "--oversubscribe",
+           sys.executable] + [str(a) for a in argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+    if proc.returncode != 0:
+        raise RuntimeError(f"mpirun -n {n} {' '.join(cmd[4:])} failed:\n{proc.stderr[-3000:]}")

@@ -1,0 +1,403 @@
+"""GPU check: batched ESSA members against plain batched generation, one F-GRPO step by phase.
+
+    python benchmarks/gpu_check.py OUTDIR [--model qwen2.5-1.5b|qwen2.5-7b|tiny ...]
+        [--minutes 6] [--device cuda|cpu] [--ks 1 2 4 8 16] [--prompts 32]
+
+Builds a Qwen2 of a real shape with random weights (bf16 on CUDA, fp32 on CPU; no hub access),
+a rank-8 LoRA on q/k/v/o with random B, and the ESSA search space over it. Prompts are random
+tokens, the generation length is fixed (min_new_tokens = max_new_tokens, greedy). For each k it
+times the generation of k members x P prompts (k*P rows):
+
+* ``lora_fused`` and ``lora_exact``: :class:`essa.batched.MemberLora`, fused (two kernels per
+  layer, the CUDA default) and with peft's arithmetic, member-major rows;
+* ``base``: the same rows through the model with every adapted layer swapped back to its base
+  Linear: pure batched generation without LoRA;
+* at k = 1 also ``peft``: one member through peft's own LoRA forward (ESSA one at a time);
+
+and reports tokens/s, members/s, the ratio to pure generation (target >= 0.8), the speedup
+over peft one at a time, the time to rebuild the k members' factors and the peak memory. Then
+one F-GRPO step (fgrpo defaults: 32 prompts x G = 8 sampled completions, token-mean clipped
+loss, micro-batches of 64 rows, AdamW on the LoRA; rewards are a hash of the tokens) timed by
+phase: generation, reward, forward_backward, optimizer (one rank: no all-reduce). A
+measurement that would overrun the --minutes budget is skipped; OUTDIR/gpu_check.json is
+rewritten after every measurement, so a killed run still leaves its figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+import torch
+
+from common import TARGETS, machine
+
+from essa.batched import MemberLora, members_on_device  # common.py: repo on sys.path
+from essa.space import SingularValueSpace
+from hpc.models import attach_lora
+
+# Qwen2.5 shapes (config.json of the released models) and a tiny one for CPU runs.
+SHAPES = {
+    "qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
+                         tie_word_embeddings=True),
+    "qwen2.5-7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
+                       tie_word_embeddings=False),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=128, vocab_size=512,
+                 tie_word_embeddings=True),
+}
+LENGTHS = {"tiny": (16, 16)}  # (prompt tokens, new tokens); real shapes: 64, 64
+LORA_RANK, LORA_ALPHA, SEED = 8, 16.0, 0
+FGRPO = dict(prompts=32, G=8, micro_batch=64, lr=2e-3, epsilon=0.2, epsilon_high=0.28)
+
+
+class Budget:
+    """Wall-clock budget: ``fits(seconds)`` is False once a step of that length would overrun."""
+
+    def __init__(self, seconds: float):
+        self.deadline = time.perf_counter() + seconds
+
+    def left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def fits(self, seconds: float) -> bool:
+        return seconds < self.left()
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build(name: str, device, dtype):
+    """(peft model with a random-B rank-8 q/k/v/o LoRA, its SingularValueSpace), eval mode."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**SHAPES[name], max_position_embeddings=32768, pad_token_id=0,
+                         bos_token_id=None, eos_token_id=None)
+    default = torch.get_default_dtype()
+    torch.manual_seed(SEED)
+    try:
+        torch.set_default_dtype(dtype)
+        with torch.device(device):
+            model = Qwen2ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    peft_model = attach_lora(model.eval(), LORA_RANK, LORA_ALPHA, TARGETS, seed=SEED)
+    with torch.no_grad():
+        for pname, p in peft_model.named_parameters():
+            if "lora_B" in pname:
+                p.normal_(0.0, 0.02)
+    return peft_model.eval(), SingularValueSpace.from_peft(peft_model)
+
+
+class BaseOnly:
+    """Context manager: every adapted layer swapped back to its base Linear (no LoRA code)."""
+
+    def __init__(self, peft_model, modules: list):
+        self.model, self.modules = peft_model, modules
+
+    def _holders(self):
+        for name in self.modules:
+            parent, _, child = name.rpartition(".")
+            yield self.model.get_submodule(parent), child
+
+    def __enter__(self):
+        self.saved = [getattr(holder, child) for holder, child in self._holders()]
+        for (holder, child), lora in zip(self._holders(), self.saved):
+            setattr(holder, child, lora.base_layer)
+
+    def __exit__(self, *exc):
+        for (holder, child), lora in zip(self._holders(), self.saved):
+            setattr(holder, child, lora)
+
+
+def greedy(model, ids, new_tokens: int) -> torch.Tensor:
+    """Exactly ``new_tokens`` greedy tokens per row of ``ids`` (rows, prompt): (rows, new)."""
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             generation_config=cfg)
+    if out.shape[1] != ids.shape[1] + new_tokens:
+        raise RuntimeError(f"generated {out.shape[1] - ids.shape[1]} tokens, not {new_tokens}")
+    return out[:, ids.shape[1]:]
+
+
+def timed_greedy(model, ids, new_tokens: int, device, repeats: int = 2) -> float:
+    """Best of ``repeats`` seconds of :func:`greedy`, after one warm-up call."""
+    best = float("inf")
+    for i in range(repeats + 1):
+        _sync(device)
+        start = time.perf_counter()
+        greedy(model, ids, new_tokens)
+        _sync(device)
+        if i:
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def agreement(model, space, members, prompts, new_tokens: int) -> dict:
+    """Greedy tokens of members batched (fused and exact) vs one at a time through peft: the
+    share of rows that agree on every token and of tokens before a row's first difference."""
+    single = []
+    for x in members:
+        space.apply(model, x)
+        single.append(greedy(model, prompts, new_tokens))
+    single = torch.cat(single)
+    out = {}
+    for variant, fused in (("lora_fused", True), ("lora_exact", False)):
+        with MemberLora(model, space.factors_batch(members), fused=fused):
+            batched = greedy(model, prompts.repeat(len(members), 1), new_tokens)
+        same = (batched == single).int().cumprod(dim=1)  # 1 until a row's first difference
+        out[variant] = {"rows_identical": float(same[:, -1].float().mean()),
+                        "tokens_before_first_difference": float(same.float().mean())}
+    return out
+
+
+def _peak_mib(device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2 ** 20 if device.type == "cuda" else None
+
+
+def measure_k(model, space, device, members, prompts, k: int, new_tokens: int) -> dict:
+    """Timings of k members x P prompts: rebuild, each variant, peak memory (a row)."""
+    n_prompts = prompts.shape[0]
+    ids = prompts.repeat(k, 1)  # member-major: member m holds rows m*P .. m*P+P-1
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    _sync(device)
+    start = time.perf_counter()
+    factors = space.factors_batch(members[:k])
+    _sync(device)
+    row = {"k": k, "rows": k * n_prompts, "rebuild_s": time.perf_counter() - start}
+    seconds = {}
+    for variant, fused in (("lora_fused", True), ("lora_exact", False)):
+        with MemberLora(model, factors, fused=fused):
+            seconds[variant] = timed_greedy(model, ids, new_tokens, device)
+    with BaseOnly(model, space.modules):
+        seconds["base"] = timed_greedy(model, ids, new_tokens, device)
+    if k == 1:
+        space.apply(model, members[0])
+        seconds["peft"] = timed_greedy(model, ids, new_tokens, device)
+    if k == 2:
+        row["agreement_with_one_at_a_time"] = agreement(model, space, members[:2], prompts,
+                                                        new_tokens)
+    row["peak_mib"] = _peak_mib(device)
+    for variant, s in seconds.items():
+        row[variant] = {"s": s, "tokens_per_s": k * n_prompts * new_tokens / s,
+                        "members_per_s": k / s}
+    for variant in ("lora_fused", "lora_exact"):
+        row[f"{variant}_vs_base"] = seconds["base"] / seconds[variant]
+    return row
+
+
+def members_section(model, space, device, ks, n_prompts, lengths, budget, save) -> list:
+    """One :func:`measure_k` row per k while the budget lasts; ``save()`` after each."""
+    prompt_len, new_tokens = lengths
+    gen = torch.Generator().manual_seed(SEED)
+    prompts = torch.randint(1, model.config.vocab_size, (n_prompts, prompt_len),
+                            generator=gen).to(device)
+    members = np.random.default_rng(SEED).normal(0.0, 0.1, (max(ks), space.dim))
+    rows, slowest = [], None
+    for k in ks:
+        # 4 variants x (warm-up + 2 timed calls), each up to 2.5x the last k's slowest call
+        if slowest is not None and not budget.fits(12 * 2.5 * slowest):
+            rows.append({"k": k, "skipped": f"time budget ({budget.left():.0f} s left)"})
+            continue
+        try:
+            row = measure_k(model, space, device, members, prompts, k, new_tokens)
+        except torch.OutOfMemoryError:
+            rows.append({"k": k, "skipped": "out of memory"})
+            torch.cuda.empty_cache()
+            break
+        rows.append(row)
+        slowest = max(v["s"] for v in row.values() if isinstance(v, dict) and "s" in v)
+        save()
+        print(f"  k={k}: {row['lora_fused']['members_per_s']:.2f} members/s fused, "
+              f"{row['lora_fused_vs_base']:.2f} of pure generation ({budget.left():.0f} s "
+              f"left)", flush=True)
+    one = next((r for r in rows if "peft" in r), None)
+    for r in rows:
+        if one is not None and "base" in r:
+            for variant in ("lora_fused", "lora_exact"):
+                r[f"{variant}_vs_peft_one_at_a_time"] = (r[variant]["members_per_s"]
+                                                         / one["peft"]["members_per_s"])
+    return rows
+
+
+def fgrpo_step(model, device, lengths) -> dict:
+    """Seconds per phase of one F-GRPO step on one rank (see the module docstring)."""
+    from transformers import GenerationConfig
+
+    from fgrpo.advantages import group_advantages
+    from fgrpo.loss import policy_loss
+    from fgrpo.rollout import sequence_logprobs
+
+    prompt_len, new_tokens = lengths
+    n, G = FGRPO["prompts"], FGRPO["G"]
+    gen = torch.Generator().manual_seed(SEED + 1)
+    prompts = torch.randint(1, model.config.vocab_size, (n, prompt_len), generator=gen)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=FGRPO["lr"], weight_decay=0.0)
+    cfg = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                           num_return_sequences=G, pad_token_id=0, eos_token_id=None)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    phases = dict.fromkeys(["generation", "reward", "forward_backward", "optimizer"], 0.0)
+
+    def phase(name, fn):
+        _sync(device)
+        start = time.perf_counter()
+        out = fn()
+        _sync(device)
+        phases[name] += time.perf_counter() - start
+        return out
+
+    def rollout():
+        model.eval()
+        with torch.inference_mode():
+            out = model.generate(input_ids=prompts.to(device),
+                                 attention_mask=torch.ones_like(prompts, device=device),
+                                 generation_config=cfg)
+        return out.clone()  # (n*G, prompt + new), prompt-major; usable by autograd
+
+    ids = phase("generation", rollout)
+    rewards = phase("reward", lambda: torch.tensor(
+        [float(hash(tuple(r)) % 2) for r in ids[:, prompt_len:].tolist()]).reshape(n, G))
+    adv = group_advantages(rewards, "group", 1.0).advantages.reshape(-1).to(device)
+    cmask = torch.zeros(ids.shape, device=device)
+    cmask[:, prompt_len:] = 1.0
+    valid = float(cmask[:, 1:].sum())
+
+    def forward_backward():
+        model.train()
+        opt.zero_grad()
+        for s in range(0, ids.shape[0], FGRPO["micro_batch"]):
+            rows = slice(s, s + FGRPO["micro_batch"])
+            logp = sequence_logprobs(model, ids[rows], torch.ones_like(ids[rows]))
+            loss, _ = policy_loss(logp, logp.detach(), adv[rows], cmask[rows, 1:],
+                                  "token-mean", FGRPO["epsilon"], FGRPO["epsilon_high"],
+                                  normalizer=valid)
+            loss.backward()
+
+    phase("forward_backward", forward_backward)
+    phase("optimizer", opt.step)
+    opt.zero_grad(set_to_none=True)
+    model.eval()
+    total = sum(phases.values())
+    return {"rows": n * G, "phases_s": phases, "total_s": total,
+            "shares": {p: s / total for p, s in phases.items()}, "peak_mib": _peak_mib(device)}
+
+
+def check_model(name: str, device, ks, n_prompts, budget, save) -> dict:
+    """Every measurement for one model shape, into a dict registered with ``save(result)``
+    at once and saved again as figures come in."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    lengths = LENGTHS.get(name, (64, 64))
+    result = {"model": name, "shape": SHAPES[name], "dtype": str(dtype),
+              "prompt_tokens": lengths[0], "new_tokens": lengths[1],
+              "prompts_per_member": n_prompts, "lora": f"r={LORA_RANK} on {TARGETS}"}
+    save(result)
+    start = time.perf_counter()
+    model, space = build(name, device, dtype)
+    _sync(device)
+    result["build_s"] = time.perf_counter() - start
+    result["parameters"] = sum(p.numel() for p in model.parameters())
+    result["search_dim"] = space.dim
+    result["members_that_fit"] = (members_on_device(model, 96, n_prompts, sum(lengths))
+                                  if device.type == "cuda" else None)  # of 96, choose_k's cap
+    save(result)
+    print(f"{name}: built in {result['build_s']:.0f} s", flush=True)
+    try:
+        first = fgrpo_step(model, device, lengths)  # the first step also warms the device up
+    except ImportError as err:  # the fgrpo modules are missing a dependency on this machine
+        result["fgrpo_step"] = {"skipped": f"fgrpo modules not importable: {err}"}
+    except torch.OutOfMemoryError:
+        result["fgrpo_step"] = {"skipped": "out of memory"}
+        torch.cuda.empty_cache()
+    else:
+        result["fgrpo_step"] = (dict(fgrpo_step(model, device, lengths), first_step=first)
+                                if budget.fits(2 * first["total_s"] + 60) else
+                                dict(first, note="first step only (time budget)"))
+    save(result)
+    result["members"] = members_section(model, space, device, ks, n_prompts, lengths, budget,
+                                        lambda: save(result))
+    return result
+
+
+def summary(result: dict) -> str:
+    lines = [f"{result['model']} ({result['parameters'] / 1e6:.1f}M parameters, "
+             f"{result['dtype']}, {result['prompt_tokens']}+{result['new_tokens']} tokens, "
+             f"{result['prompts_per_member']} prompts per member; built in "
+             f"{result['build_s']:.0f} s; members that fit: {result['members_that_fit']})",
+             f"{'k':>3} {'rows':>5} {'fused m/s':>10} {'exact m/s':>10} {'base tok/s':>11} "
+             f"{'fused/base':>11} {'exact/base':>11} {'x peft 1-by-1':>14} {'rebuild ms':>11}"]
+    for r in result.get("members", []):
+        if "base" not in r:
+            lines.append(f"{r['k']:>3} skipped: {r['skipped']}")
+            continue
+        lines.append(
+            f"{r['k']:>3} {r['rows']:>5} {r['lora_fused']['members_per_s']:>10.2f} "
+            f"{r['lora_exact']['members_per_s']:>10.2f} {r['base']['tokens_per_s']:>11.0f} "
+            f"{r['lora_fused_vs_base']:>11.2f} {r['lora_exact_vs_base']:>11.2f} "
+            f"{r.get('lora_fused_vs_peft_one_at_a_time', float('nan')):>14.2f} "
+            f"{r['rebuild_s'] * 1e3:>11.1f}")
+    step = result["fgrpo_step"]
+    lines.append(f"F-GRPO step skipped: {step['skipped']}" if "skipped" in step else
+                 f"F-GRPO step ({step['rows']} rows): {step['total_s']:.2f} s = " + ", ".join(
+                     f"{p} {s:.2f} s ({step['shares'][p]:.0%})"
+                     for p, s in step["phases_s"].items()))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("outdir")
+    parser.add_argument("--model", nargs="+", default=["qwen2.5-1.5b"], choices=list(SHAPES))
+    parser.add_argument("--minutes", type=float, default=6.0, help="budget for all models")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--prompts", type=int, default=32, help="prompts per member (P)")
+    args = parser.parse_args(argv)
+    budget = Budget(60 * args.minutes)
+    device = torch.device(args.device)
+    os.makedirs(args.outdir, exist_ok=True)
+    path = os.path.join(args.outdir, "gpu_check.json")
+    report = {"machine": machine(), "device": str(device), "budget_minutes": args.minutes,
+              "results": []}
+
+    def save(result=None):
+        if result is not None and result not in report["results"]:
+            report["results"].append(result)
+        with open(path, "w") as fh:
+            json.dump(report, fh, indent=1)
+
+    print(f"machine: {report['machine']}", flush=True)
+    for i, name in enumerate(args.model):
+        if i and not budget.fits(60.0):
+            report["results"].append({"model": name, "skipped": "time budget"})
+            continue
+        try:
+            result = check_model(name, device, args.ks, args.prompts, budget, save)
+        except torch.OutOfMemoryError as err:
+            report["results"][-1]["error"] = f"out of memory: {err}"[:500]
+            save()
+            print(f"{name}: out of memory", flush=True)
+            continue
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        print(summary(result), flush=True)
+    save()
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The main job end to end on the built-in toy model, on 2 MPI ranks of this machine:
+# toy model (built once, cached) -> LoRA SFT -> ESSA and F-GRPO from the same SFT adapter ->
+# one table comparing base, SFT, ESSA and F-GRPO.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+PY=${PYTHON:-python}
+RANKS=${RANKS:-2}
+OUT=${OUT:-runs/demo}
+MPIRUN=(mpirun -n "$RANKS" --oversubscribe)
+
+rm -rf "$OUT"
+echo "== toy model"
+$PY -m hpc.toy
+echo "== LoRA SFT ($RANKS ranks)"
+"${MPIRUN[@]}" $PY -m hpc.sft configs/demo/sft.yaml "run.out=$OUT/sft"
+echo "== ESSA ($RANKS ranks)"
+"${MPIRUN[@]}" $PY -m essa configs/demo/essa.yaml "lora.adapter=$OUT/sft/adapter" "run.out=$OUT/essa"
+echo "== F-GRPO ($RANKS ranks)"
+"${MPIRUN[@]}" $PY -m fgrpo configs/demo/fgrpo.yaml "lora.adapter=$OUT/sft/adapter" "run.out=$OUT/fgrpo"
+echo "== held-out comparison (256 problems; pass@k from 8 samples at temperature 1)"
+$PY -m hpc.report compare "$OUT/sft/sft.h5" "$OUT/essa/essa.h5" "$OUT/fgrpo/fgrpo.h5"

@@ -1,0 +1,96 @@
+"""Run under mpirun: each rank scores its block of members one at a time and batched.
+
+The case (:func:`build_case`) is a tiny random Qwen2 with a random-B LoRA, members drawn wide
+enough that completions differ between members, prompts of different lengths (left padding),
+and a reward that hashes the completion text. Rank 0 writes every rank's fitness of both paths,
+and whether their completions agree, as JSON to argv[1].
+"""
+import json
+import sys
+import zlib
+
+import numpy as np
+import torch
+
+from essa.batched import member_completions
+from essa.population import owners, score_members
+from essa.space import SingularValueSpace
+from hpc.generation import generate
+from hpc.models import attach_lora, tiny_model
+from hpc.timing import PhaseTimer
+
+N_MEMBERS = 5
+N_PROMPTS = 28  # with BATCH = 16: generate chunks of 16 and 12 prompts
+BATCH = 16
+MAX_NEW = 6
+
+
+class HashTask:
+    """Reward = crc32 of completion and answer / 2^32, in [0, 1): any token changes it."""
+
+    @staticmethod
+    def rewards(completions: list, answers: list) -> list:
+        return [zlib.crc32(f"{c}|{a}".encode()) / 2 ** 32 for c, a in zip(completions, answers)]
+
+
+def build_case():
+    """(peft model, tokenizer, space, members (N_MEMBERS, dim) float64, prompts, answers)."""
+    model, tok = tiny_model(hidden=64, layers=2)
+    peft_model = attach_lora(model, 4, 8.0, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    space = SingularValueSpace.from_peft(peft_model)
+    members = np.random.default_rng(0).normal(0.0, 0.5, (N_MEMBERS, space.dim))
+    rng = np.random.default_rng(1)
+    a, b = rng.integers(0, 10 ** rng.integers(1, 4, (2, N_PROMPTS)))  # 1- to 3-digit operands
+    prompts = [f"{x}+{y}=" for x, y in zip(a, b)]  # lengths 4..8: left padding in chunks
+    return peft_model, tok, space, members, prompts, [str(x + y) for x, y in zip(a, b)]
+
+
+def score(case, members, k: int) -> np.ndarray:
+    """Fitness (n,) float64 of ``members`` scored k per generation (score_members)."""
+    model, tok, space, _, prompts, answers = case
+    timer = PhaseTimer(["rebuild", "generate", "reward"])
+    return score_members(model, tok, space, members, HashTask(), prompts, answers, MAX_NEW,
+                         BATCH, timer, k)
+
+
+def completions(case, members, k: int) -> list:
+    """Greedy completions of each member (n lists of N_PROMPTS strings), k per generation;
+    k = 1 is peft's own LoRA path, one member at a time."""
+    model, tok, space, _, prompts, _ = case
+    if k == 1:
+        out = []
+        for x in members:
+            space.apply(model, x)
+            out.append(generate(model, tok, prompts, MAX_NEW, batch_size=BATCH))
+        return out
+    return [texts for g in range(0, len(members), k)
+            for texts in member_completions(model, tok, space.factors_batch(members[g:g + k]),
+                                            prompts, MAX_NEW, BATCH)]
+
+
+def main(out_path: str, k: int = 2) -> None:
+    from hpc.world import get_world
+
+    world = get_world()
+    case = build_case()
+    mine = case[3][owners(N_MEMBERS, world.size) == world.rank]
+    one_fit, batch_fit = score(case, mine, 1), score(case, mine, k)
+    one_text, batch_text = completions(case, mine, 1), completions(case, mine, k)
+    report = {"rank": world.rank, "k": k, "members": len(mine),
+              "one_at_a_time": one_fit.tolist(), "batched": batch_fit.tolist(),
+              "bitwise": bool(np.array_equal(one_fit, batch_fit)),
+              "same_completions": one_text == batch_text,
+              "distinct_completions": len({tuple(t) for t in one_text})}
+    reports = world.comm.gather(report, root=0)
+    if world.is_root:
+        with open(out_path, "w") as fh:
+            json.dump(reports, fh)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

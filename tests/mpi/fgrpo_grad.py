@@ -1,0 +1,48 @@
+"""Run under mpirun -n N: F-GRPO gradient of fixed synthetic rollouts, split over N ranks.
+
+Every rank builds the same tiny LoRA model and the same 4 groups x G=4 rollouts (seeded),
+keeps its contiguous share of the groups, runs the trainer's accumulate_gradients (micro-batch
+of 3 sequences, so accumulation is exercised too) and the gradient all-reduce. Rank 0 saves
+the LoRA gradients to argv[1] (torch.save); argv[2] is the loss_type.
+"""
+import sys
+from types import SimpleNamespace
+
+import torch
+
+from fgrpo.advantages import group_advantages
+from fgrpo.config import FGRPOConfig
+from fgrpo.rollout import Rollouts
+from fgrpo.trainer import accumulate_gradients
+from hpc.dist import all_reduce_mean_, init_process_group
+from hpc.models import attach_lora, tiny_model
+from hpc.world import get_world, split_evenly
+
+world = get_world()
+init_process_group(world, torch.device("cpu"))
+model, _ = tiny_model(seed=0)
+model = attach_lora(model, 4, 8.0, ["q_proj", "v_proj"], seed=0)
+gen = torch.Generator().manual_seed(0)
+with torch.no_grad():
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+groups, G, T = 4, 4, 9
+ids = torch.randint(3, 40, (groups * G, T), generator=gen)
+lengths = torch.randint(3, T + 1, (groups * G,), generator=gen)
+attn = (torch.arange(T)[None, :] < lengths[:, None]).long()
+cmask = ((torch.arange(T)[None, :] >= 2) & (attn == 1)).float()
+rewards = torch.randint(0, 2, (groups, G), generator=gen).float()
+
+counts = split_evenly(groups, world.size)
+g0 = sum(counts[: world.rank])
+rows = slice(g0 * G, (g0 + counts[world.rank]) * G)
+mine = Rollouts(ids[rows], attn[rows], cmask[rows], rewards[g0:g0 + counts[world.rank]],
+                lengths[rows])
+cfg = SimpleNamespace(fgrpo=FGRPOConfig(loss_type=sys.argv[2], micro_batch=3, gamma=1.0))
+adv = group_advantages(mine.rewards, "group", 1.0).advantages.reshape(-1)
+params = [p for p in model.parameters() if p.requires_grad]
+accumulate_gradients(model, mine, adv, cfg, world, max_new_tokens=T)
+all_reduce_mean_([p.grad for p in params], world)
+if world.is_root:
+    torch.save([p.grad.clone() for p in params], sys.argv[1])

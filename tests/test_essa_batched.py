@@ -1,0 +1,217 @@
+"""Batched members (essa.batched): k members per generation give one-at-a-time fitness and
+completions bit for bit (fp32, CPU), in one process and under mpirun -n 2."""
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen2Config
+
+from conftest import run_cli, run_mpi
+from essa.batched import (MemberLora, choose_k, mean_reward, members_on_device,
+                          members_that_fit)
+from essa.space import SingularValueSpace
+from hpc.models import attach_lora, tiny_model
+from mpi.batched_check import N_MEMBERS, N_PROMPTS, HashTask, build_case, completions, score
+
+
+@pytest.fixture(scope="module", autouse=True)
+def threads():
+    """One torch thread (as in an MPI rank): generation on a loaded 2-core machine then runs
+    in seconds, not minutes. The logits tests set 1 and 2 threads themselves."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def case():
+    return build_case()
+
+
+@pytest.fixture(scope="module")
+def reference(case):
+    """One-at-a-time fitness (N_MEMBERS,) and completions through peft's own LoRA path."""
+    return score(case, case[3], 1), completions(case, case[3], 1)
+
+
+def test_reference_is_not_trivial(case, reference):
+    fitness, texts = reference
+    assert len(texts) == N_MEMBERS and all(len(t) == N_PROMPTS for t in texts)
+    assert len({tuple(t) for t in texts}) == N_MEMBERS  # every member completes differently
+    assert len(set(fitness.tolist())) == N_MEMBERS
+    assert all(0.0 <= f < 1.0 for f in fitness)
+    assert len({len(p) for p in case[4][:16]}) > 1  # a padded chunk
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_batched_equals_one_at_a_time(case, reference, k):
+    # 5 members: the last group is short for every k
+    assert completions(case, case[3], k) == reference[1]
+    assert np.array_equal(score(case, case[3], k), reference[0])
+
+
+def test_mean_reward_scores_each_pair_once():
+    calls = []
+
+    class Counting(HashTask):
+        def rewards(self, completions, answers):
+            calls.append(len(completions))
+            return HashTask.rewards(completions, answers)
+
+    cache = {}
+    texts, answers = ["1", "2", "1", "3"], ["1", "2", "1", "1"]
+    want = float(np.mean(HashTask.rewards(texts, answers)))
+    assert mean_reward(Counting(), texts, answers, cache) == want
+    assert mean_reward(Counting(), texts[::-1], answers[::-1], cache) == \
+        float(np.mean(HashTask.rewards(texts[::-1], answers[::-1])))
+    assert calls == [3]  # ("1", "1") once; the second call found every pair in the cache
+
+
+def test_adapter_untouched_and_peft_forward_restored(case):
+    model, tok, space, members, _, _ = case
+    before = {n: p.clone() for n, p in model.named_parameters() if "lora_" in n}
+    with MemberLora(model, space.factors_batch(members[:2])):
+        module = model.get_submodule(space.modules[0])
+        assert "forward" in vars(module)
+    assert "forward" not in vars(module)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if "lora_" in n)
+
+
+def _one_at_a_time(model, space, members, ids) -> torch.Tensor:
+    """Logits (len(members) * rows, t, vocab) through peft's path, one member at a time."""
+    out = []
+    for x in members:
+        space.apply(model, x)
+        out.append(model(input_ids=ids).logits)
+    return torch.cat(out)
+
+
+def _logits(case, k: int, rows: int, fused=False) -> tuple:
+    """(one member at a time, batched) logits of the first k members on ``rows`` prompts,
+    one decoding step (t = 1), both (k * rows, 1, vocab)."""
+    model, tok, space, members, _, _ = case
+    ids = torch.arange(rows)[:, None] % 40 + 3  # (rows, 1)
+    with torch.no_grad():
+        single = _one_at_a_time(model, space, members[:k], ids)
+        with MemberLora(model, space.factors_batch(members[:k]), fused=fused):
+            batched = model(input_ids=ids.repeat(k, 1)).logits
+    return single, batched
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("rows", [12, 16, 29])
+def test_logits_bitwise_from_12_rows_per_member(case, rows, n_threads):
+    torch.set_num_threads(n_threads)
+    single, batched = _logits(case, 3, rows)
+    torch.set_num_threads(1)
+    assert torch.equal(single, batched)
+    assert single[:rows].sub(single[rows:2 * rows]).abs().max() > 1e-3  # members differ
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_small_chunks_within_stated_tolerance(case, rows, fused):
+    single, batched = _logits(case, 3, rows, fused)  # MKL's small-matrix kernels
+    torch.testing.assert_close(batched, single, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_bf16_as_accurate_as_peft_bf16():
+    """The fused path in bf16 (bf16 factors) is as close to the fp32 model as peft's own bf16
+    path (fp32 LoRA weights on a bf16 model)."""
+    model, _ = tiny_model(hidden=64, layers=2)
+    model.to(torch.bfloat16)
+    peft16 = attach_lora(model, 4, 8.0, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in peft16.named_parameters():
+            if "lora_B" in name:
+                assert p.dtype == torch.float32
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    peft32 = copy.deepcopy(peft16).float()  # the same weights, exactly, in fp32
+    space = SingularValueSpace.from_peft(peft16)
+    members = np.random.default_rng(0).normal(0.0, 0.5, (3, space.dim))
+    ids = torch.randint(3, 40, (16, 5), generator=gen)
+    with torch.no_grad():
+        want = _one_at_a_time(peft32, space, members, ids).float()
+        peft_err = (_one_at_a_time(peft16, space, members, ids).float() - want).abs().max()
+        with MemberLora(peft16, space.factors_batch(members), fused=True):
+            fused = peft16(input_ids=ids.repeat(3, 1)).logits.float()
+    assert 0 < (fused - want).abs().max() <= 2 * peft_err
+
+
+def test_rows_must_be_a_multiple_of_k(case):
+    model, _, space, members, _, _ = case
+    with MemberLora(model, space.factors_batch(members[:3])), torch.no_grad():
+        with pytest.raises(ValueError, match="not a multiple of 3 members"):
+            model(input_ids=torch.ones((4, 2), dtype=torch.long))
+
+
+def test_choose_k_on_cpu_is_the_configured_k(case):
+    model, tok, _, _, prompts, _ = case
+    assert choose_k(model, tok, 4, 10, prompts, 16, 8) == 4
+    assert choose_k(model, tok, 16, 5, prompts, 16, 8) == 5
+
+
+def test_members_on_device_reads_free_memory_and_the_adapter_size(case, monkeypatch):
+    model = case[0]  # 2 layers, hidden 64, kv 32; r = 4 on q/k/v/o, fp32
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2 ** 30, 2 ** 31))
+    lora = 2 * (4 * (4 * 64) + 2 * (64 * 4) + 2 * (32 * 4)) * 4  # A's, q/o B's, k/v B's
+    assert lora == 14336
+    fit = members_on_device(model, 10_000, 16, 20)  # 10k members' factors: 143 MB of 512 MiB
+    assert fit == members_that_fit(model.config, 4, lora, 2 ** 30, 10_000, 16, 20)
+    assert fit < members_that_fit(model.config, 4, 0, 2 ** 30, 10_000, 16, 20)
+
+
+def test_members_that_fit_a_qwen2_5_1_5b_in_bf16():
+    config = Qwen2Config(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, intermediate_size=8960, vocab_size=151936)
+    lora = 2_179_072 * 4  # rank-8 q/k/v/o factors in fp32, bytes
+    # per token (2*28*2*128 + 4*1536 + 3*8960) * 2 B = 94720 B; per member of 32 rows of
+    # 128 tokens: 32 * (128 * 94720 + 4 * 151936) B = 407420928 B
+    fit = members_that_fit(config, 2, lora, 100 * 2 ** 30, 96, 32, 128)
+    assert fit == (50 * 2 ** 30 - 96 * lora) // 407_420_928 == 129
+    assert members_that_fit(config, 2, lora, 2 * 2 ** 30, 96, 32, 128) == 1
+
+
+def test_batched_equals_one_at_a_time_under_mpirun(tmp_path):
+    out = tmp_path / "batched.json"
+    proc = run_mpi(2, ["tests/mpi/batched_check.py", str(out)], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = json.loads(out.read_text())
+    assert [r["rank"] for r in reports] == [0, 1]
+    assert [r["members"] for r in reports] == [3, 2]  # k = 2: rank 0 has a short last group
+    for r in reports:
+        assert r["bitwise"] and r["same_completions"], r
+        assert r["batched"] == r["one_at_a_time"]
+        assert r["distinct_completions"] == r["members"]
+
+
+def test_gpu_check_runs_on_cpu_without_cma_or_math_verify(tmp_path):
+    """benchmarks/gpu_check.py (the GPU machine has no cma, math-verify, MPI or h5py) on the
+    tiny shape; 12 prompts per member, so the exact variant must agree token for token."""
+    code = ("import runpy, sys; "
+            "sys.modules.update(dict.fromkeys(['cma', 'math_verify', 'mpi4py', 'h5py'])); "
+            "sys.path.insert(0, 'benchmarks'); "
+            f"sys.argv = ['gpu_check.py', {str(tmp_path)!r}, '--model', 'tiny', '--device', "
+            "'cpu', '--ks', '1', '2', '--prompts', '12']; "
+            "runpy.run_path('benchmarks/gpu_check.py', run_name='__main__')")
+    proc = run_cli(["-c", code], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (result,) = json.loads((tmp_path / "gpu_check.json").read_text())["results"]
+    assert result["members_that_fit"] is None  # CPU: no memory cap
+    one, two = result["members"]
+    assert (one["k"], one["rows"], two["k"], two["rows"]) == (1, 12, 2, 24)
+    for row in (one, two):
+        for variant in ("lora_fused", "lora_exact", "base"):
+            assert row[variant]["members_per_s"] == pytest.approx(row["k"] / row[variant]["s"])
+        assert row["lora_fused_vs_base"] == pytest.approx(row["base"]["s"] /
+                                                          row["lora_fused"]["s"])
+    assert "peft" in one and "peft" not in two
+    exact = two["agreement_with_one_at_a_time"]["lora_exact"]
+    assert exact == {"rows_identical": 1.0, "tokens_before_first_difference": 1.0}
+    step = result["fgrpo_step"]
+    assert list(step["phases_s"]) == ["generation", "reward", "forward_backward", "optimizer"]
+    assert step["rows"] == 256 and step["total_s"] == pytest.approx(sum(step["phases_s"].values()))

@@ -1,0 +1,74 @@
+"""F-GRPO end to end: DDP gradient under mpirun, learning on the toy task, resume, bad options."""
+import numpy as np
+import pytest
+import torch
+
+from conftest import our_lines, run_cli, run_mpi
+from hpc.runstore import RunFile
+
+
+@pytest.mark.parametrize("loss_type", ["token-mean", "seq-mean-token-mean",
+                                       "seq-mean-token-sum-norm"])
+def test_ddp_gradient_equals_single_process(tmp_path, loss_type):
+    grads = {}
+    for n in (1, 2):
+        path = tmp_path / f"g{n}.pt"
+        proc = run_mpi(n, ["tests/mpi/fgrpo_grad.py", str(path), loss_type], timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        grads[n] = torch.load(path)
+    assert any(g.abs().sum() > 0 for g in grads[1])
+    for single, ddp in zip(grads[1], grads[2]):
+        torch.testing.assert_close(ddp, single, rtol=1e-5, atol=1e-7)
+
+
+def fgrpo_args(adapter, out, *extra):
+    return ["-m", "fgrpo", "model.path=toy", f"lora.adapter={adapter}", "task.n_train=1000",
+            "task.n_eval=128", "fgrpo.batch_prompts=16", "fgrpo.num_generations=8",
+            "eval.every=0", "eval.n_samples=2", "run.progress=false", f"run.out={out}", *extra]
+
+
+def test_learning_on_the_toy_task(toy_adapter, tmp_path):
+    out = tmp_path / "run"
+    proc = run_mpi(2, fgrpo_args(toy_adapter, out, "fgrpo.steps=30",
+                                 "fgrpo.learning_rate=0.003"), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = RunFile(str(out / "fgrpo.h5"))
+    reward = run.group("metrics")["reward_mean"]
+    first, last = reward[:5].mean(), reward[-5:].mean()
+    acc = run.group("eval")["accuracy"]
+    print(f"train reward {first:.3f} -> {last:.3f}; held-out accuracy {acc[0]:.3f} -> "
+          f"{acc[-1]:.3f}")
+    assert last >= first + 0.05, (first, last)
+    assert acc[-1] >= acc[0] + 0.03, acc
+
+
+def test_resume_equals_uninterrupted(toy_adapter, tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert run_mpi(2, fgrpo_args(toy_adapter, full, "fgrpo.steps=4")).returncode == 0
+    assert run_mpi(2, fgrpo_args(toy_adapter, part, "fgrpo.steps=2")).returncode == 0
+    proc = run_mpi(2, fgrpo_args(toy_adapter, part, "fgrpo.steps=4") + ["--resume"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = RunFile(str(full / "fgrpo.h5")), RunFile(str(part / "fgrpo.h5"))
+    assert b.group("metrics")["step"].tolist() == [1, 2, 3, 4]
+    for key in ("reward_mean", "loss", "kl", "clip_fraction", "entropy"):
+        assert np.array_equal(a.group("metrics")[key], b.group("metrics")[key]), key
+    from safetensors.torch import load_file
+    wa = load_file(str(full / "adapter" / "adapter_model.safetensors"))
+    wb = load_file(str(part / "adapter" / "adapter_model.safetensors"))
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.parametrize("override, words", [
+    ("fgrpo.gamma=-0.5", ["fgrpo.gamma", "minimum"]),
+    ("fgrpo.num_generations=1", ["fgrpo.num_generations", "minimum"]),
+    ("fgrpo.loss_type=seq-sum", ["fgrpo.loss_type", "not one of"]),
+])
+def test_bad_options_exit_2(tmp_path, override, words):
+    out = tmp_path / "run"
+    proc = run_mpi(2, fgrpo_args("unused", out, override))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = our_lines(proc.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error"), lines
+    assert all(w in lines[0] for w in words)
+    assert not out.exists()
