@@ -29,17 +29,21 @@ def fgrpo_args(adapter, out, *extra):
 
 def test_learning_on_the_toy_task(toy_adapter, tmp_path):
     out = tmp_path / "run"
-    proc = run_mpi(2, fgrpo_args(toy_adapter, out, "fgrpo.steps=30",
-                                 "fgrpo.learning_rate=0.003"), timeout=600)
+    proc = run_mpi(2, fgrpo_args(toy_adapter, out, "fgrpo.steps=80", "fgrpo.batch_prompts=32",
+                                 "fgrpo.learning_rate=0.002", "task.n_eval=256", "eval.n_samples=4"),
+                   timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = RunFile(str(out / "fgrpo.h5"))
     reward = run.group("metrics")["reward_mean"]
-    first, last = reward[:5].mean(), reward[-5:].mean()
-    acc = run.group("eval")["accuracy"]
-    print(f"train reward {first:.3f} -> {last:.3f}; held-out accuracy {acc[0]:.3f} -> "
-          f"{acc[-1]:.3f}")
+    first, last = reward[:10].mean(), reward[-10:].mean()
+    acc, pass1 = run.group("eval")["accuracy"], run.group("eval")["pass_at_k"][:, 0]
+    print(f"train reward {first:.3f} -> {last:.3f}; held-out greedy accuracy {acc[0]:.3f} -> "
+          f"{acc[-1]:.3f}; held-out pass@1 {pass1[0]:.3f} -> {pass1[-1]:.3f}")
+    # measured (seed 0, 2 ranks): reward 0.429 -> 0.534, greedy 0.598 -> 0.633,
+    # pass@1 0.395 -> 0.486
     assert last >= first + 0.05, (first, last)
-    assert acc[-1] >= acc[0] + 0.03, acc
+    assert acc[-1] >= acc[0] + 0.02, acc
+    assert pass1[-1] >= pass1[0] + 0.05, pass1
 
 
 def test_resume_equals_uninterrupted(toy_adapter, tmp_path):
