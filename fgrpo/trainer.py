@@ -90,6 +90,18 @@ def accumulate_gradients(model, rollouts, advantages: torch.Tensor, cfg, world,
     return totals
 
 
+def optimizer_step(params, opt, max_grad_norm: float) -> bool:
+    """Clip and step, unless a gradient holds NaN or inf: then leave the weights and the
+    optimizer state untouched and return False (the caller counts a skipped step). Gradients
+    are all-reduced first, so every rank takes the same decision."""
+    if not all(torch.isfinite(p.grad).all() for p in params):
+        return False
+    if max_grad_norm > 0:
+        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    opt.step()
+    return True
+
+
 @torch.no_grad()
 def frozen_logprobs(model, rollouts, micro_batch: int):
     """Log-probs of all rollouts without gradient: (rows, T-1) float32."""
@@ -183,13 +195,10 @@ def run(job) -> dict:
                 world.arrive("gradient all-reduce", cfg.run.collective_timeout_s)
             with timer.phase("allreduce"):
                 all_reduce_mean_([p.grad for p in params], world, tag="grad_allreduce")
-            finite = all(torch.isfinite(p.grad).all() for p in params)
+            with timer.phase("optimizer"):
+                finite = optimizer_step(params, opt, f.max_grad_norm)
             if not finite:
                 break
-            with timer.phase("optimizer"):
-                if f.max_grad_norm > 0:
-                    torch.nn.utils.clip_grad_norm_(params, f.max_grad_norm)
-                opt.step()
         skipped += 0 if finite else 1
         step += 1
         local = np.array([rollouts.rewards.sum().item(), (rollouts.rewards >= 1).sum().item(),

@@ -177,3 +177,26 @@ def test_hung_rank_is_named_and_the_job_aborted(toy_adapter, tmp_path):
     # exchange; if it was stopped inside a collective, that collective's deadline fires.
     assert ("rank(s) [1] did not reach 'fitness exchange' within 5 s" in err or
             "did not complete within 5 s" in err), err[-2000:]
+
+
+def test_nan_fitness_is_worst_and_counted():
+    from essa.trainer import sanitize
+
+    fitness, bad = sanitize(np.array([0.5, np.nan, 0.25, np.inf, -np.inf]))
+    assert bad == 3
+    assert fitness.tolist() == [0.5, -0.75, 0.25, -0.75, -0.75]
+    clean, none_bad = sanitize(np.array([0.1, 0.2]))
+    assert none_bad == 0 and clean.tolist() == [0.1, 0.2]
+
+
+def test_nan_gradient_step_is_skipped():
+    from fgrpo.trainer import optimizer_step
+
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([w], lr=0.1)
+    w.grad = torch.tensor([1.0, float("nan"), 0.0])
+    assert optimizer_step([w], opt, 1.0) is False
+    assert torch.equal(w.detach(), torch.ones(3)) and not opt.state
+    w.grad = torch.tensor([1.0, 1.0, 0.0])
+    assert optimizer_step([w], opt, 1.0) is True
+    assert not torch.equal(w.detach(), torch.ones(3))

@@ -1,0 +1,129 @@
+"""Bad input ends with one line and exit code 2, before any model work, leaving no run file.
+
+By hand (each job's real command line) and fuzzed (hypothesis) over config overrides.
+"""
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import our_lines, run_cli
+from essa.config import ESSAJobConfig
+from fgrpo.config import FGRPOJobConfig
+from hpc.config import load_config
+from hpc.errors import UserError
+from hpc.sft import SFTJobConfig
+
+
+def one_line_exit_2(proc, *words):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = our_lines(proc.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error"), lines
+    assert "Traceback" not in proc.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def sft(tmp_path, *overrides):
+    return run_cli(["-m", "hpc.sft", "run.progress=false", f"run.out={tmp_path / 'run'}",
+                    *overrides], timeout=120)
+
+
+def test_unknown_key(tmp_path):
+    one_line_exit_2(sft(tmp_path, "sft.stpes=3"), "sft.stpes", "does not exist")
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_yaml_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sft: {steps: [1, 2\n")
+    proc = run_cli(["-m", "essa", str(bad)], timeout=120)
+    one_line_exit_2(proc, "not valid YAML")
+
+
+def test_missing_model_path(tmp_path):
+    one_line_exit_2(sft(tmp_path, f"model.path={tmp_path / 'no-model'}"), "no-model")
+    assert not (tmp_path / "run" / "sft.h5").exists()
+
+
+def test_model_folder_with_missing_files(tmp_path):
+    folder = tmp_path / "half-model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    one_line_exit_2(sft(tmp_path, f"model.path={folder}"), str(folder))
+
+
+@pytest.mark.parametrize("content, words", [
+    ("", ["has no rows"]),
+    ('{"question": "1+1?", "answer": "#### 2"}\nnot json\n', ["line 2"]),
+])
+def test_bad_data_files(tmp_path, content, words):
+    data = tmp_path / "data.jsonl"
+    data.write_text(content)
+    proc = sft(tmp_path, "task.name=gsm8k", f"task.train_path={data}",
+               f"task.eval_path={data}")
+    one_line_exit_2(proc, str(data), *words)
+    assert not (tmp_path / "run" / "sft.h5").exists()
+
+
+def test_missing_data_file(tmp_path):
+    missing = tmp_path / "nowhere.jsonl"
+    proc = sft(tmp_path, "task.name=math", f"task.eval_path={missing}",
+               f"task.train_path={missing}")
+    one_line_exit_2(proc, str(missing))
+
+
+def test_output_folder_not_writable(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    proc = run_cli(["-m", "fgrpo", "run.progress=false", f"run.out={blocker}/run"],
+                   timeout=120)
+    one_line_exit_2(proc, "not writable")
+
+
+def test_adapter_for_another_model(tiny_models, tmp_path):
+    small_model, _, _ = tiny_models["small"]
+    _, large_adapter, _ = tiny_models["large"]
+    proc = run_cli(["-m", "essa", f"model.path={small_model}", f"lora.adapter={large_adapter}",
+                    "run.progress=false", f"run.out={tmp_path / 'run'}"], timeout=120)
+    one_line_exit_2(proc, "another shape")
+    assert not (tmp_path / "run" / "essa.h5").exists()
+
+
+KEYS = [f"{s}.{k}" for s, ks in {
+    "model": ["path", "dtype", "device"], "lora": ["rank", "alpha", "targets"],
+    "task": ["name", "n_train", "digits", "ops"], "eval": ["every", "top_p", "n_samples"],
+    "run": ["seed", "max_time_s", "progress"], "essa": ["population", "sigma0", "optimizer"],
+    "fgrpo": ["gamma", "loss_type", "num_generations"], "sft": ["steps", "lr"]}.items()
+    for k in ks] + ["model.nope", "nope.path", "rank", ""]
+VALUES = st.one_of(st.integers(-5, 10 ** 6).map(str), st.floats(allow_nan=True).map(str),
+                   st.sampled_from(["true", "no", "[]", "{}", "[a, b]", "''", "~", "nan",
+                                    "float16", "cma", "token-mean", "gsm8k", "x" * 300]),
+                   st.text(max_size=20))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(KEYS), VALUES), max_size=4),
+       st.sampled_from([SFTJobConfig, ESSAJobConfig, FGRPOJobConfig]))
+def test_fuzzed_overrides_load_or_raise_user_error(pairs, job):
+    overrides = [f"{k}={v}" for k, v in pairs] + ["lora.adapter=some/adapter"]
+    try:
+        cfg = load_config(job, None, overrides)
+    except UserError as err:
+        assert "\n" not in str(err) and str(err)
+        return
+    assert cfg.run.max_time_s >= 0 and cfg.lora.rank >= 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(max_size=200))
+def test_fuzzed_yaml_files_load_or_raise_user_error(tmp_path_factory, text):
+    path = tmp_path_factory.mktemp("fuzz") / "c.yaml"
+    path.write_text(text)
+    try:
+        load_config(SFTJobConfig, str(path))
+    except UserError as err:
+        assert "\n" not in str(err)
+    finally:
+        os.remove(path)
