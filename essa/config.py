@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hpc.config import EvalConfig, LoraConfig, ModelConfig, RunConfig, TaskConfig, param
+from hpc.config import JobConfig, param
 from hpc.errors import UserError
 
 
@@ -32,12 +32,7 @@ class ESSAConfig:
 
 
 @dataclass
-class ESSAJobConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    run: RunConfig = field(default_factory=RunConfig)
+class ESSAJobConfig(JobConfig):
     essa: ESSAConfig = field(default_factory=ESSAConfig)
 
     def validate(self):

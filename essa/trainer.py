@@ -7,12 +7,10 @@ fitness vector (8 bytes a member) crosses the network, plus the per-rank phase t
 """
 from __future__ import annotations
 
-import sys
 import time
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from essa.config import ESSAJobConfig
 from essa.optimizers import make_optimizer
@@ -20,10 +18,10 @@ from essa.population import minibatch_indices, owners, score_members
 from essa.space import LoraEntrySpace, SingularValueSpace
 from hpc.checkpoint import load_latest, save_checkpoint
 from hpc.errors import UserError, user_errors_exit
-from hpc.evaluate import evaluate, format_table, log_eval
-from hpc.jobs import on_all_ranks, start_job
+from hpc.evaluate import evaluate, log_eval
+from hpc.jobs import finish, on_all_ranks, progress_bar, start_job
 from hpc.models import load_adapter, load_model
-from hpc.preempt import EXIT_PREEMPTED, StopSignals, preempted_exit, should_stop
+from hpc.preempt import StopSignals, preempted_exit, should_stop
 from hpc.runstore import RunStore, environment_attrs
 from hpc.tasks import load_task
 from hpc.timing import PhaseTimer, gather_timings
@@ -98,8 +96,7 @@ def run(job) -> dict:
     start_eval = held_out(opt.mean, sampled=True) if start_gen == 0 else None
     if start_eval is not None:
         log_eval(store, -1, start_eval)
-    progress = tqdm(total=e.generations, initial=start_gen, desc="essa",
-                    disable=not (world.is_root and cfg.run.progress))
+    progress = progress_bar(job, e.generations, "essa", initial=start_gen)
     t0 = time.perf_counter() - elapsed0
     gen, preempted = start_gen, False
     while gen < e.generations:
@@ -148,7 +145,7 @@ def run(job) -> dict:
                                                     "best_x": best_x, "best_fitness": best_fit},
                                     keep=e.keep_checkpoints)
         progress.update(1)
-        progress.set_postfix(fit=f"{fitness.mean():.3f}")
+        progress.set_postfix(fit=f"{fitness.mean():.3f}", refresh=False)
         if stop:
             break
     progress.close()
@@ -163,7 +160,7 @@ def run(job) -> dict:
         space.export_adapter(model, best_x, f"{job.out_dir}/adapter-best")
     store.set_attrs(generations_done=gen, wall_seconds=wall)
     store.close("complete")
-    return {"start": start_eval, "final": final_mean, "generations": gen, "wall_s": wall,
+    return {"start": start_eval, "final": final_mean, "steps": gen, "wall_s": wall,
             "preempted": False}
 
 
@@ -171,15 +168,4 @@ def run(job) -> dict:
 def main(argv=None):
     """``essa [CONFIG.yaml] [key=value ...] [--resume]`` under mpirun/srun (or alone)."""
     job = start_job(ESSAJobConfig, "essa", "essa", argv)
-    summary = run(job)
-    if summary["preempted"]:
-        sys.exit(EXIT_PREEMPTED)
-    if job.world.is_root:
-        rows = []
-        if summary["start"] is not None:
-            rows.append(("sft start", summary["start"], {}))
-        rows.append(("essa mean", summary["final"],
-                     {"generations": summary["generations"],
-                      "wall s": f"{summary['wall_s']:.0f}"}))
-        print(format_table(rows))
-        print(f"run: {job.out_dir}")
+    finish(job, run(job), "sft start", "essa mean")

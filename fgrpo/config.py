@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hpc.config import EvalConfig, LoraConfig, ModelConfig, RunConfig, TaskConfig, param
+from hpc.config import JobConfig, param
 from fgrpo.loss import LOSS_TYPES
 from hpc.errors import UserError
 
@@ -37,12 +37,7 @@ class FGRPOConfig:
 
 
 @dataclass
-class FGRPOJobConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    run: RunConfig = field(default_factory=RunConfig)
+class FGRPOJobConfig(JobConfig):
     fgrpo: FGRPOConfig = field(default_factory=FGRPOConfig)
 
     def validate_world(self, world):

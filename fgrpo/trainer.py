@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import sys
 import time
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from fgrpo.advantages import batch_moments, group_advantages, std_from_moments
 from fgrpo.config import FGRPOJobConfig
@@ -25,10 +23,10 @@ from fgrpo.rollout import sample_rollouts, sequence_logprobs
 from hpc.checkpoint import load_latest, save_checkpoint
 from hpc.dist import all_reduce_mean_, init_process_group
 from hpc.errors import user_errors_exit
-from hpc.evaluate import evaluate, format_table, log_eval
-from hpc.jobs import on_all_ranks, start_job
+from hpc.evaluate import evaluate, log_eval
+from hpc.jobs import finish, on_all_ranks, progress_bar, start_job
 from hpc.models import attach_lora, load_adapter, load_model, save_adapter
-from hpc.preempt import EXIT_PREEMPTED, StopSignals, preempted_exit, should_stop
+from hpc.preempt import StopSignals, preempted_exit, should_stop
 from hpc.runstore import RunStore, environment_attrs
 from hpc.tasks import load_task
 from hpc.timing import PhaseTimer, gather_timings
@@ -157,8 +155,7 @@ def run(job) -> dict:
     start_eval = held_out(sampled=True) if start_step == 0 else None
     if start_eval is not None:
         log_eval(store, -1, start_eval)
-    progress = tqdm(total=f.steps, initial=start_step, desc="fgrpo",
-                    disable=not (world.is_root and cfg.run.progress))
+    progress = progress_bar(job, f.steps, "fgrpo", initial=start_step)
     t0 = time.perf_counter() - elapsed0
     step, preempted = start_step, False
     while step < f.steps:
@@ -236,7 +233,7 @@ def run(job) -> dict:
                         "optimizer": opt.state_dict(), "elapsed_s": time.perf_counter() - t0,
                         "skipped": skipped}, keep=f.keep_checkpoints)
         progress.update(1)
-        progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}")
+        progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}", refresh=False)
         if stop:
             break
     progress.close()
@@ -258,14 +255,4 @@ def run(job) -> dict:
 def main(argv=None):
     """``fgrpo [CONFIG.yaml] [key=value ...] [--resume]`` under mpirun/srun (or alone)."""
     job = start_job(FGRPOJobConfig, "fgrpo", "fgrpo", argv)
-    summary = run(job)
-    if summary["preempted"]:
-        sys.exit(EXIT_PREEMPTED)
-    if job.world.is_root:
-        rows = []
-        if summary["start"] is not None:
-            rows.append(("start", summary["start"], {}))
-        rows.append(("f-grpo", summary["final"], {"steps": summary["steps"],
-                                                  "wall s": f"{summary['wall_s']:.0f}"}))
-        print(format_table(rows))
-        print(f"run: {job.out_dir}")
+    finish(job, run(job), "start", "f-grpo")

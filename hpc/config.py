@@ -82,7 +82,16 @@ class RunConfig:
                                         min=1.0)
 
 
-SECTION_TYPES = (ModelConfig, LoraConfig, TaskConfig, EvalConfig, RunConfig)
+@dataclass
+class JobConfig:
+    """The sections every job has; a method's job config subclasses it and adds its own."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
 # One experiment file may configure every method (a sweep submits it to each): a job skips the
 # sections of the other methods, and still rejects any other unknown section.
 METHOD_SECTIONS = ("sft", "essa", "fgrpo")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hpc.config import EvalConfig, LoraConfig, ModelConfig, RunConfig, TaskConfig
+from hpc.config import EvalConfig, JobConfig
 from hpc.errors import user_errors_exit
 from hpc.world import World, split_evenly
 
@@ -97,13 +97,7 @@ def format_table(rows: list, ks=(1, 2, 4, 8, 16, 32, 64, 128, 256)) -> str:
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines)
 
 
-@dataclass
-class EvalJobConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    run: RunConfig = field(default_factory=RunConfig)
+EvalJobConfig = JobConfig  # hpc-eval needs only the shared sections
 
 
 @user_errors_exit

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,6 +82,17 @@ def _check_writable(out_dir: str) -> None:
         raise UserError(f"output folder {out_dir} is not writable: {err.strerror or err}")
 
 
+def progress_bar(job: "Job", total: int, desc: str, initial: int = 0):
+    """tqdm bar on rank 0 only (``run.progress``). Into a file (a Slurm log) it redraws every
+    30 s instead of every step, so logs stay readable."""
+    from tqdm import tqdm
+
+    enabled = job.world.is_root and job.cfg.run.progress
+    interactive = sys.stderr.isatty()
+    return tqdm(total=total, initial=initial, desc=desc, disable=not enabled,
+                mininterval=0.1 if interactive else 30.0, ascii=not interactive)
+
+
 @dataclass
 class Job:
     cfg: object
@@ -107,3 +119,19 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
         raise UserError(f"--resume: no run folder {out_dir}")
     return Job(cfg=cfg, world=world, device=device, out_dir=out_dir, resume=resume,
                config_text=config_to_yaml(cfg), method=method)
+
+
+def finish(job: Job, summary: dict, start_label: str, end_label: str) -> None:
+    """End a training job: exit 3 if it was preempted, else print (rank 0) the held-out table
+    of the start and the end of the run and the run folder."""
+    from hpc.evaluate import format_table
+    from hpc.preempt import EXIT_PREEMPTED
+
+    if summary["preempted"]:
+        sys.exit(EXIT_PREEMPTED)
+    if job.world.is_root:
+        rows = [(start_label, summary["start"], {})] if summary["start"] is not None else []
+        rows.append((end_label, summary["final"], {"steps": summary["steps"],
+                                                   "wall s": f"{summary['wall_s']:.0f}"}))
+        print(format_table(rows))
+        print(f"run: {job.out_dir}")

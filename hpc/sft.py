@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hpc.config import EvalConfig, LoraConfig, ModelConfig, RunConfig, TaskConfig, param
+from hpc.config import JobConfig, param
 from hpc.errors import UserError, user_errors_exit
 from hpc.world import my_slice
 
@@ -30,12 +30,7 @@ class SFTConfig:
 
 
 @dataclass
-class SFTJobConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    run: RunConfig = field(default_factory=RunConfig)
+class SFTJobConfig(JobConfig):
     sft: SFTConfig = field(default_factory=SFTConfig)
 
     def validate_world(self, world):
@@ -102,17 +97,15 @@ def train_sft(model, tokenizer, task, cfg: SFTJobConfig, world, store, timer, pr
                        timings=gather_timings(world, timer), nbytes=world.take_bytes())
         if progress is not None:
             progress.update(1)
-            progress.set_postfix(loss=f"{losses.mean():.3f}")
+            progress.set_postfix(loss=f"{losses.mean():.3f}", refresh=False)
     model.eval()
 
 
 @user_errors_exit
 def main(argv=None):
-    from tqdm import tqdm
-
     from hpc.dist import init_process_group
     from hpc.evaluate import evaluate, format_table, log_eval
-    from hpc.jobs import on_all_ranks, start_job
+    from hpc.jobs import on_all_ranks, progress_bar, start_job
     from hpc.models import attach_lora, load_model, save_adapter
     from hpc.runstore import RunStore, environment_attrs
     from hpc.tasks import load_task
@@ -139,8 +132,7 @@ def main(argv=None):
     before = evaluate(model, tok, task, task.eval, cfg.eval, cfg.task.max_new_tokens, world,
                       seed=cfg.run.seed)
     log_eval(store, -1, before)
-    progress = tqdm(total=cfg.sft.steps, desc="sft", disable=not (world.is_root and
-                                                                  cfg.run.progress))
+    progress = progress_bar(job, cfg.sft.steps, "sft")
     start = time.perf_counter()
     train_sft(model, tok, task, cfg, world, store, timer, progress)
     progress.close()

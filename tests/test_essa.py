@@ -1,9 +1,7 @@
 """ESSA under real mpirun: rank-count invariance, O(P) traffic, resume, bad input, learning,
 and the exported adapter."""
-import os
 
 import numpy as np
-import pytest
 
 from conftest import our_lines, run_cli, run_mpi
 from hpc.runstore import RunFile

@@ -88,7 +88,7 @@ def run_and_signal(args, h5, group, after_rows, sig, to_ranks=False, only_rank=N
     return proc.returncode, out, err
 
 
-@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
 def test_essa_preemption_then_resume_is_bitwise(toy_adapter, tmp_path, sig):
     full, part = tmp_path / "full", tmp_path / "part"
     assert run_mpi(2, essa_args(toy_adapter, full, 8)).returncode == 0

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import our_lines, run_cli, run_mpi
+from conftest import our_lines, run_mpi
 from hpc.runstore import RunFile
 
 
@@ -76,3 +76,24 @@ def test_bad_options_exit_2(tmp_path, override, words):
     assert len(lines) == 1 and lines[0].startswith("error"), lines
     assert all(w in lines[0] for w in words)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("extra", [["fgrpo.full_finetune=true", "fgrpo.beta=0.1"],
+                                   ["fgrpo.beta=0.1", "fgrpo.num_iterations=2",
+                                    "fgrpo.scale_rewards=batch",
+                                    "fgrpo.loss_type=seq-mean-token-sum-norm"]],
+                         ids=["full-finetune-kl", "lora-kl-mu2-batch-std"])
+def test_variants_run_and_log(tiny_models, tmp_path, extra):
+    """Full fine-tuning with a frozen reference copy, and LoRA with the adapter-disabled
+    reference, several inner iterations and batch std scaling, both under mpirun -n 2."""
+    model_dir, _, _ = tiny_models["small"]
+    out = tmp_path / "run"
+    proc = run_mpi(2, ["-m", "fgrpo", f"model.path={model_dir}", "task.n_train=64",
+                       "task.n_eval=8", "fgrpo.steps=2", "fgrpo.batch_prompts=4",
+                       "fgrpo.num_generations=4", "eval.every=0", "eval.n_samples=2",
+                       "run.progress=false", f"run.out={out}", *extra])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = RunFile(str(out / "fgrpo.h5")).group("metrics")
+    assert m["step"].tolist() == [1, 2]
+    assert np.all(np.isfinite(m["kl"])) and np.all(m["kl"] >= 0)
+    assert RunFile(str(out / "fgrpo.h5")).group("bytes")["grad_allreduce"].min() > 0

@@ -1,5 +1,4 @@
 """Models, LoRA adapters and generation on a tiny random Qwen2 (never the full toy build)."""
-import json
 import os
 import shutil
 

@@ -17,6 +17,7 @@ import h5py
 import pytest
 
 from conftest import MPI_ENV, REPO, require
+from hpc.runstore import RunFile
 
 START = os.path.join(REPO, "jobscripts", "local-slurm", "start.sh")
 STOP = os.path.join(REPO, "jobscripts", "local-slurm", "stop.sh")
@@ -24,6 +25,12 @@ SWEEP = os.path.join(REPO, "jobscripts", "sweep.sh")
 SLURM_DIR = os.environ.get("HPC_SLURM_DIR", "/tmp/hpc-slurm")
 TINY_SFT = ["sft.steps=2", "task.n_train=64", "task.n_eval=16", "eval.n_samples=2"]
 SWEEP_VARS = ("GPU_COUNTS", "GPUS_PER_NODE", "METHODS", "SBATCH_ARGS", "RUN_ROOT")
+# F-GRPO on the toy model, 2 ranks: a fresh LoRA, ~0.3 s a step on 2 CPU cores, so the job is
+# still well inside its 40 steps when signalled after 3; checkpoints only at the stop and the end.
+FGRPO_PREEMPT = ["model.path=toy", "fgrpo.steps=40", "fgrpo.batch_prompts=32",
+                 "fgrpo.num_generations=8", "task.n_train=200", "task.n_eval=16",
+                 "eval.every=0", "eval.n_samples=2", "run.checkpoint_every=0",
+                 "run.progress=false"]
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 # Stand-in for a trainer, started by the job scripts as `$PYTHON -m MODULE ARGS...`: it keeps
@@ -277,3 +284,74 @@ def test_cancelled_job_stays_cancelled_despite_checkpoint_exit(slurm, tmp_path):
     assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), log
     assert "stopped by SIGTERM" in log
     assert [s[1] for s in _starts(run)] == ["fresh", "fresh"]
+
+
+def _metric_steps(path) -> list:
+    """metrics/step of a run file, also of a running job's ([] until readable)."""
+    try:
+        return [int(s) for s in RunFile(str(path)).group("metrics").get("step", [])]
+    except (OSError, KeyError, ValueError):  # not created yet, or read in the middle of a flush
+        return []
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "srun"])
+def test_fgrpo_job_preempted_by_usr1_resumes_to_all_steps_without_gap(slurm, toy_model, tmp_path,
+                                                                      launcher):
+    if launcher == "srun":
+        require(srun_pmix_works(slurm), "srun --mpi=pmix (Debian: apt-get install libpmix-dev)")
+    _, jobid = sbatch(slurm, "fgrpo", FGRPO_PREEMPT, tmp_path, wait=False, LAUNCHER=launcher)
+    run = tmp_path / f"fgrpo-{jobid}"
+    h5 = run / "fgrpo.h5"
+
+    def three_steps():
+        assert job_info(slurm, jobid)["JobState"] in ("PENDING", "RUNNING"), \
+            job_log(tmp_path, "fgrpo", jobid)[-4000:]
+        return len(_metric_steps(h5)) >= 3
+
+    wait_for(three_steps, 300, "3 F-GRPO steps")
+    # What Slurm does at `--signal=B:USR1@120`: SIGUSR1 to the batch shell alone.
+    subprocess.run(["scancel", "--signal=USR1", "--batch", jobid], env=slurm, check=True)
+
+    def requeued():
+        info = job_info(slurm, jobid)
+        assert info["JobState"] not in ENDED, job_log(tmp_path, "fgrpo", jobid)[-4000:]
+        return (info["JobState"], info["Restarts"]) == ("PENDING", "1")
+
+    wait_for(requeued, 120, "the requeue")
+    # Held before its restart (see below): the first attempt's files, as it left them.
+    first = job_log(tmp_path, "fgrpo", jobid)
+    stopped = re.search(r"preempted after step (\d+)", first)
+    assert stopped, first[-4000:]
+    n = int(stopped.group(1))
+    assert 3 <= n < 40, first[-4000:]
+    assert f"requeueing job {jobid}" in first, first[-4000:]
+    with h5py.File(h5, "r", locking=False) as f:
+        assert f.attrs["status"] == "preempted"
+        assert list(f["metrics/step"][:]) == list(range(1, n + 1))
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*.pt")) == \
+        [f"step-{n:08d}.pt"]
+
+    # Slurm holds a requeued job for about two minutes before it may start again. Not at once
+    # though: slurmd rejects ("Job credential revoked") a credential issued in the same second
+    # (its resolution) as it revoked the first attempt's, and the job then fails.
+    time.sleep(2)
+    subprocess.run(["scontrol", "update", f"JobId={jobid}", "StartTime=now"], env=slurm,
+                   check=True)
+    wait_for(lambda: job_info(slurm, jobid)["JobState"] in ENDED, 300, "the requeued job to end")
+    log = job_log(tmp_path, "fgrpo", jobid)
+    info = job_info(slurm, jobid)
+    assert (info["JobState"], info["Restarts"], info["ExitCode"]) == ("COMPLETED", "1", "0:0"), \
+        log[-4000:]
+    attempts = log.split(f"job {jobid} (restart 1)")
+    assert len(attempts) == 2, log[-4000:]
+    assert f"preempted after step {n}" in attempts[0] and "--resume" not in attempts[0]
+    assert "preempted after step" not in attempts[1]
+    assert re.search(rf"\+ {launcher} .* -m fgrpo .*run\.out=\S+ --resume\n", attempts[1]), \
+        attempts[1][-4000:]
+    with h5py.File(h5, "r") as f:
+        assert f.attrs["status"] == "complete"
+        assert int(f.attrs["steps_done"]) == 40
+        assert list(f["metrics/step"][:]) == list(range(1, 41))  # no gap, no step twice
+        assert list(f["timings/step"][:]) == list(range(1, 41))
+        assert list(f["eval/step"][:]) == [-1, 40]  # the start evaluation only once
+    assert (run / "adapter").is_dir()
