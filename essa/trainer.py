@@ -21,7 +21,7 @@ from hpc.errors import UserError, user_errors_exit
 from hpc.evaluate import evaluate, log_eval
 from hpc.jobs import finish, on_all_ranks, progress_bar, start_job
 from hpc.models import load_adapter, load_model
-from hpc.preempt import StopSignals, preempted_exit, should_stop
+from hpc.preempt import preempted_exit, should_stop
 from hpc.runstore import RunStore, environment_attrs
 from hpc.tasks import load_task
 from hpc.timing import PhaseTimer, gather_timings
@@ -69,7 +69,7 @@ def run(job) -> dict:
             if e.sigma_scale == "relative" else None)
     opt = make_optimizer(e.optimizer, space.dim, e.population, e.sigma0, cfg.run.seed, e.lr,
                          stds=stds)
-    signals = StopSignals()
+    signals = job.signals
     ckpt_dir = f"{job.out_dir}/checkpoints"
     state = load_latest(ckpt_dir, warn=world.is_root) if job.resume else None
     start_gen, elapsed0 = 0, 0.0

@@ -26,7 +26,7 @@ from hpc.errors import user_errors_exit
 from hpc.evaluate import evaluate, log_eval
 from hpc.jobs import finish, on_all_ranks, progress_bar, start_job
 from hpc.models import attach_lora, load_adapter, load_model, save_adapter
-from hpc.preempt import StopSignals, preempted_exit, should_stop
+from hpc.preempt import preempted_exit, should_stop
 from hpc.runstore import RunStore, environment_attrs
 from hpc.tasks import load_task
 from hpc.timing import PhaseTimer, gather_timings
@@ -130,7 +130,7 @@ def run(job) -> dict:
     init_process_group(world, job.device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=f.learning_rate, weight_decay=f.weight_decay)
-    signals = StopSignals()
+    signals = job.signals
     ckpt_dir = f"{job.out_dir}/checkpoints"
     state = load_latest(ckpt_dir, warn=world.is_root) if job.resume else None
     start_step, elapsed0, skipped = 0, 0.0, 0

@@ -102,10 +102,16 @@ class Job:
     resume: bool
     config_text: str
     method: str
+    signals: object  # hpc.preempt.StopSignals, installed before any loading
 
 
 def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
     """Parse, validate and prepare a job on every rank (see the module docstring)."""
+    from hpc.preempt import StopSignals
+
+    # First of all: a preemption signal during start-up (model loading can take minutes) must
+    # not kill the ranks; it is honoured at the end of the first step.
+    signals = StopSignals()
     config_path, overrides, resume = parse_args(prog, argv)
     cfg = load_config(job_cls, config_path, overrides)
     world = get_world()
@@ -118,7 +124,7 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
     if resume and not os.path.isdir(out_dir):
         raise UserError(f"--resume: no run folder {out_dir}")
     return Job(cfg=cfg, world=world, device=device, out_dir=out_dir, resume=resume,
-               config_text=config_to_yaml(cfg), method=method)
+               config_text=config_to_yaml(cfg), method=method, signals=signals)
 
 
 def finish(job: Job, summary: dict, start_label: str, end_label: str) -> None:

@@ -138,7 +138,8 @@ def summarize(path: str, target: float | None = None) -> dict:
     ev_step, ev_acc = _aligned(run.group("eval"), ["step", "accuracy"]) or (None, None)
     final = ev_acc[ev_step >= 0] if ev_step is not None else np.empty(0)
     wall_s = run.group("metrics").get("wall_s", np.empty(0))
-    row = {"file": os.path.basename(path), "method": run.attrs.get("method", "?"),
+    row = {"file": os.path.join(os.path.basename(os.path.dirname(os.path.abspath(path))),
+                                os.path.basename(path)), "method": run.attrs.get("method", "?"),
            "status": run.attrs.get("status", "?"),
            "ranks": int(run.attrs.get("world_size", per_rank.shape[1] if per_rank.size else 0)),
            "model": _model(run), "steps": len(step_s),
@@ -228,6 +229,7 @@ def format_summary(rows: list) -> str:
 def write_csv(rows: list, path: str) -> None:
     flats = [flat(r) for r in rows]
     keys = list(dict.fromkeys(k for r in flats for k in r))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, restval="")
         w.writeheader()

@@ -85,15 +85,25 @@ run_job() {
   # The launcher runs in the background so that the traps below run while it does (bash
   # defers traps until a foreground command ends); `wait` returns early on each trapped
   # signal, hence the loop until the launcher is really gone.
-  local pid rc cancelled=0
+  local pid rc r cancelled=0 signalled
   "${launch[@]}" "$python" -m "$module" "${args[@]}" &
   pid=$!
-  trap 'echo "SIGUSR1: asking the ranks to checkpoint and stop"; kill -USR1 $pid 2>/dev/null' USR1
-  trap 'cancelled=1; kill -TERM $pid 2>/dev/null' TERM
+  trap 'signalled=1; echo "SIGUSR1: asking the ranks to checkpoint and stop"
+        kill -USR1 $pid 2>/dev/null' USR1
+  trap 'signalled=1; cancelled=1; kill -TERM $pid 2>/dev/null' TERM
   while true; do
+    signalled=0
     wait $pid
     rc=$?
-    kill -0 $pid 2>/dev/null || break
+    kill -0 $pid 2>/dev/null && continue
+    # The launcher may have ended just after a trap interrupted `wait`: collect its own status
+    # (127 means `wait` had already reported it).
+    if ((signalled)); then
+      wait $pid 2>/dev/null
+      r=$?
+      ((r != 127)) && rc=$r
+    fi
+    break
   done
   trap - USR1 TERM
 
