@@ -11,6 +11,7 @@ before any model is loaded.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -77,6 +78,9 @@ class RunConfig:
     max_time_s: float = param(0.0, "stop after this wall time in seconds (0 = no limit)", min=0.0)
     checkpoint_every: int = param(0, "checkpoint every this many steps (0 = end only)", min=0)
     progress: bool = param(True, "progress bar on rank 0")
+    min_free_mb: float = param(512.0, "refuse to start when the output folder's disk has less "
+                               "free space than this (MiB): checkpoints and logs need room",
+                               min=0.0)
     collective_timeout_s: float = param(600.0, "a rank that has not reached a step's exchange "
                                         "after this many seconds is named and the job aborted",
                                         min=1.0)
@@ -113,9 +117,16 @@ def _coerce(key: str, value, ftype, meta):
             raise UserError(f"config key '{key}': expected an integer, got {value!r}")
         out = value
     elif ftype is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise UserError(f"config key '{key}': expected a number, got {value!r}")
         out = float(value)
+        if not math.isfinite(out):
+            raise UserError(f"config key '{key}': expected a finite number, got {value!r}")
     elif ftype is str:
         if isinstance(value, (dict, list)) or value is None:
             raise UserError(f"config key '{key}': expected a string, got {value!r}")

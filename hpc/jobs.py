@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 
@@ -71,7 +72,7 @@ def _job_id(world: World) -> str:
     return world.comm.bcast(stamp, root=0)  # once per job, not a hot path
 
 
-def _check_writable(out_dir: str) -> None:
+def _check_writable(out_dir: str, min_free_mb: float) -> None:
     try:
         os.makedirs(out_dir, exist_ok=True)
         probe = os.path.join(out_dir, ".write-test")
@@ -80,6 +81,10 @@ def _check_writable(out_dir: str) -> None:
         os.remove(probe)
     except OSError as err:
         raise UserError(f"output folder {out_dir} is not writable: {err.strerror or err}")
+    free_mb = shutil.disk_usage(out_dir).free / 2 ** 20
+    if free_mb < min_free_mb:
+        raise UserError(f"the disk of {out_dir} has {free_mb:.0f} MiB free, less than "
+                        f"run.min_free_mb={min_free_mb:.0f}: free space or write elsewhere")
 
 
 def progress_bar(job: "Job", total: int, desc: str, initial: int = 0):
@@ -120,7 +125,8 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
         cfg.validate_world(world)
     device = on_all_ranks(world, lambda: select_device(world, cfg.model.device))
     out_dir = cfg.run.out.format(method=method, jobid=_job_id(world))
-    on_all_ranks(world, lambda: _check_writable(out_dir) if world.is_root else None)
+    on_all_ranks(world, lambda: _check_writable(out_dir, cfg.run.min_free_mb)
+                 if world.is_root else None)
     if resume and not os.path.isdir(out_dir):
         raise UserError(f"--resume: no run folder {out_dir}")
     return Job(cfg=cfg, world=world, device=device, out_dir=out_dir, resume=resume,

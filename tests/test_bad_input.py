@@ -82,6 +82,13 @@ def test_output_folder_not_writable(tmp_path):
     one_line_exit_2(proc, "not writable")
 
 
+def test_disk_too_full(tmp_path):
+    proc = run_cli(["-m", "essa", "run.progress=false", "run.min_free_mb=1e12",
+                    "lora.adapter=unused", f"run.out={tmp_path / 'run'}"], timeout=120)
+    one_line_exit_2(proc, "MiB free", "run.min_free_mb")
+    assert not (tmp_path / "run" / "essa.h5").exists()
+
+
 def test_adapter_for_another_model(tiny_models, tmp_path):
     small_model, _, _ = tiny_models["small"]
     _, large_adapter, _ = tiny_models["large"]

@@ -9,7 +9,7 @@ from hpc.evaluate import EvalJobConfig
 def test_yaml_then_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("lora:\n  rank: 4\n  targets: [q_proj, v_proj]\ntask:\n  n_eval: 10\n")
-    cfg = load_config(EvalJobConfig, str(path), ["lora.rank=16", "eval.temperature=0.5",
+    cfg = load_config(EvalJobConfig, str(path), ["lora.rank=16", "eval.temperature=5e-1",
                                                  "lora.targets=q_proj,k_proj"])
     assert cfg.lora.rank == 16 and cfg.task.n_eval == 10 and cfg.eval.temperature == 0.5
     assert cfg.lora.targets == ["q_proj", "k_proj"]
@@ -24,6 +24,8 @@ def test_yaml_then_overrides(tmp_path):
     ("lora.rank=four", ["lora.rank", "integer"]),
     ("lora.rank=0", ["lora.rank", "minimum"]),
     ("eval.top_p=1.5", ["eval.top_p", "maximum"]),
+    ("eval.temperature=nan", ["eval.temperature", "finite"]),
+    ("eval.temperature=1e-", ["eval.temperature", "number"]),
     ("model.dtype=float8", ["model.dtype", "not one of"]),
     ("run.progress=maybe", ["run.progress", "true/false"]),
     ("rank=4", ["section.key"]),
