@@ -37,8 +37,16 @@ def save_checkpoint(directory: str, step: int, state: dict, keep: int = 3) -> st
     torch.save(state, buf)
     data = buf.getvalue()
     path = _path(directory, step)
-    _fsync_write(path[:-3] + ".sha256", hashlib.sha256(data).hexdigest().encode())
-    _fsync_write(path, data)
+    try:
+        _fsync_write(path[:-3] + ".sha256", hashlib.sha256(data).hexdigest().encode())
+        _fsync_write(path, data)
+    except OSError as err:
+        for leftover in (path + ".tmp", path[:-3] + ".sha256.tmp", path[:-3] + ".sha256"):
+            if os.path.exists(leftover):
+                os.remove(leftover)
+        raise UserError(f"cannot write checkpoint {path} ({len(data) / 2 ** 20:.1f} MiB): "
+                        f"{err.strerror or err}; earlier checkpoints are intact",
+                        same_on_all_ranks=False) from None
     dir_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dir_fd)

@@ -35,6 +35,17 @@ def report_user_error(err: UserError) -> None:
         print(f"error (rank {rank}): {err}", file=sys.stderr, flush=True)
 
 
+def _abort_peers() -> None:
+    """A rank-local error mid-run: the other ranks are busy in the job and would wait for this
+    one (and MPI_Finalize would wait for them), so end the whole job with exit code 2."""
+    if "mpi4py.MPI" not in sys.modules:
+        return
+    from mpi4py import MPI
+
+    if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
+        MPI.COMM_WORLD.Abort(EXIT_USER_ERROR)
+
+
 def user_errors_exit(main):
     """Decorate a console entry point: a UserError becomes one line and exit code 2."""
 
@@ -44,6 +55,8 @@ def user_errors_exit(main):
             return main(*args, **kwargs)
         except UserError as err:
             report_user_error(err)
+            if not err.same_on_all_ranks:
+                _abort_peers()
             sys.exit(EXIT_USER_ERROR)
 
     return wrapper

@@ -200,3 +200,27 @@ def test_nan_gradient_step_is_skipped():
     w.grad = torch.tensor([1.0, 1.0, 0.0])
     assert optimizer_step([w], opt, 1.0) is True
     assert not torch.equal(w.detach(), torch.ones(3))
+
+
+def test_disk_full_mid_run(toy_adapter, tmp_path):
+    """The output folder is a 1 MiB tmpfs: the run starts (min_free_mb=0), its first
+    checkpoint does not fit; the job ends with one line naming it, exit 2, and the run file
+    stays readable."""
+    from conftest import our_lines
+
+    disk = tmp_path / "small-disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)],
+                             capture_output=True).returncode == 0
+    require(mounted, "mounting a tmpfs (root)")
+    try:
+        out = disk / "run"
+        proc = run_mpi(2, essa_args(toy_adapter, out, 3, "run.min_free_mb=0"))
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        lines = [ln for ln in our_lines(proc.stderr) if ln.startswith("error")]
+        assert len(lines) == 1 and "cannot write checkpoint" in lines[0], proc.stderr[-2000:]
+        assert "No space left" in lines[0]
+        assert RunFile(str(out / "essa.h5")).group("metrics")["step"].tolist() == [1]
+        assert not list((out / "checkpoints").glob("*.tmp"))
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
