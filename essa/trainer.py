@@ -19,7 +19,7 @@ from essa.space import LoraEntrySpace, SingularValueSpace
 from hpc.checkpoint import load_latest, save_checkpoint
 from hpc.errors import UserError, user_errors_exit
 from hpc.evaluate import evaluate, log_eval
-from hpc.jobs import finish, on_all_ranks, progress_bar, start_job
+from hpc.jobs import agree_on_resume_step, finish, on_all_ranks, progress_bar, start_job
 from hpc.models import load_adapter, load_model
 from hpc.preempt import preempted_exit, should_stop
 from hpc.runstore import RunStore, environment_attrs
@@ -78,6 +78,7 @@ def run(job) -> dict:
         opt.load_state_dict(state["optimizer"])
         start_gen, elapsed0 = state["generation"], state["elapsed_s"]
         best_x, best_fit = state["best_x"], state["best_fitness"]
+    agree_on_resume_step(world, start_gen)
     attrs = dict(environment_attrs(world, job.device), method="essa", config=job.config_text,
                  search_dim=space.dim, population=e.population)
     store = RunStore(f"{job.out_dir}/essa.h5", world.is_root, attrs, resume=job.resume)
@@ -99,6 +100,7 @@ def run(job) -> dict:
     progress = progress_bar(job, e.generations, "essa", initial=start_gen)
     t0 = time.perf_counter() - elapsed0
     gen, preempted = start_gen, False
+    world.take_bytes()  # start-up traffic (bootstrap, start evaluation) is not a generation's
     while gen < e.generations:
         with timer.phase("update"):
             X = opt.ask()
@@ -154,10 +156,10 @@ def run(job) -> dict:
         return preempted_exit(world, store, gen, wall)
     final_mean = held_out(opt.mean, sampled=True)
     log_eval(store, gen, final_mean)
-    store.write_row("final", gen, mean=opt.mean, best=best_x, best_fitness=best_fit)
     if world.is_root:
         space.export_adapter(model, opt.mean, f"{job.out_dir}/adapter-mean")
         space.export_adapter(model, best_x, f"{job.out_dir}/adapter-best")
+    store.write_row("final", gen, mean=opt.mean, best=best_x, best_fitness=best_fit)
     store.set_attrs(generations_done=gen, wall_seconds=wall)
     store.close("complete")
     return {"start": start_eval, "final": final_mean, "steps": gen, "wall_s": wall,

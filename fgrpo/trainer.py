@@ -22,9 +22,9 @@ from fgrpo.loss import entropy_from_logits, policy_loss
 from fgrpo.rollout import sample_rollouts, sequence_logprobs
 from hpc.checkpoint import load_latest, save_checkpoint
 from hpc.dist import all_reduce_mean_, init_process_group
-from hpc.errors import user_errors_exit
+from hpc.errors import UserError, user_errors_exit
 from hpc.evaluate import evaluate, log_eval
-from hpc.jobs import finish, on_all_ranks, progress_bar, start_job
+from hpc.jobs import agree_on_resume_step, finish, on_all_ranks, progress_bar, start_job
 from hpc.models import attach_lora, load_adapter, load_model, save_adapter
 from hpc.preempt import preempted_exit, should_stop
 from hpc.runstore import RunStore, environment_attrs
@@ -125,6 +125,9 @@ def run(job) -> dict:
     cfg, world = job.cfg, job.world
     f = cfg.fgrpo
     task = on_all_ranks(world, lambda: load_task(cfg.task))
+    if min(f.batch_prompts, len(task.train)) < world.size:
+        raise UserError(f"{len(task.train)} training prompts and fgrpo.batch_prompts="
+                        f"{f.batch_prompts} leave some of the {world.size} ranks without a prompt")
     torch.manual_seed(cfg.run.seed)
     model, ref_model, tok = on_all_ranks(world, lambda: build_model(cfg, job.device))
     init_process_group(world, job.device)
@@ -140,6 +143,7 @@ def run(job) -> dict:
                 p.copy_(saved)
         opt.load_state_dict(state["optimizer"])
         start_step, elapsed0, skipped = state["step"], state["elapsed_s"], state["skipped"]
+    agree_on_resume_step(world, start_step)
     attrs = dict(environment_attrs(world, job.device), method="fgrpo", config=job.config_text,
                  trainable_parameters=sum(p.numel() for p in params))
     store = RunStore(f"{job.out_dir}/fgrpo.h5", world.is_root, attrs, resume=job.resume)
@@ -158,6 +162,7 @@ def run(job) -> dict:
     progress = progress_bar(job, f.steps, "fgrpo", initial=start_step)
     t0 = time.perf_counter() - elapsed0
     step, preempted = start_step, False
+    world.take_bytes()  # start-up traffic (bootstrap, start evaluation) is not a step's
     while step < f.steps:
         batch = np.random.default_rng([cfg.run.seed, step]).choice(
             len(task.train), size=min(f.batch_prompts, len(task.train)), replace=False)
@@ -212,7 +217,7 @@ def run(job) -> dict:
                    "focal_weight_max": g[:, 5].max(), "zero_spread_groups": tot[6],
                    "kl": tot[8] / tokens, "clip_fraction": tot[9] / tokens,
                    "entropy": tot[10] / tokens, "completion_length": tot[12] / tot[2],
-                   "loss": tot[13], "skipped_steps": skipped,
+                   "loss": tot[13] / world.size, "skipped_steps": skipped,
                    "wall_s": time.perf_counter() - t0}
         if cfg.eval.every and step % cfg.eval.every == 0 and step < f.steps:
             with timer.phase("eval"):
@@ -229,7 +234,7 @@ def run(job) -> dict:
             with timer.phase("checkpoint"):
                 if world.is_root:
                     save_checkpoint(ckpt_dir, step, {
-                        "step": step, "params": [p.detach().clone() for p in params],
+                        "step": step, "params": [p.detach().cpu() for p in params],
                         "optimizer": opt.state_dict(), "elapsed_s": time.perf_counter() - t0,
                         "skipped": skipped}, keep=f.keep_checkpoints)
         progress.update(1)

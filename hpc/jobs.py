@@ -43,6 +43,8 @@ def on_all_ranks(world: World, fn):
         failed = world.allgather(np.array([err is not None], dtype=np.int8), tag="control")
         if err is None and failed.any():
             raise PeerFailed()
+        if err is not None and not failed[0]:
+            err.same_on_all_ranks = False  # rank 0 is fine: this rank must print its own line
     if err is not None:
         raise err
     return result
@@ -124,7 +126,11 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
     if hasattr(cfg, "validate_world"):
         cfg.validate_world(world)
     device = on_all_ranks(world, lambda: select_device(world, cfg.model.device))
-    out_dir = cfg.run.out.format(method=method, jobid=_job_id(world))
+    try:
+        out_dir = cfg.run.out.format(method=method, jobid=_job_id(world))
+    except (KeyError, IndexError, ValueError) as err:
+        raise UserError(f"config key 'run.out': {cfg.run.out!r} may only use the fields "
+                        f"{{method}} and {{jobid}} ({err!r})") from None
     on_all_ranks(world, lambda: _check_writable(out_dir, cfg.run.min_free_mb)
                  if world.is_root else None)
     if resume and not os.path.isdir(out_dir):
@@ -147,3 +153,13 @@ def finish(job: Job, summary: dict, start_label: str, end_label: str) -> None:
                                                    "wall s": f"{summary['wall_s']:.0f}"}))
         print(format_table(rows))
         print(f"run: {job.out_dir}")
+
+
+def agree_on_resume_step(world, step: int) -> None:
+    """Every rank must resume from the same checkpoint (a rank that cannot read the shared run
+    folder, or reads an older checkpoint, would desynchronise the collectives)."""
+    steps = world.allgather(np.array([step], dtype=np.int64), tag="control")
+    if (steps != steps[0]).any():
+        raise UserError(f"ranks would resume from different checkpoints (steps by rank: "
+                        f"{steps.tolist()}): the run folder must be on a file system every "
+                        f"rank sees", same_on_all_ranks=False)

@@ -114,8 +114,9 @@ class RunStore:
             arr = np.asarray(value)
             if name not in grp:
                 dtype = np.int64 if arr.dtype.kind in "iub" else np.float64
+                rows = _CHUNK_ROWS if arr.nbytes * _CHUNK_ROWS <= 2 ** 20 else 1
                 grp.create_dataset(name, shape=(n,) + arr.shape, maxshape=(None,) + arr.shape,
-                                   dtype=dtype, chunks=(_CHUNK_ROWS,) + arr.shape,
+                                   dtype=dtype, chunks=(rows,) + arr.shape,
                                    fillvalue=0 if dtype == np.int64 else np.nan)
             ds = grp[name]
             ds.resize(n + 1, axis=0)

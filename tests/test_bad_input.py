@@ -134,3 +134,18 @@ def test_fuzzed_yaml_files_load_or_raise_user_error(tmp_path_factory, text):
         assert "\n" not in str(err)
     finally:
         os.remove(path)
+
+
+def test_bad_run_out_template(tmp_path):
+    proc = run_cli(["-m", "fgrpo", "run.progress=false", f"run.out={tmp_path}/{{name}}"],
+                   timeout=120)
+    one_line_exit_2(proc, "run.out", "{method}")
+
+
+def test_fewer_prompts_than_ranks(tmp_path):
+    from conftest import run_mpi
+
+    proc = run_mpi(2, ["-m", "fgrpo", "run.progress=false", "task.n_train=1",
+                       "fgrpo.batch_prompts=4", f"run.out={tmp_path / 'run'}"])
+    one_line_exit_2(proc, "without a prompt")
+    assert not (tmp_path / "run" / "fgrpo.h5").exists()
