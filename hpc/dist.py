@@ -7,6 +7,7 @@ because the rendezvous goes through MPI, not through launcher-specific variables
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -45,6 +46,9 @@ def init_process_group(world: World, device: torch.device) -> str:
     port = int(np.frombuffer(buf[_ADDR_BYTES:].tobytes(), dtype="<i4")[0])
     if world.size > 1 and addr == world.hostname and world.local_size == world.size:
         addr = "127.0.0.1"  # one node: loopback works even where the host name does not resolve
+    # Tear the group down before interpreter shutdown: a gloo worker thread still holding a
+    # tensor then aborts the process ("terminate called without an active exception").
+    atexit.register(destroy_process_group)
     dist.init_process_group(
         backend=backend,
         init_method=f"tcp://{addr}:{port}",
