@@ -8,14 +8,15 @@ a rank-8 LoRA on q/k/v/o with random B, and the ESSA search space over it. Promp
 tokens, the generation length is fixed (min_new_tokens = max_new_tokens, greedy). For each k it
 times the generation of k members x P prompts (k*P rows):
 
-* ``lora_fused`` and ``lora_exact``: :class:`essa.batched.MemberLora`, fused (two kernels per
-  layer, the CUDA default) and with peft's arithmetic, member-major rows;
+* ``lora_fused`` and ``lora_exact``: :class:`essa.member_lora.MemberLora`, fused (the CUDA
+  default) and with peft's arithmetic, member-major rows;
 * ``base``: the same rows through the model with every adapted layer swapped back to its base
   Linear: pure batched generation without LoRA;
 * at k = 1 also ``peft``: one member through peft's own LoRA forward (ESSA one at a time);
 
 and reports tokens/s, members/s, the ratio to pure generation (target >= 0.8), the speedup
-over peft one at a time, the time to rebuild the k members' factors and the peak memory. Then
+over peft one at a time, the time to rebuild the k members' factors, the peak memory and the
+host ops per decoding step of each variant (:func:`host_ops_per_step`). Then
 one F-GRPO step (fgrpo defaults: 32 prompts x G = 8 sampled completions, token-mean clipped
 loss, micro-batches of 64 rows, AdamW on the LoRA; rewards are a hash of the tokens) timed by
 phase: generation, reward, forward_backward, optimizer (one rank: no all-reduce). A
@@ -31,10 +32,12 @@ import time
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from common import TARGETS, machine
 
-from essa.batched import MemberLora, members_on_device  # common.py: repo on sys.path
+from essa.batched import members_on_device  # common.py: repo on sys.path
+from essa.member_lora import MemberLora
 from essa.space import SingularValueSpace
 from hpc.models import attach_lora
 
@@ -73,11 +76,12 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def build(name: str, device, dtype):
-    """(peft model with a random-B rank-8 q/k/v/o LoRA, its SingularValueSpace), eval mode."""
+def build(shape: dict, device, dtype):
+    """(peft model with a random-B rank-8 q/k/v/o LoRA, its SingularValueSpace), eval mode.
+    ``shape``: Qwen2Config fields, as in SHAPES."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(**SHAPES[name], max_position_embeddings=32768, pad_token_id=0,
+    config = Qwen2Config(**shape, max_position_embeddings=32768, pad_token_id=0,
                          bos_token_id=None, eos_token_id=None)
     default = torch.get_default_dtype()
     torch.manual_seed(SEED)
@@ -143,6 +147,30 @@ def timed_greedy(model, ids, new_tokens: int, device, repeats: int = 2) -> float
     return best
 
 
+class _OpCounter(TorchDispatchMode):
+    """Counts every aten op the host issues while active (views and in-place ops included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def host_ops_per_step(model, ids) -> int:
+    """Aten ops issued per greedy decoding step on ``ids`` (rows, prompt): the ops of 3 new
+    tokens minus those of 2. At small batch a GPU waits on the host, so this count sets the
+    speed of a decoding step; it does not depend on the layer widths."""
+    counts = []
+    for new_tokens in (2, 3):
+        with _OpCounter() as counter:
+            greedy(model, ids, new_tokens)
+        counts.append(counter.ops)
+    return counts[1] - counts[0]
+
+
 def agreement(model, space, members, prompts, new_tokens: int) -> dict:
     """Greedy tokens of members batched (fused and exact) vs one at a time through peft: the
     share of rows that agree on every token and of tokens before a row's first difference."""
@@ -176,12 +204,15 @@ def measure_k(model, space, device, members, prompts, k: int, new_tokens: int) -
     factors = space.factors_batch(members[:k])
     _sync(device)
     row = {"k": k, "rows": k * n_prompts, "rebuild_s": time.perf_counter() - start}
-    seconds = {}
+    seconds, ops = {}, {}
     for variant, fused in (("lora_fused", True), ("lora_exact", False)):
         with MemberLora(model, factors, fused=fused):
             seconds[variant] = timed_greedy(model, ids, new_tokens, device)
+            ops[variant] = host_ops_per_step(model, ids)
     with BaseOnly(model, space.modules):
         seconds["base"] = timed_greedy(model, ids, new_tokens, device)
+        ops["base"] = host_ops_per_step(model, ids)
+    row["host_ops_per_step"] = ops
     if k == 1:
         space.apply(model, members[0])
         seconds["peft"] = timed_greedy(model, ids, new_tokens, device)
@@ -306,7 +337,7 @@ def check_model(name: str, device, ks, n_prompts, budget, save) -> dict:
               "prompts_per_member": n_prompts, "lora": f"r={LORA_RANK} on {TARGETS}"}
     save(result)
     start = time.perf_counter()
-    model, space = build(name, device, dtype)
+    model, space = build(SHAPES[name], device, dtype)
     _sync(device)
     result["build_s"] = time.perf_counter() - start
     result["parameters"] = sum(p.numel() for p in model.parameters())
@@ -338,17 +369,20 @@ def summary(result: dict) -> str:
              f"{result['prompts_per_member']} prompts per member; built in "
              f"{result['build_s']:.0f} s; members that fit: {result['members_that_fit']})",
              f"{'k':>3} {'rows':>5} {'fused m/s':>10} {'exact m/s':>10} {'base tok/s':>11} "
-             f"{'fused/base':>11} {'exact/base':>11} {'x peft 1-by-1':>14} {'rebuild ms':>11}"]
+             f"{'fused/base':>11} {'exact/base':>11} {'x peft 1-by-1':>14} {'rebuild ms':>11} "
+             f"{'host ops/step base, fused, exact':>33}"]
     for r in result.get("members", []):
         if "base" not in r:
             lines.append(f"{r['k']:>3} skipped: {r['skipped']}")
             continue
+        ops = r["host_ops_per_step"]
         lines.append(
             f"{r['k']:>3} {r['rows']:>5} {r['lora_fused']['members_per_s']:>10.2f} "
             f"{r['lora_exact']['members_per_s']:>10.2f} {r['base']['tokens_per_s']:>11.0f} "
             f"{r['lora_fused_vs_base']:>11.2f} {r['lora_exact_vs_base']:>11.2f} "
             f"{r.get('lora_fused_vs_peft_one_at_a_time', float('nan')):>14.2f} "
-            f"{r['rebuild_s'] * 1e3:>11.1f}")
+            f"{r['rebuild_s'] * 1e3:>11.1f} {ops['base']:>17} {ops['lora_fused']:>7} "
+            f"{ops['lora_exact']:>7}")
     step = result["fgrpo_step"]
     lines.append(f"F-GRPO step skipped: {step['skipped']}" if "skipped" in step else
                  f"F-GRPO step ({step['rows']} rows): {step['total_s']:.2f} s = " + ", ".join(

@@ -1,113 +1,30 @@
 """Batched population members: k LoRA adapters scored in one batched generation.
 
-The base weights are shared. While :class:`MemberLora` is active, every adapted Linear of the
-peft model computes, for the rows of member m,
+Each ``generate`` call holds one chunk of prompts repeated for k members, member-major, under
+:class:`essa.member_lora.MemberLora` (shared base weights, each member's factors on its rows).
 
-    out = base(x) + ((x @ A'_m^T) @ B'_m^T) * scaling
-
-with A' (k, r, in) and B' (k, out, r) stacked over the k members and applied by one batched
-matmul each (``torch.bmm``); the peft LoRA path (and its weights) is bypassed. The batch is laid
-out member-major: a batch of k*n rows holds member m's rows at m*n .. m*n+n-1. HF ``generate``
-keeps row order under left padding and the KV cache rows follow, so this layout holds at every
-step; the member of a row is read off shapes only, nothing synchronises with the host. On CUDA
-the delta is fused into two kernels per layer (:class:`MemberLora`, ``fused``).
-
-Exactness (fp32, CPU, greedy): the delta uses the same ops in the same order and dtype as
-peft's vanilla LoRA path (matmul by A, matmul by B, times scaling, added to the base output),
-and MKL's sgemm gives each row the same bits whatever the number of rows once a matrix has 12
-rows or more. So fitness and completions equal one-at-a-time evaluation bit for bit whenever
-every generate chunk holds >= 12 prompts (checked with MKL 2024.2 on AVX-512, 1 to 8 threads;
-tests/test_essa_batched.py, also under mpirun). A chunk of fewer prompts (a small last chunk)
-goes through MKL's small-matrix kernels, whose rounding depends on the row count: logits then
-differ by about 1e-7 relative (tested within 1e-5), which flips a greedy token only at a near
-tie. On CUDA the fused path computes the delta in the model's dtype (bf16 factors, scaling
-folded into B') where peft keeps fp32 LoRA weights, and cuBLAS picks kernels by shape: logits
-stay as close to the fp32 model's as peft's own bf16 logits are (tested on CPU: within twice
-peft's bf16 error), and fitness agrees up to greedy flips at near ties, not bitwise.
+Exactness (fp32, CPU, greedy, the exact arithmetic): the delta uses the same ops in the same
+order and dtype as peft's vanilla LoRA path, and MKL's sgemm gives each row the same bits
+whatever the number of rows once a matrix has 12 rows or more. So fitness and completions equal
+one-at-a-time evaluation bit for bit whenever every generate chunk holds >= 12 prompts (checked
+with MKL 2024.2 on AVX-512, 1 to 8 threads; tests/test_essa_batched.py, also under mpirun). A
+chunk of fewer prompts (a small last chunk) goes through MKL's small-matrix kernels, whose
+rounding depends on the row count: logits then differ by about 1e-7 relative (tested within
+1e-5), which flips a greedy token only at a near tie. On CUDA the fused arithmetic computes the
+delta in the model's dtype (bf16 factors, scaling folded into B') where peft keeps fp32 LoRA
+weights, and cuBLAS picks kernels by shape: logits stay as close to the fp32 model's as peft's
+own bf16 logits are (tested on CPU: within twice peft's bf16 error), and fitness agrees up to
+greedy flips at near ties, not bitwise.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from essa.space import ADAPTER
-from hpc.errors import UserError
+from essa.member_lora import MemberLora
 from hpc.generation import generate
 
 MEMORY_SHARE = 0.5  # of free CUDA memory that choose_k may plan to fill
-
-
-class MemberLora:
-    """Context manager: per-row LoRA factors of k members on ``peft_model``.
-
-    ``factors``: {module name: (A' (k, r, in), B' (k, out, r))}, as from
-    ``SingularValueSpace.factors_batch``, on the model's device. Every batch passed through the
-    model while active must have a multiple of k rows, member-major.
-
-    ``fused`` (default: on CUDA only) casts the factors once to the base layer's dtype, folds
-    ``scaling`` into B' and adds the delta inside the second matmul (``torch.baddbmm``): two
-    kernels per layer and step instead of up to six. Unfused, the delta is computed exactly as peft
-    does (in the adapter's dtype, fp32 even on a bf16 model, then added and cast back).
-    """
-
-    def __init__(self, peft_model, factors: dict, fused: bool | None = None):
-        self.model = peft_model
-        self.factors = factors
-        self.fused = (next(peft_model.parameters()).device.type == "cuda" if fused is None
-                      else fused)
-
-    def __enter__(self) -> "MemberLora":
-        for name, (a, b) in self.factors.items():
-            module = self.model.get_submodule(name)
-            if module.merged or ADAPTER in getattr(module, "lora_variant", {}):
-                raise UserError(f"{name}: batched members need an unmerged vanilla LoRA "
-                                f"adapter (no DoRA or other variant)")
-            base, scaling = module.base_layer, module.scaling[ADAPTER]
-            if self.fused:
-                dtype = base.weight.dtype
-                module.forward = _fused_forward(base, a.transpose(1, 2).to(dtype),
-                                                (b * scaling).transpose(1, 2).to(dtype))
-            else:
-                module.forward = _exact_forward(base, a.transpose(1, 2), b.transpose(1, 2),
-                                                scaling)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for name in self.factors:
-            del self.model.get_submodule(name).forward  # back to the class's peft forward
-
-
-def _member_rows(x: torch.Tensor, k: int) -> torch.Tensor:
-    """(k*n, t, in) -> (k, n*t, in): member m's rows m*n .. m*n+n-1 become batch m."""
-    if x.shape[0] % k:
-        raise ValueError(f"batch of {x.shape[0]} rows is not a multiple of {k} members")
-    return x.reshape(k, -1, x.shape[-1])
-
-
-def _exact_forward(base, a_t: torch.Tensor, b_t: torch.Tensor, scaling: float):
-    """Peft's LoRA arithmetic for k members: a_t (k, in, r), b_t (k, r, out), adapter dtype."""
-    k = a_t.shape[0]
-
-    def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # x (k*n, t, in)
-        result = base(x, *args, **kwargs)  # (k*n, t, out), shared base weight
-        rows = _member_rows(x.to(a_t.dtype), k)  # (k, n*t, in)
-        delta = torch.bmm(torch.bmm(rows, a_t), b_t) * scaling  # (k, n*t, out)
-        return (result + delta.reshape(result.shape)).to(result.dtype)
-
-    return forward
-
-
-def _fused_forward(base, a_t: torch.Tensor, sb_t: torch.Tensor):
-    """Two-kernel LoRA for k members: a_t (k, in, r), sb_t = scaling * B'^T (k, r, out), both
-    in the base weight's dtype."""
-    k = a_t.shape[0]
-
-    def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # x (k*n, t, in)
-        result = base(x, *args, **kwargs)  # (k*n, t, out)
-        out = torch.baddbmm(_member_rows(result, k), torch.bmm(_member_rows(x, k), a_t), sb_t)
-        return out.reshape(result.shape)
-
-    return forward
 
 
 def choose_k(model, tokenizer, k: int, n_members: int, prompts: list, batch_size: int,

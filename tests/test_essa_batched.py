@@ -2,18 +2,22 @@
 completions bit for bit (fp32, CPU), in one process and under mpirun -n 2."""
 import copy
 import json
+import os
+import sys
 
 import numpy as np
 import pytest
 import torch
 from transformers import Qwen2Config
 
-from conftest import run_cli, run_mpi
-from essa.batched import (MemberLora, choose_k, mean_reward, members_on_device,
-                          members_that_fit)
+from conftest import REPO, run_cli, run_mpi
+from essa.batched import choose_k, mean_reward, members_on_device, members_that_fit
+from essa.member_lora import MemberLora
 from essa.space import SingularValueSpace
 from hpc.models import attach_lora, tiny_model
 from mpi.batched_check import N_MEMBERS, N_PROMPTS, HashTask, build_case, completions, score
+
+BENCHMARKS = os.path.join(REPO, "benchmarks")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -70,13 +74,15 @@ def test_mean_reward_scores_each_pair_once():
     assert calls == [3]  # ("1", "1") once; the second call found every pair in the cache
 
 
-def test_adapter_untouched_and_peft_forward_restored(case):
+@pytest.mark.parametrize("fused", [False, True])
+def test_adapter_untouched_and_peft_layers_restored(case, fused):
     model, tok, space, members, _, _ = case
     before = {n: p.clone() for n, p in model.named_parameters() if "lora_" in n}
-    with MemberLora(model, space.factors_batch(members[:2])):
-        module = model.get_submodule(space.modules[0])
-        assert "forward" in vars(module)
-    assert "forward" not in vars(module)
+    peft_layers = [model.get_submodule(name) for name in space.modules]
+    with MemberLora(model, space.factors_batch(members[:2]), fused=fused):
+        swapped = [model.get_submodule(name) for name in space.modules]
+        assert not any(s is p for s, p in zip(swapped, peft_layers))
+    assert all(model.get_submodule(name) is p for name, p in zip(space.modules, peft_layers))
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if "lora_" in n)
 
 
@@ -116,6 +122,53 @@ def test_logits_bitwise_from_12_rows_per_member(case, rows, n_threads):
 def test_small_chunks_within_stated_tolerance(case, rows, fused):
     single, batched = _logits(case, 3, rows, fused)  # MKL's small-matrix kernels
     torch.testing.assert_close(batched, single, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_fp32_within_rounding_of_one_at_a_time(case):
+    """Fused (shared q/k/v product, zero-padded B', in-place add) in fp32: the same sums in
+    another order, so logits agree to rounding; members clearly differ."""
+    single, batched = _logits(case, 3, 16, fused=True)
+    torch.testing.assert_close(batched, single, rtol=1e-5, atol=1e-5)
+    assert single[:16].sub(single[16:32]).abs().max() > 1e-3
+
+
+def test_fused_sibling_on_another_input_computes_its_own_product(case):
+    """q/k/v share x @ A_cat only when called on the same tensor: k_proj called on another
+    tensor right after q_proj gets its own delta, as in the exact path."""
+    model, _, space, members, _, _ = case
+    factors = space.factors_batch(members[:2])
+    x1, x2 = torch.randn(2, 2 * 12, 1, 64, generator=torch.Generator().manual_seed(3))
+    q_name = next(n for n in space.modules if n.endswith("q_proj"))
+    names = [q_name, q_name.replace("q_proj", "k_proj")]
+    outs = {}
+    with torch.no_grad():
+        for fused in (False, True):
+            with MemberLora(model, factors, fused=fused):
+                q, k = (model.get_submodule(n) for n in names)
+                outs[fused] = [q(x1), k(x2), k(x1)]
+    for want, got in zip(outs[False], outs[True]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_adds_12_host_ops_per_layer_exact_32(case):
+    """Decoding at small batch is host-bound on a GPU, so host ops per step set the speed
+    (benchmarks/host_ops.py): per q/k/v/o layer the fused path adds one bmm per input group,
+    one in-place baddbmm per module and their views, 12 ops; peft's arithmetic adds 32."""
+    if BENCHMARKS not in sys.path:
+        sys.path.insert(0, BENCHMARKS)
+    from gpu_check import BaseOnly, host_ops_per_step
+
+    model, _, space, members, _, _ = case
+    ids = torch.randint(3, 40, (2 * 12, 4), generator=torch.Generator().manual_seed(0))
+    factors = space.factors_batch(members[:2])
+    with BaseOnly(model, space.modules):
+        base = host_ops_per_step(model, ids)
+    added = {}
+    for fused in (True, False):
+        with MemberLora(model, factors, fused=fused):
+            added[fused] = host_ops_per_step(model, ids) - base
+    layers = model.config.num_hidden_layers
+    assert base > 50 * layers and added == {True: 12 * layers, False: 32 * layers}
 
 
 def test_fused_bf16_as_accurate_as_peft_bf16():
@@ -210,6 +263,9 @@ def test_gpu_check_runs_on_cpu_without_cma_or_math_verify(tmp_path):
         assert row["lora_fused_vs_base"] == pytest.approx(row["base"]["s"] /
                                                           row["lora_fused"]["s"])
     assert "peft" in one and "peft" not in two
+    for row in (one, two):  # 2 layers: the fused path adds 12 host ops per layer, exact 32
+        ops = row["host_ops_per_step"]
+        assert (ops["lora_fused"] - ops["base"], ops["lora_exact"] - ops["base"]) == (24, 64)
     exact = two["agreement_with_one_at_a_time"]["lora_exact"]
     assert exact == {"rows_identical": 1.0, "tokens_before_first_difference": 1.0}
     step = result["fgrpo_step"]
