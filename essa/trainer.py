@@ -81,7 +81,8 @@ def run(job) -> dict:
     agree_on_resume_step(world, start_gen)
     attrs = dict(environment_attrs(world, job.device), method="essa", config=job.config_text,
                  search_dim=space.dim, population=e.population)
-    store = RunStore(f"{job.out_dir}/essa.h5", world.is_root, attrs, resume=job.resume)
+    store = RunStore(f"{job.out_dir}/essa.h5", world.is_root, attrs, resume=job.resume,
+                     backup=state and state.get("run_file"))
     store.truncate_after(start_gen)
     sync = torch.cuda.synchronize if job.device.type == "cuda" else None
     timer = PhaseTimer(PHASES, sync=sync)
@@ -144,7 +145,8 @@ def run(job) -> dict:
                     save_checkpoint(ckpt_dir, gen, {"generation": gen,
                                                     "optimizer": opt.state_dict(),
                                                     "elapsed_s": time.perf_counter() - t0,
-                                                    "best_x": best_x, "best_fitness": best_fit},
+                                                    "best_x": best_x, "best_fitness": best_fit,
+                                                    "run_file": store.snapshot()},
                                     keep=e.keep_checkpoints)
         progress.update(1)
         progress.set_postfix(fit=f"{fitness.mean():.3f}", refresh=False)

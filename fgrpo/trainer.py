@@ -146,7 +146,8 @@ def run(job) -> dict:
     agree_on_resume_step(world, start_step)
     attrs = dict(environment_attrs(world, job.device), method="fgrpo", config=job.config_text,
                  trainable_parameters=sum(p.numel() for p in params))
-    store = RunStore(f"{job.out_dir}/fgrpo.h5", world.is_root, attrs, resume=job.resume)
+    store = RunStore(f"{job.out_dir}/fgrpo.h5", world.is_root, attrs, resume=job.resume,
+                     backup=state and state.get("run_file"))
     store.truncate_after(start_step)
     sync = torch.cuda.synchronize if job.device.type == "cuda" else None
     timer = PhaseTimer(PHASES, sync=sync)
@@ -236,7 +237,8 @@ def run(job) -> dict:
                     save_checkpoint(ckpt_dir, step, {
                         "step": step, "params": [p.detach().cpu() for p in params],
                         "optimizer": opt.state_dict(), "elapsed_s": time.perf_counter() - t0,
-                        "skipped": skipped}, keep=f.keep_checkpoints)
+                        "skipped": skipped, "run_file": store.snapshot()},
+                        keep=f.keep_checkpoints)
         progress.update(1)
         progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}", refresh=False)
         if stop:

@@ -16,13 +16,23 @@ Schema (documented in the README):
 The file uses the default (oldest compatible) HDF5 format and is flushed after every row, so a
 job killed with SIGKILL leaves a file that h5py and ``h5dump`` read, holding every flushed step.
 Readers open files with locking disabled, so they work on files of jobs still running.
+
+A failed write (disk full, quota) is different: HDF5 may have written part of a metadata flush,
+and then the file can no longer be opened (about 1 time in 6 when a disk filled, in tests). So
+the trainers put the file's bytes (:meth:`RunStore.snapshot`) in every checkpoint, and a
+resumed run whose file is missing or damaged gets it back from there (``backup``). At a failed
+write the store ends with one line (a :class:`UserError`) and sends every later write of the
+library to ``/dev/null``, so nothing half-written is added at exit.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
+import re
 import subprocess
+import sys
 
 import h5py
 import numpy as np
@@ -66,13 +76,22 @@ def environment_attrs(world, device) -> dict:
 
 
 class RunStore:
-    """Writer of one run file. On ranks other than 0 every method is a no-op."""
+    """Writer of one run file. On ranks other than 0 every method is a no-op.
 
-    def __init__(self, path: str, active: bool, attrs: dict | None = None, resume: bool = False):
+    ``resume``: append to the existing file. If it is missing or cannot be read, it is restored
+    from ``backup`` (the bytes of :meth:`snapshot` kept in the checkpoint resumed from), with
+    a warning on stderr. Without a backup a missing file is started afresh and a damaged one is
+    a :class:`UserError`.
+    """
+
+    def __init__(self, path: str, active: bool, attrs: dict | None = None, resume: bool = False,
+                 backup: bytes | None = None):
         self.path = path
         self.file = None
         if not active:
             return
+        if resume and (backup is not None or os.path.exists(path)) and not _readable(path):
+            _restore(path, backup)
         if resume and os.path.exists(path):
             self.file = h5py.File(path, "a")
         else:
@@ -88,10 +107,48 @@ class RunStore:
             self.file.close()
             os.replace(tmp, path)
             self.file = h5py.File(path, "a")
-        self.file.attrs["status"] = "running"
-        for key, value in (attrs or {}).items():
-            self.file.attrs[key] = value
-        self.file.flush()
+        with self._writing():
+            self.file.attrs["status"] = "running"
+            for key, value in (attrs or {}).items():
+                self.file.attrs[key] = value
+            self.file.flush()
+
+    @contextlib.contextmanager
+    def _writing(self):
+        """Turn a failed write of the file (an errno in h5py's message) into a UserError, after
+        detaching the file (:meth:`_abandon`); other errors pass unchanged."""
+        try:
+            yield
+        except (OSError, RuntimeError) as err:
+            code = getattr(err, "errno", None) or _errno_in(str(err))
+            if not code:
+                raise
+            self._abandon()
+            raise UserError(f"cannot write the run file {self.path}: {os.strerror(code)}; free "
+                            f"space, then rerun with --resume (a damaged run file is restored "
+                            f"from the checkpoint)", same_on_all_ranks=False) from None
+
+    def _abandon(self) -> None:
+        """Point the file's descriptor at /dev/null and close it: whatever HDF5 still wants to
+        flush goes nowhere, and the file on disk stays as the failed write left it."""
+        file, self.file = self.file, None
+        try:
+            null = os.open(os.devnull, os.O_RDWR)
+            os.dup2(null, file.id.get_vfd_handle())
+            os.close(null)
+            file.close()
+        except (OSError, RuntimeError, ValueError):  # HDF5 is in an error state: nothing to save
+            pass
+
+    def snapshot(self) -> bytes | None:
+        """The file's bytes now (it is flushed after every row), for a checkpoint; None on
+        ranks other than 0."""
+        if self.file is None:
+            return None
+        with self._writing():
+            self.file.flush()
+        with open(self.path, "rb") as fh:
+            return fh.read()
 
     @property
     def active(self) -> bool:
@@ -100,14 +157,19 @@ class RunStore:
     def set_attrs(self, **attrs) -> None:
         if self.file is None:
             return
-        for key, value in attrs.items():
-            self.file.attrs[key] = value
-        self.file.flush()
+        with self._writing():
+            for key, value in attrs.items():
+                self.file.attrs[key] = value
+            self.file.flush()
 
     def write_row(self, group: str, step: int, flush: bool = True, **values) -> None:
         """Append one row at ``step`` to every dataset of ``group`` (missing keys padded)."""
         if self.file is None:
             return
+        with self._writing():
+            self._append(group, step, flush, values)
+
+    def _append(self, group: str, step: int, flush: bool, values: dict) -> None:
         grp = self.file.require_group(group)
         n = grp["step"].shape[0] if "step" in grp else 0
         for name, value in [("step", np.int64(step))] + list(values.items()):
@@ -137,7 +199,8 @@ class RunStore:
         if nbytes is not None:
             self.write_row("bytes", step, flush=False, **nbytes)
         if self.file is not None:
-            self.file.flush()
+            with self._writing():
+                self.file.flush()
 
     def truncate_after(self, step: int) -> None:
         """Drop every row whose step is > ``step`` (used when resuming from a checkpoint)."""
@@ -151,17 +214,48 @@ class RunStore:
                     if isinstance(obj[name], h5py.Dataset):
                         obj[name].resize(keep, axis=0)
 
-        self.file.visititems(visit)
-        self.file.flush()
+        with self._writing():
+            self.file.visititems(visit)
+            self.file.flush()
 
     def close(self, status: str = "complete") -> None:
         if self.file is None:
             return
-        self.file.attrs["status"] = status
-        self.file.attrs["end_time"] = datetime.datetime.now(
-            datetime.timezone.utc).isoformat(timespec="seconds")
-        self.file.close()
+        with self._writing():
+            self.file.attrs["status"] = status
+            self.file.attrs["end_time"] = datetime.datetime.now(
+                datetime.timezone.utc).isoformat(timespec="seconds")
+            self.file.close()
         self.file = None
+
+
+def _errno_in(message: str) -> int | None:
+    """The errno of a failed file write in an HDF5 error message ("errno = 28, ...")."""
+    found = re.search(r"errno = (\d+)", message)
+    return int(found.group(1)) if found else None
+
+
+def _readable(path: str) -> bool:
+    """True if ``path`` opens and every dataset in it reads."""
+    try:
+        RunFile(path)
+    except (OSError, RuntimeError, KeyError, ValueError):
+        return False
+    return True
+
+
+def _restore(path: str, backup: bytes | None) -> None:
+    """Replace a missing or damaged run file by ``backup`` (atomically), or say why not."""
+    state = "damaged" if os.path.exists(path) else "missing"
+    if backup is None:
+        raise UserError(f"--resume: the run file {path} is {state} and there is no copy of it "
+                        f"in a checkpoint; move it away to start a new one")
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as fh:
+        fh.write(backup)
+    os.replace(tmp, path)
+    print(f"warning: the run file {path} was {state}; restored from the checkpoint",
+          file=sys.stderr, flush=True)
 
 
 class RunFile:

@@ -150,6 +150,27 @@ def test_no_checkpoint_folder_means_fresh_start(tmp_path):
     assert load_latest(str(tmp_path / "none")) is None
 
 
+def test_damaged_run_file_is_restored_from_the_checkpoint_on_resume(toy_adapter, tmp_path):
+    """A run file that a failed write left unreadable (here: cut in half) comes back from the
+    copy in the last checkpoint; the resumed run completes with every step."""
+    from conftest import our_lines
+
+    out = tmp_path / "run"
+    h5 = str(out / "fgrpo.h5")
+    assert run_mpi(2, fgrpo_args(toy_adapter, out, 2)).returncode == 0
+    before = RunFile(h5).group("metrics")["reward_mean"]
+    with open(h5, "r+b") as fh:
+        fh.truncate(os.path.getsize(h5) // 2)
+    resumed = run_mpi(2, fgrpo_args(toy_adapter, out, 4) + ["--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [ln for ln in our_lines(resumed.stderr) if ln.startswith("warning: the run file")] \
+        == [f"warning: the run file {h5} was damaged; restored from the checkpoint"]
+    run = RunFile(h5)
+    assert run.attrs["status"] == "complete"
+    assert run.group("metrics")["step"].tolist() == [1, 2, 3, 4]
+    assert np.array_equal(run.group("metrics")["reward_mean"][:2], before)
+
+
 def test_killed_rank_ends_the_job_and_resume_works(toy_adapter, tmp_path):
     out = tmp_path / "run"
     h5 = str(out / "essa.h5")

@@ -1,4 +1,5 @@
-"""HDF5 run store: schema, padding, truncation on resume, and survival of SIGKILL."""
+"""HDF5 run store: schema, padding, truncation on resume, survival of SIGKILL, and of a disk
+that fills while rows are written."""
 import os
 import shutil
 import signal
@@ -8,8 +9,10 @@ import time
 
 import h5py
 import numpy as np
+import pytest
 
 from conftest import REPO, require
+from hpc.errors import UserError
 from hpc.runstore import RunFile, RunStore
 
 WRITER = """
@@ -95,3 +98,113 @@ def test_sigkill_leaves_readable_file(tmp_path):
     out = subprocess.run([h5dump, "-d", "/metrics/step", path], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert f"({last})" in out.stdout or f", {last}" in out.stdout or f" {last}\n" in out.stdout
+
+
+FILLER = """
+import sys
+import numpy as np
+from hpc.errors import user_errors_exit
+from hpc.runstore import RunStore
+
+
+@user_errors_exit
+def main(path, seed, copy_path):
+    # rows of random widths, new groups and long attributes until the disk is full; the
+    # file's bytes after step 3 go to copy_path (on another disk), as into a checkpoint
+    rng = np.random.default_rng(seed)
+    store = RunStore(path, active=True, attrs={"config": "x" * int(rng.integers(10, 5000))})
+    width = int(rng.integers(1, 1000))
+    for step in range(1, 100000):
+        store.log_step(step, metrics={"reward": 0.5}, timings={"generate": np.ones(2)})
+        store.write_row("essa", step, fitness=rng.random(width))
+        if rng.random() < 0.05:
+            store.write_row(f"extra{step}", step, x=rng.random(int(rng.integers(1, 500))))
+        if rng.random() < 0.05:
+            store.set_attrs(**{f"note{step}": "z" * int(rng.integers(1, 3000))})
+        if step == 3:
+            with open(copy_path, "wb") as fh:
+                fh.write(store.snapshot())
+
+
+main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+"""
+
+
+def test_disk_full_while_writing_rows_then_resume(tmp_path, capsys):
+    """A run file on a 2 MiB tmpfs that a 1 MiB file half fills: each seed's writer ends with
+    one line and exit 2 when the disk is full (whatever HDF5 was writing), no traceback. After
+    the space is freed, a resume with the step-3 copy gets a readable file with steps 1..3,
+    whether the failed write left the file damaged (then it is restored) or not."""
+    from conftest import our_lines
+
+    disk = tmp_path / "small-disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)],
+                             capture_output=True).returncode == 0
+    require(mounted, "mounting a tmpfs (root)")
+    env = dict(os.environ, PYTHONPATH=REPO)
+    restored = 0
+    try:
+        for seed in range(4, 10):
+            path, copy_path = str(disk / "run.h5"), str(tmp_path / f"copy-{seed}.h5")
+            (disk / "filler").write_bytes(b"\0" * 2 ** 20)
+            proc = subprocess.run([sys.executable, "-c", FILLER, path, str(seed), copy_path],
+                                  capture_output=True, text=True, env=env, timeout=120)
+            assert proc.returncode == 2, proc.stderr[-2000:]
+            lines = our_lines(proc.stderr)
+            assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+            assert lines[0].startswith(f"error (rank 0): cannot write the run file {path}: "
+                                       f"No space left on device; free space, then rerun")
+            (disk / "filler").unlink()
+            with open(copy_path, "rb") as fh:
+                store = RunStore(path, active=True, resume=True, backup=fh.read())
+            restored += "restored from the checkpoint" in capsys.readouterr().err
+            store.truncate_after(3)
+            store.close()
+            assert RunFile(path).group("metrics")["step"].tolist() == [1, 2, 3]
+            os.remove(path)
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+    assert restored >= 1  # seeds 6 and 7 leave a damaged file (h5py 3.16, HDF5 2.0)
+
+
+def _run_with_copy(path: str) -> bytes:
+    store = RunStore(path, active=True, attrs={"method": "essa"})
+    for step in range(1, 4):
+        store.log_step(step, metrics={"x": float(step)})
+    copy = store.snapshot()
+    store.log_step(4, metrics={"x": 4.0})
+    store.close("preempted")
+    return copy
+
+
+def test_resume_restores_a_damaged_run_file_from_the_checkpoint_copy(tmp_path, capsys):
+    path = str(tmp_path / "run.h5")
+    copy = _run_with_copy(path)
+    with open(path, "r+b") as fh:
+        fh.truncate(os.path.getsize(path) // 2)
+    store = RunStore(path, active=True, resume=True, backup=copy)
+    store.truncate_after(3)
+    store.log_step(4, metrics={"x": 40.0})
+    store.close()
+    assert capsys.readouterr().err == (f"warning: the run file {path} was damaged; restored "
+                                       f"from the checkpoint\n")
+    run = RunFile(path)
+    assert run.group("metrics")["x"].tolist() == [1.0, 2.0, 3.0, 40.0]
+    assert run.attrs["method"] == "essa" and run.attrs["status"] == "complete"
+
+
+def test_resume_restores_a_missing_run_file_and_refuses_a_damaged_one_without_copy(tmp_path):
+    path = str(tmp_path / "run.h5")
+    copy = _run_with_copy(path)
+    os.remove(path)
+    RunStore(path, active=True, resume=True, backup=copy).close()
+    assert RunFile(path).group("metrics")["step"].tolist() == [1, 2, 3]
+    with open(path, "r+b") as fh:
+        fh.truncate(100)
+    with pytest.raises(UserError, match="run.h5 is damaged and there is no copy of it in a "
+                                        "checkpoint; move it away"):
+        RunStore(path, active=True, resume=True)
+    os.remove(path)
+    RunStore(path, active=True, resume=True).close()  # no file, no copy: a new file
+    assert RunFile(path).group("metrics") == {}
