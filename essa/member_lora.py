@@ -109,20 +109,36 @@ class ExactMemberLinear(torch.nn.Module):
 class SharedLowRank:
     """x @ A_cat for the fused layers of one :data:`SHARED_INPUT` group (or one layer alone).
 
-    ``a_cat`` (k, in, R): the group's A'^T side by side, R = sum of their ranks. The product of
-    the last input is kept, so a sibling called on the same tensor object reuses it; the input
-    must not be modified in place between sibling calls (HF attention and MLP blocks don't)."""
+    ``a_cat`` (k, in, R): the group's A'^T side by side, R = sum of their ranks; ``readers``:
+    the group's layer count. A product is kept only until every reader has had it, so siblings
+    called on the same tensor object (q, k, v on one hidden state) compute it once and nothing
+    is held between layers or steps. The input must not be modified in place between sibling
+    calls (HF attention and MLP blocks don't; inference tensors have no version counter to
+    check)."""
 
-    def __init__(self, a_cat: torch.Tensor):
-        self.a_cat, self.k = a_cat, a_cat.shape[0]
+    def __init__(self, a_cat: torch.Tensor, readers: int):
+        self.a_cat, self.k, self.readers = a_cat, a_cat.shape[0], readers
         self.x = self.xa = None
+        self.reads = 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (k*n, t, in) -> (k, n*t, R)."""
-        if x is not self.x:
-            self.xa = torch.bmm(member_rows(x, self.k), self.a_cat)
-            self.x = x
-        return self.xa
+        if x is self.x:
+            self.reads += 1
+            xa = self.xa
+        else:
+            xa = torch.bmm(member_rows(x, self.k), self.a_cat)
+            self.x, self.xa, self.reads = x, xa, 1
+        if self.reads >= self.readers:
+            self.x = self.xa = None
+        return xa
+
+
+def _plain_linear(base) -> bool:
+    """True if ``base`` is an ``nn.Linear`` that F.linear can stand in for: no subclass (e.g.
+    quantised), no hooks, no patched forward (accelerate's offload hooks patch it)."""
+    return (type(base) is torch.nn.Linear and not base._forward_hooks
+            and not base._forward_pre_hooks and "forward" not in vars(base))
 
 
 class FusedMemberLinear(torch.nn.Module):
@@ -131,7 +147,7 @@ class FusedMemberLinear(torch.nn.Module):
 
     def __init__(self, base, low_rank: SharedLowRank, sb_pad: torch.Tensor):
         super().__init__()
-        self.base = None if type(base) is torch.nn.Linear else base  # plain Linear: F.linear
+        self.base = None if _plain_linear(base) else base  # a plain Linear: F.linear directly
         self.weight, self.bias = base.weight, base.bias
         self.low_rank, self.sb_pad = low_rank, sb_pad
         self.k, self.out_features = sb_pad.shape[0], sb_pad.shape[2]
@@ -154,7 +170,8 @@ def _fused_layers(peft_layers: dict, factors: dict) -> dict:
     for names in groups.values():
         dtype = peft_layers[names[0]].base_layer.weight.dtype
         low_rank = SharedLowRank(torch.cat(
-            [factors[n][0].transpose(1, 2).to(dtype) for n in names], dim=2))  # (k, in, R)
+            [factors[n][0].transpose(1, 2).to(dtype) for n in names], dim=2),  # (k, in, R)
+            readers=len(names))
         k, _, width = low_rank.a_cat.shape
         start = 0
         for n in names:

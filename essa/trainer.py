@@ -81,8 +81,9 @@ def run(job) -> dict:
     agree_on_resume_step(world, start_gen)
     attrs = dict(environment_attrs(world, job.device), method="essa", config=job.config_text,
                  search_dim=space.dim, population=e.population)
-    store = RunStore(f"{job.out_dir}/essa.h5", world.is_root, attrs, resume=job.resume,
-                     backup=state and state.get("run_file"))
+    store = on_all_ranks(world, lambda: RunStore(
+        f"{job.out_dir}/essa.h5", world.is_root, attrs, resume=job.resume,
+        backup=state.get("run_file") if state else None))
     store.truncate_after(start_gen)
     sync = torch.cuda.synchronize if job.device.type == "cuda" else None
     timer = PhaseTimer(PHASES, sync=sync)

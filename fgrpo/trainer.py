@@ -146,8 +146,9 @@ def run(job) -> dict:
     agree_on_resume_step(world, start_step)
     attrs = dict(environment_attrs(world, job.device), method="fgrpo", config=job.config_text,
                  trainable_parameters=sum(p.numel() for p in params))
-    store = RunStore(f"{job.out_dir}/fgrpo.h5", world.is_root, attrs, resume=job.resume,
-                     backup=state and state.get("run_file"))
+    store = on_all_ranks(world, lambda: RunStore(
+        f"{job.out_dir}/fgrpo.h5", world.is_root, attrs, resume=job.resume,
+        backup=state.get("run_file") if state else None))
     store.truncate_after(start_step)
     sync = torch.cuda.synchronize if job.device.type == "cuda" else None
     timer = PhaseTimer(PHASES, sync=sync)

@@ -2,20 +2,26 @@
 import functools
 import os
 import sys
+import time
 
 EXIT_USER_ERROR = 2
+ABORT_GRACE_S = 1.0  # seconds for the launcher to forward the error line before MPI_Abort
 
 
 class UserError(Exception):
     """A problem with the user's input (config, paths, data, model). Reported as one line.
 
     ``same_on_all_ranks`` is True when every rank detects it identically (config validation,
-    shared files); then only rank 0 prints it. Otherwise each rank prints it with its rank.
+    shared files); then only rank 0 prints it. Otherwise each rank prints it with its rank, and
+    ``abort_peers`` (default: True then) ends the other ranks, which would otherwise wait for
+    this one in their next collective; :func:`hpc.jobs.on_all_ranks` clears it, because there
+    every rank stops by agreement.
     """
 
     def __init__(self, message: str, same_on_all_ranks: bool = True):
         super().__init__(message)
         self.same_on_all_ranks = same_on_all_ranks
+        self.abort_peers = not same_on_all_ranks
 
 
 def _rank_from_env() -> int:
@@ -37,12 +43,15 @@ def report_user_error(err: UserError) -> None:
 
 def _abort_peers() -> None:
     """A rank-local error mid-run: the other ranks are busy in the job and would wait for this
-    one (and MPI_Finalize would wait for them), so end the whole job with exit code 2."""
+    one (and MPI_Finalize would wait for them), so end the whole job with exit code 2. The
+    pause first lets mpirun/srun forward the error line, which the abort would otherwise race
+    (without it a test lost the line in 2 of 4 runs)."""
     if "mpi4py.MPI" not in sys.modules:
         return
     from mpi4py import MPI
 
     if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
+        time.sleep(ABORT_GRACE_S)
         MPI.COMM_WORLD.Abort(EXIT_USER_ERROR)
 
 
@@ -55,7 +64,7 @@ def user_errors_exit(main):
             return main(*args, **kwargs)
         except UserError as err:
             report_user_error(err)
-            if not err.same_on_all_ranks:
+            if err.abort_peers:
                 _abort_peers()
             sys.exit(EXIT_USER_ERROR)
 

@@ -46,6 +46,7 @@ def on_all_ranks(world: World, fn):
         if err is not None and not failed[0]:
             err.same_on_all_ranks = False  # rank 0 is fine: this rank must print its own line
     if err is not None:
+        err.abort_peers = False  # every rank stops here by agreement
         raise err
     return result
 

@@ -18,16 +18,18 @@ job killed with SIGKILL leaves a file that h5py and ``h5dump`` read, holding eve
 Readers open files with locking disabled, so they work on files of jobs still running.
 
 A failed write (disk full, quota) is different: HDF5 may have written part of a metadata flush,
-and then the file can no longer be opened (about 1 time in 6 when a disk filled, in tests). So
-the trainers put the file's bytes (:meth:`RunStore.snapshot`) in every checkpoint, and a
-resumed run whose file is missing or damaged gets it back from there (``backup``). At a failed
-write the store ends with one line (a :class:`UserError`) and sends every later write of the
-library to ``/dev/null``, so nothing half-written is added at exit.
+and then the file can no longer be opened (8 of 40 tries that filled a tmpfs; 2 of the 6 in
+tests/test_runstore.py). So the trainers put the file's bytes (:meth:`RunStore.snapshot`) in
+every checkpoint, and a resumed run starts from that copy (``backup``), which also brings back
+a missing or damaged file. At a failed write the store ends with one line (a
+:class:`UserError`) and sends every later write of the library to ``/dev/null``, so nothing
+half-written is added at exit.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import json
 import os
 import re
@@ -78,10 +80,10 @@ def environment_attrs(world, device) -> dict:
 class RunStore:
     """Writer of one run file. On ranks other than 0 every method is a no-op.
 
-    ``resume``: append to the existing file. If it is missing or cannot be read, it is restored
-    from ``backup`` (the bytes of :meth:`snapshot` kept in the checkpoint resumed from), with
-    a warning on stderr. Without a backup a missing file is started afresh and a damaged one is
-    a :class:`UserError`.
+    ``resume``: append to the existing file. With a ``backup`` (the bytes of :meth:`snapshot`
+    kept in the checkpoint resumed from) the file is first replaced by it, with a warning on
+    stderr if it was missing or damaged. Without one a missing file is started afresh and a
+    damaged one is a :class:`UserError`.
     """
 
     def __init__(self, path: str, active: bool, attrs: dict | None = None, resume: bool = False,
@@ -90,33 +92,59 @@ class RunStore:
         self.file = None
         if not active:
             return
-        if resume and (backup is not None or os.path.exists(path)) and not _readable(path):
-            _restore(path, backup)
-        if resume and os.path.exists(path):
-            self.file = h5py.File(path, "a")
-        else:
-            tmp = path + ".tmp"
-            try:
-                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-                self.file = h5py.File(tmp, "w")
-            except OSError as err:
-                raise UserError(f"cannot write the run file {path}: {err.strerror or err}",
-                                same_on_all_ranks=False) from None
-            self.file.attrs["start_time"] = datetime.datetime.now(
-                datetime.timezone.utc).isoformat(timespec="seconds")
-            self.file.close()
-            os.replace(tmp, path)
-            self.file = h5py.File(path, "a")
+        if resume and backup is not None:
+            self._restore(backup)
+        elif resume and os.path.exists(path) and not _readable(path):
+            raise UserError(f"--resume: the run file {path} is damaged and there is no copy of "
+                            f"it in a checkpoint; move it away to start a new one",
+                            same_on_all_ranks=False)
         with self._writing():
+            if not (resume and os.path.exists(path)):
+                self._create()
+            self.file = h5py.File(path, "a")
             self.file.attrs["status"] = "running"
             for key, value in (attrs or {}).items():
                 self.file.attrs[key] = value
             self.file.flush()
 
+    def _create(self) -> None:
+        """A new file with its start time, written beside ``path`` and renamed into place."""
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        tmp = self.path + ".tmp"
+        try:
+            with h5py.File(tmp, "w") as fresh:
+                fresh.attrs["start_time"] = datetime.datetime.now(
+                    datetime.timezone.utc).isoformat(timespec="seconds")
+            os.replace(tmp, self.path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+    def _restore(self, backup: bytes) -> None:
+        """Put the checkpoint's copy in place (atomically). Rows after the checkpoint would be
+        truncated anyway, so the copy is used even when the file reads; a warning only says
+        when it was missing or damaged (then a failed write left it so)."""
+        damage = ("missing" if not os.path.exists(self.path) else
+                  None if _readable(self.path) else "damaged")
+        tmp = self.path + ".tmp"
+        with self._writing():
+            try:
+                with open(tmp, "wb") as fh:
+                    fh.write(backup)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                os.replace(tmp, self.path)
+            finally:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+        if damage:
+            print(f"warning: the run file {self.path} was {damage}; restored from the "
+                  f"checkpoint", file=sys.stderr, flush=True)
+
     @contextlib.contextmanager
     def _writing(self):
-        """Turn a failed write of the file (an errno in h5py's message) into a UserError, after
-        detaching the file (:meth:`_abandon`); other errors pass unchanged."""
+        """Turn a failed write of the file (an errno in h5py's message, or an OSError) into a
+        UserError, after detaching the file (:meth:`_abandon`); other errors pass unchanged."""
         try:
             yield
         except (OSError, RuntimeError) as err:
@@ -124,14 +152,18 @@ class RunStore:
             if not code:
                 raise
             self._abandon()
-            raise UserError(f"cannot write the run file {self.path}: {os.strerror(code)}; free "
-                            f"space, then rerun with --resume (a damaged run file is restored "
-                            f"from the checkpoint)", same_on_all_ranks=False) from None
+            hint = ("free space, then rerun with --resume (a damaged run file is restored from "
+                    "the checkpoint)" if code in (errno.ENOSPC, errno.EDQUOT) else
+                    "rerun with --resume once the output folder is writable")
+            raise UserError(f"cannot write the run file {self.path}: {os.strerror(code)}; "
+                            f"{hint}", same_on_all_ranks=False) from None
 
     def _abandon(self) -> None:
         """Point the file's descriptor at /dev/null and close it: whatever HDF5 still wants to
         flush goes nowhere, and the file on disk stays as the failed write left it."""
         file, self.file = self.file, None
+        if file is None:
+            return
         try:
             null = os.open(os.devnull, os.O_RDWR)
             os.dup2(null, file.id.get_vfd_handle())
@@ -203,13 +235,15 @@ class RunStore:
                 self.file.flush()
 
     def truncate_after(self, step: int) -> None:
-        """Drop every row whose step is > ``step`` (used when resuming from a checkpoint)."""
+        """Drop the rows from the first whose step is > ``step`` on (used when resuming from a
+        checkpoint; rows are in step order)."""
         if self.file is None:
             return
 
         def visit(_, obj):
             if isinstance(obj, h5py.Group) and "step" in obj:
-                keep = int(np.sum(obj["step"][:] <= step))
+                later = obj["step"][:] > step
+                keep = int(np.argmax(later)) if later.any() else len(later)
                 for name in obj:
                     if isinstance(obj[name], h5py.Dataset):
                         obj[name].resize(keep, axis=0)
@@ -225,6 +259,7 @@ class RunStore:
             self.file.attrs["status"] = status
             self.file.attrs["end_time"] = datetime.datetime.now(
                 datetime.timezone.utc).isoformat(timespec="seconds")
+            self.file.flush()  # a failure here still finds the file open to detach
             self.file.close()
         self.file = None
 
@@ -242,20 +277,6 @@ def _readable(path: str) -> bool:
     except (OSError, RuntimeError, KeyError, ValueError):
         return False
     return True
-
-
-def _restore(path: str, backup: bytes | None) -> None:
-    """Replace a missing or damaged run file by ``backup`` (atomically), or say why not."""
-    state = "damaged" if os.path.exists(path) else "missing"
-    if backup is None:
-        raise UserError(f"--resume: the run file {path} is {state} and there is no copy of it "
-                        f"in a checkpoint; move it away to start a new one")
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as fh:
-        fh.write(backup)
-    os.replace(tmp, path)
-    print(f"warning: the run file {path} was {state}; restored from the checkpoint",
-          file=sys.stderr, flush=True)
 
 
 class RunFile:

@@ -153,7 +153,9 @@ def test_fused_sibling_on_another_input_computes_its_own_product(case):
 def test_fused_adds_12_host_ops_per_layer_exact_32(case):
     """Decoding at small batch is host-bound on a GPU, so host ops per step set the speed
     (benchmarks/host_ops.py): per q/k/v/o layer the fused path adds one bmm per input group,
-    one in-place baddbmm per module and their views, 12 ops; peft's arithmetic adds 32."""
+    one in-place baddbmm per module and their views, 12 ops; peft's arithmetic adds 32. Exact
+    aten op counts depend on torch's decompositions: these are torch 2.13's (constraints.txt).
+    No product is held after the last reader of its group."""
     if BENCHMARKS not in sys.path:
         sys.path.insert(0, BENCHMARKS)
     from gpu_check import BaseOnly, host_ops_per_step
@@ -169,6 +171,11 @@ def test_fused_adds_12_host_ops_per_layer_exact_32(case):
             added[fused] = host_ops_per_step(model, ids) - base
     layers = model.config.num_hidden_layers
     assert base > 50 * layers and added == {True: 12 * layers, False: 32 * layers}
+    with MemberLora(model, factors, fused=True), torch.no_grad():
+        model(input_ids=ids)
+        held = [m.low_rank for n, m in model.named_modules() if hasattr(m, "low_rank")]
+        assert len({id(g) for g in held}) == 2 * layers  # q/k/v shared, o alone
+        assert all(g.x is None and g.xa is None for g in held)
 
 
 def test_fused_bf16_as_accurate_as_peft_bf16():

@@ -1,5 +1,6 @@
 """Fault injection under real mpirun: preemption signals, damaged checkpoints."""
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -169,6 +170,24 @@ def test_damaged_run_file_is_restored_from_the_checkpoint_on_resume(toy_adapter,
     assert run.attrs["status"] == "complete"
     assert run.group("metrics")["step"].tolist() == [1, 2, 3, 4]
     assert np.array_equal(run.group("metrics")["reward_mean"][:2], before)
+
+
+def test_damaged_run_file_without_a_copy_ends_every_rank(toy_adapter, tmp_path):
+    """No checkpoint to restore from: rank 0 alone finds the damage, so it must end the job
+    (exit 2, one line), not leave rank 1 waiting in the next collective."""
+    from conftest import our_lines
+
+    out = tmp_path / "run"
+    h5 = str(out / "fgrpo.h5")
+    assert run_mpi(2, fgrpo_args(toy_adapter, out, 1)).returncode == 0
+    shutil.rmtree(out / "checkpoints")
+    with open(h5, "r+b") as fh:
+        fh.truncate(100)
+    proc = run_mpi(2, fgrpo_args(toy_adapter, out, 2) + ["--resume"], timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [ln for ln in our_lines(proc.stderr) if ln.startswith("error")]
+    assert lines == [f"error (rank 0): --resume: the run file {h5} is damaged and there is no "
+                     f"copy of it in a checkpoint; move it away to start a new one"]
 
 
 def test_killed_rank_ends_the_job_and_resume_works(toy_adapter, tmp_path):

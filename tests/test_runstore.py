@@ -194,12 +194,17 @@ def test_resume_restores_a_damaged_run_file_from_the_checkpoint_copy(tmp_path, c
     assert run.attrs["method"] == "essa" and run.attrs["status"] == "complete"
 
 
-def test_resume_restores_a_missing_run_file_and_refuses_a_damaged_one_without_copy(tmp_path):
+def test_resume_restores_a_missing_run_file_and_refuses_a_damaged_one_without_copy(tmp_path,
+                                                                                   capsys):
     path = str(tmp_path / "run.h5")
     copy = _run_with_copy(path)
+    RunStore(path, active=True, resume=True, backup=copy).close()  # readable: the copy, quietly
+    assert RunFile(path).group("metrics")["step"].tolist() == [1, 2, 3]
     os.remove(path)
     RunStore(path, active=True, resume=True, backup=copy).close()
     assert RunFile(path).group("metrics")["step"].tolist() == [1, 2, 3]
+    assert capsys.readouterr().err == (f"warning: the run file {path} was missing; restored "
+                                       f"from the checkpoint\n")
     with open(path, "r+b") as fh:
         fh.truncate(100)
     with pytest.raises(UserError, match="run.h5 is damaged and there is no copy of it in a "
@@ -208,3 +213,16 @@ def test_resume_restores_a_missing_run_file_and_refuses_a_damaged_one_without_co
     os.remove(path)
     RunStore(path, active=True, resume=True).close()  # no file, no copy: a new file
     assert RunFile(path).group("metrics") == {}
+
+
+def test_truncate_after_stops_at_the_first_later_step(tmp_path):
+    """A row a failed write left with the fill value (step 0) after a later step is dropped
+    with it."""
+    path = str(tmp_path / "run.h5")
+    store = RunStore(path, active=True)
+    for step in (1, 2, 3):
+        store.log_step(step, metrics={"x": float(step)})
+    store.file["metrics/step"].resize(4, axis=0)  # a 4th row whose step was never written: 0
+    store.truncate_after(2)
+    store.close()
+    assert RunFile(path).group("metrics")["step"].tolist() == [1, 2]
