@@ -14,7 +14,8 @@ times the generation of k members x P prompts (k*P rows):
   Linear: pure batched generation without LoRA;
 * at k = 1 also ``peft``: one member through peft's own LoRA forward (ESSA one at a time);
 
-and reports tokens/s, members/s, the ratio to pure generation (target >= 0.8), the speedup
+The variants' timed calls are interleaved (best of two each, after a warm-up call), and the
+report gives tokens/s, members/s, the ratio to pure generation (target >= 0.8), the speedup
 over peft one at a time, the time to rebuild the k members' factors, the peak memory and the
 host ops per decoding step of each variant (:func:`host_ops_per_step`). Then
 one F-GRPO step (fgrpo defaults: 32 prompts x G = 8 sampled completions, token-mean clipped
@@ -55,6 +56,8 @@ SHAPES = {
 }
 LENGTHS = {"tiny": (16, 16)}  # (prompt tokens, new tokens); real shapes: 64, 64
 LORA_RANK, LORA_ALPHA, SEED = 8, 16.0, 0
+VARIANTS = ("lora_fused", "lora_exact", "base")
+REPEATS = 2  # timed calls per variant and k (best kept), after one warm-up call
 FGRPO = dict(prompts=32, G=8, micro_batch=64, lr=2e-3, epsilon=0.2, epsilon_high=0.28)
 
 
@@ -134,17 +137,21 @@ def greedy(model, ids, new_tokens: int) -> torch.Tensor:
     return out[:, ids.shape[1]:]
 
 
-def timed_greedy(model, ids, new_tokens: int, device, repeats: int = 2) -> float:
-    """Best of ``repeats`` seconds of :func:`greedy`, after one warm-up call."""
-    best = float("inf")
-    for i in range(repeats + 1):
-        _sync(device)
-        start = time.perf_counter()
-        greedy(model, ids, new_tokens)
-        _sync(device)
-        if i:
-            best = min(best, time.perf_counter() - start)
-    return best
+def seconds_of_greedy(model, ids, new_tokens: int, device) -> float:
+    """Seconds of one :func:`greedy` call, the device synchronised before and after."""
+    _sync(device)
+    start = time.perf_counter()
+    greedy(model, ids, new_tokens)
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def variant_context(name: str, model, space, factors):
+    """The context manager that puts ``model`` in variant ``name`` (``base``, ``lora_fused``
+    or ``lora_exact``)."""
+    if name == "base":
+        return BaseOnly(model, space.modules)
+    return MemberLora(model, factors, fused=name == "lora_fused")
 
 
 class _OpCounter(TorchDispatchMode):
@@ -204,18 +211,22 @@ def measure_k(model, space, device, members, prompts, k: int, new_tokens: int) -
     factors = space.factors_batch(members[:k])
     _sync(device)
     row = {"k": k, "rows": k * n_prompts, "rebuild_s": time.perf_counter() - start}
-    seconds, ops = {}, {}
-    for variant, fused in (("lora_fused", True), ("lora_exact", False)):
-        with MemberLora(model, factors, fused=fused):
-            seconds[variant] = timed_greedy(model, ids, new_tokens, device)
+    seconds, ops = dict.fromkeys(VARIANTS, float("inf")), {}
+    for variant in VARIANTS:  # warm-up call, then the host ops of one step
+        with variant_context(variant, model, space, factors):
+            greedy(model, ids, new_tokens)
             ops[variant] = host_ops_per_step(model, ids)
-    with BaseOnly(model, space.modules):
-        seconds["base"] = timed_greedy(model, ids, new_tokens, device)
-        ops["base"] = host_ops_per_step(model, ids)
     row["host_ops_per_step"] = ops
+    for _ in range(REPEATS):  # interleaved, so drift in clocks or load hits every variant
+        for variant in VARIANTS:
+            with variant_context(variant, model, space, factors):
+                seconds[variant] = min(seconds[variant],
+                                       seconds_of_greedy(model, ids, new_tokens, device))
     if k == 1:
         space.apply(model, members[0])
-        seconds["peft"] = timed_greedy(model, ids, new_tokens, device)
+        greedy(model, ids, new_tokens)
+        seconds["peft"] = min(seconds_of_greedy(model, ids, new_tokens, device)
+                              for _ in range(REPEATS))
     if k == 2:
         row["agreement_with_one_at_a_time"] = agreement(model, space, members[:2], prompts,
                                                         new_tokens)

@@ -23,20 +23,11 @@ import numpy as np
 import torch
 
 from common import machine
-from gpu_check import SHAPES, BaseOnly, build, greedy, host_ops_per_step
+from gpu_check import SHAPES, VARIANTS, build, greedy, host_ops_per_step, variant_context
 
-from essa.member_lora import MemberLora  # common.py put the repository on sys.path
 
 THIN = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
             vocab_size=512)
-VARIANTS = ("base", "lora_fused", "lora_exact")
-
-
-def variant_context(name: str, model, space, factors):
-    """The context manager that puts ``model`` in variant ``name``."""
-    if name == "base":
-        return BaseOnly(model, space.modules)
-    return MemberLora(model, factors, fused=name == "lora_fused")
 
 
 def measure(shape_name: str, k: int, n_prompts: int, new_tokens: int, repeats: int) -> dict:
@@ -83,7 +74,7 @@ def main(argv=None) -> None:
         for k in args.ks:
             r = measure(shape_name, k, args.prompts, args.tokens, args.repeats)
             (base_ops, base_s), (fused_ops, fused_s), (exact_ops, exact_s) = (
-                r[v] for v in VARIANTS)
+                r[v] for v in ("base", "lora_fused", "lora_exact"))
             print(f"{shape_name:<14} {layers:>6} {k:>3} {k * args.prompts:>5} {base_ops:>9} "
                   f"{fused_ops:>10} {exact_ops:>10} {(fused_ops - base_ops) / layers:>14.1f} "
                   f"{(exact_ops - base_ops) / layers:>14.1f} {base_ops / fused_ops:>15.3f} "

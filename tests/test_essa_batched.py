@@ -278,3 +278,14 @@ def test_gpu_check_runs_on_cpu_without_cma_or_math_verify(tmp_path):
     step = result["fgrpo_step"]
     assert list(step["phases_s"]) == ["generation", "reward", "forward_backward", "optimizer"]
     assert step["rows"] == 256 and step["total_s"] == pytest.approx(sum(step["phases_s"].values()))
+
+
+def test_host_ops_benchmark_prints_the_counts():
+    proc = run_cli(["benchmarks/host_ops.py", "--model", "qwen2.5-1.5b", "--ks", "2",
+                    "--prompts", "4", "--tokens", "2", "--repeats", "1"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = proc.stdout.splitlines()[-1].split()
+    assert row[:4] == ["qwen2.5-1.5b", "28", "2", "8"]
+    base, fused, exact = map(int, row[4:7])
+    assert (fused - base, exact - base) == (12 * 28, 32 * 28)
+    assert row[7:11] == ["12.0", "32.0", f"{base / fused:.3f}", f"{base / exact:.3f}"]
