@@ -90,6 +90,7 @@ class RunStore:
                  backup: bytes | None = None):
         self.path = path
         self.file = None
+        self._open: dict = {}  # group -> {name: Dataset}, see _datasets
         if not active:
             return
         if resume and backup is not None:
@@ -162,6 +163,7 @@ class RunStore:
         """Point the file's descriptor at /dev/null and close it: whatever HDF5 still wants to
         flush goes nowhere, and the file on disk stays as the failed write left it."""
         file, self.file = self.file, None
+        self._open.clear()
         if file is None:
             return
         try:
@@ -202,24 +204,33 @@ class RunStore:
             self._append(group, step, flush, values)
 
     def _append(self, group: str, step: int, flush: bool, values: dict) -> None:
-        grp = self.file.require_group(group)
-        n = grp["step"].shape[0] if "step" in grp else 0
+        datasets = self._datasets(group)
+        n = datasets["step"].shape[0] if "step" in datasets else 0
         for name, value in [("step", np.int64(step))] + list(values.items()):
             arr = np.asarray(value)
-            if name not in grp:
+            if name not in datasets:
                 dtype = np.int64 if arr.dtype.kind in "iub" else np.float64
                 rows = _CHUNK_ROWS if arr.nbytes * _CHUNK_ROWS <= 2 ** 20 else 1
-                grp.create_dataset(name, shape=(n,) + arr.shape, maxshape=(None,) + arr.shape,
-                                   dtype=dtype, chunks=(rows,) + arr.shape,
-                                   fillvalue=0 if dtype == np.int64 else np.nan)
-            ds = grp[name]
+                datasets[name] = self.file[group].create_dataset(
+                    name, shape=(n,) + arr.shape, maxshape=(None,) + arr.shape, dtype=dtype,
+                    chunks=(rows,) + arr.shape, fillvalue=0 if dtype == np.int64 else np.nan)
+            ds = datasets[name]
             ds.resize(n + 1, axis=0)
             ds[n] = arr
-        for name in grp:
-            if grp[name].shape[0] < n + 1:
-                grp[name].resize(n + 1, axis=0)  # missing key: the fill value (NaN or 0)
+        for name, ds in datasets.items():
+            if name not in values and name != "step":
+                ds.resize(n + 1, axis=0)  # missing key: the fill value (NaN or 0)
         if flush:
             self.file.flush()
+
+    def _datasets(self, group: str) -> dict:
+        """{name: open h5py Dataset} of ``group`` (created if new), kept open: looking them up
+        by name on every row cost more than writing the row."""
+        if group not in self._open:
+            grp = self.file.require_group(group)
+            self._open[group] = {name: grp[name] for name in grp
+                                 if isinstance(grp[name], h5py.Dataset)}
+        return self._open[group]
 
     def log_step(self, step: int, metrics: dict | None = None, timings: dict | None = None,
                  nbytes: dict | None = None) -> None:
@@ -260,6 +271,7 @@ class RunStore:
             self.file.attrs["end_time"] = datetime.datetime.now(
                 datetime.timezone.utc).isoformat(timespec="seconds")
             self.file.flush()  # a failure here still finds the file open to detach
+            self._open.clear()
             self.file.close()
         self.file = None
 
