@@ -34,9 +34,11 @@ def fgrpo_args(adapter, out, steps, *extra):
 
 
 def _rows(path, group):
+    """Rows of ``group`` in a run file another process is writing (0 while it cannot be read:
+    without SWMR a read in the middle of a flush can fail in several ways)."""
     try:
         return len(RunFile(path).group(group).get("step", []))
-    except (OSError, KeyError):
+    except (OSError, KeyError, RuntimeError, ValueError):
         return 0
 
 
