@@ -62,16 +62,12 @@ def model_path(scratch: str) -> tuple:
 def lora_model(path: str, device: str = "cpu", seed: int = 1):
     """(peft model, tokenizer, description): the model in ``path`` (fp32) with a fresh
     rank-8 LoRA on q/k/v/o whose B is random (seeded), eval mode."""
-    from hpc.models import attach_lora, load_model
+    from hpc.models import attach_lora, load_model, randomize_lora_b
 
     model, tok = load_model(path, "float32", device)
     n = sum(p.numel() for p in model.parameters())
     peft_model = attach_lora(model, LORA_RANK, LORA_ALPHA, TARGETS)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen).to(p.device) * 0.05)
+    randomize_lora_b(peft_model, 0.05, torch.Generator().manual_seed(seed))
     return peft_model.eval(), tok, f"{n / 1e6:.2f}M parameters, LoRA r={LORA_RANK} on q/k/v/o"
 
 

@@ -121,6 +121,16 @@ def attach_lora(model, rank: int, alpha: float, targets: list[str], dropout: flo
         return get_peft_model(model, config)
 
 
+def randomize_lora_b(peft_model, std: float, generator: torch.Generator) -> None:
+    """Fill every LoRA B (zero when attached) with N(0, std^2) draws from ``generator`` (a CPU
+    generator; parameters in name order), so the adapter is non-zero and all its singular
+    values are, as after SFT. For tests and benchmarks that have no SFT stage."""
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator).to(p.device) * std)
+
+
 def _lora_module_names(peft_model) -> list[str]:
     return [name for name, mod in peft_model.named_modules() if hasattr(mod, "lora_A")]
 

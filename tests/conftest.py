@@ -95,7 +95,7 @@ def tiny_models(tmp_path_factory):
     whose B factors are random (so every singular value is non-zero)."""
     import torch
 
-    from hpc.models import attach_lora, save_adapter, tiny_model
+    from hpc.models import attach_lora, randomize_lora_b, save_adapter, tiny_model
 
     root = tmp_path_factory.mktemp("tiny")
     out = {}
@@ -103,11 +103,7 @@ def tiny_models(tmp_path_factory):
         model_dir, adapter_dir = root / name, root / f"{name}-adapter"
         model, _ = tiny_model(hidden=hidden, layers=layers, save_dir=str(model_dir))
         peft_model = attach_lora(model, 4, 8.0, ["q_proj", "k_proj", "v_proj", "o_proj"])
-        gen = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for pname, p in peft_model.named_parameters():
-                if "lora_B" in pname:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        randomize_lora_b(peft_model, 0.1, torch.Generator().manual_seed(1))
         save_adapter(peft_model, str(adapter_dir))
         out[name] = (str(model_dir), str(adapter_dir),
                      sum(p.numel() for p in model.parameters()))

@@ -14,7 +14,7 @@ from conftest import REPO, run_cli, run_mpi
 from essa.batched import choose_k, mean_reward, members_on_device, members_that_fit
 from essa.member_lora import MemberLora
 from essa.space import SingularValueSpace
-from hpc.models import attach_lora, tiny_model
+from hpc.models import attach_lora, randomize_lora_b, tiny_model
 from mpi.batched_check import N_MEMBERS, N_PROMPTS, HashTask, build_case, completions, score
 
 BENCHMARKS = os.path.join(REPO, "benchmarks")
@@ -185,11 +185,8 @@ def test_fused_bf16_as_accurate_as_peft_bf16():
     model.to(torch.bfloat16)
     peft16 = attach_lora(model, 4, 8.0, ["q_proj", "k_proj", "v_proj", "o_proj"])
     gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in peft16.named_parameters():
-            if "lora_B" in name:
-                assert p.dtype == torch.float32
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    assert all(p.dtype == torch.float32 for n, p in peft16.named_parameters() if "lora_B" in n)
+    randomize_lora_b(peft16, 0.5, gen)
     peft32 = copy.deepcopy(peft16).float()  # the same weights, exactly, in fp32
     space = SingularValueSpace.from_peft(peft16)
     members = np.random.default_rng(0).normal(0.0, 0.5, (3, space.dim))

@@ -16,7 +16,7 @@ from essa.batched import member_completions
 from essa.population import owners, score_members
 from essa.space import SingularValueSpace
 from hpc.generation import generate
-from hpc.models import attach_lora, tiny_model
+from hpc.models import attach_lora, randomize_lora_b, tiny_model
 from hpc.timing import PhaseTimer
 
 N_MEMBERS = 5
@@ -37,11 +37,7 @@ def build_case():
     """(peft model, tokenizer, space, members (N_MEMBERS, dim) float64, prompts, answers)."""
     model, tok = tiny_model(hidden=64, layers=2)
     peft_model = attach_lora(model, 4, 8.0, ["q_proj", "k_proj", "v_proj", "o_proj"])
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    randomize_lora_b(peft_model, 0.5, torch.Generator().manual_seed(1))
     space = SingularValueSpace.from_peft(peft_model)
     members = np.random.default_rng(0).normal(0.0, 0.5, (N_MEMBERS, space.dim))
     rng = np.random.default_rng(1)

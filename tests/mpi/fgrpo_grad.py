@@ -15,7 +15,7 @@ from fgrpo.config import FGRPOConfig
 from fgrpo.rollout import Rollouts
 from fgrpo.trainer import accumulate_gradients
 from hpc.dist import all_reduce_mean_, init_process_group
-from hpc.models import attach_lora, tiny_model
+from hpc.models import attach_lora, randomize_lora_b, tiny_model
 from hpc.world import get_world, split_evenly
 
 world = get_world()
@@ -23,10 +23,7 @@ init_process_group(world, torch.device("cpu"))
 model, _ = tiny_model(seed=0)
 model = attach_lora(model, 4, 8.0, ["q_proj", "v_proj"], seed=0)
 gen = torch.Generator().manual_seed(0)
-with torch.no_grad():
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+randomize_lora_b(model, 0.1, gen)  # gen goes on to draw the batch below
 groups, G, T = 4, 4, 9
 ids = torch.randint(3, 40, (groups * G, T), generator=gen)
 lengths = torch.randint(3, T + 1, (groups * G,), generator=gen)
