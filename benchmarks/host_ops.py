@@ -17,13 +17,13 @@ decoding times (best of ``--repeats`` interleaved rounds of ``--tokens`` new tok
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 import torch
 
 from common import machine
-from gpu_check import SHAPES, VARIANTS, build, greedy, host_ops_per_step, variant_context
+from gpu_check import (SHAPES, VARIANTS, build, host_ops_per_step, seconds_of_greedy,
+                       variant_context)
 
 
 THIN = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
@@ -34,7 +34,8 @@ def measure(shape_name: str, k: int, n_prompts: int, new_tokens: int, repeats: i
     """{variant: (host ops per step, best seconds for ``new_tokens`` tokens)} for k members x
     ``n_prompts`` prompts of 16 random tokens, fp32 on CPU."""
     shape = dict(SHAPES[shape_name], **THIN, tie_word_embeddings=True)
-    model, space = build(shape, torch.device("cpu"), torch.float32)
+    cpu = torch.device("cpu")
+    model, space = build(shape, cpu, torch.float32)
     prompts = torch.randint(1, THIN["vocab_size"], (n_prompts, 16),
                             generator=torch.Generator().manual_seed(0))
     ids = prompts.repeat(k, 1)  # member-major
@@ -46,9 +47,7 @@ def measure(shape_name: str, k: int, n_prompts: int, new_tokens: int, repeats: i
     for _ in range(repeats):
         for name in VARIANTS:
             with variant_context(name, model, space, factors):
-                start = time.perf_counter()
-                greedy(model, ids, new_tokens)
-                best[name] = min(best[name], time.perf_counter() - start)
+                best[name] = min(best[name], seconds_of_greedy(model, ids, new_tokens, cpu))
     return {name: (ops[name], best[name]) for name in VARIANTS}
 
 
