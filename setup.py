@@ -32,9 +32,9 @@ setup(
             "fgrpo=fgrpo.__main__:main",
             "hpc-sft=hpc.sft:main",
             "hpc-eval=hpc.evaluate:main",
-            "hpc-toy=hpc.toy:main",
-            "hpc-report=hpc.report:main",
-            "hpc-scaling=hpc.scaling:main",
+            "hpc-toy=hpc.models.toy:main",
+            "hpc-report=hpc.analysis.report:main",
+            "hpc-scaling=hpc.analysis.scaling:main",
         ],
     },
 )

@@ -49,8 +49,8 @@ def machine() -> str:
 def model_path(scratch: str) -> tuple:
     """(model folder, description): the cached toy model if built, else a random tiny Qwen2
     of the toy's shape saved under ``scratch``."""
-    from hpc.models import tiny_model
-    from hpc.toy import INFO_FILE, cache_dir
+    from hpc.models.loading import tiny_model
+    from hpc.models.toy import INFO_FILE, cache_dir
 
     if os.path.isfile(os.path.join(cache_dir(), INFO_FILE)):
         return cache_dir(), f"toy model ({cache_dir()})"
@@ -62,7 +62,7 @@ def model_path(scratch: str) -> tuple:
 def lora_model(path: str, device: str = "cpu", seed: int = 1):
     """(peft model, tokenizer, description): the model in ``path`` (fp32) with a fresh
     rank-8 LoRA on q/k/v/o whose B is random (seeded), eval mode."""
-    from hpc.models import attach_lora, load_model, randomize_lora_b
+    from hpc.models.loading import attach_lora, load_model, randomize_lora_b
 
     model, tok = load_model(path, "float32", device)
     n = sum(p.numel() for p in model.parameters())

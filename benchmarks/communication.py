@@ -5,9 +5,9 @@
 Launches itself under ``mpirun -n N`` for each N (CPU, gloo for torch.distributed) and prints
 one table. Per rank and generation, ESSA sends what ``essa.trainer`` sends: the fitness
 Allgatherv (``gather_fitness``: 8 bytes a member), the phase timings Allgather and the 1-byte
-stop flag. Per rank and step, F-GRPO all-reduces the LoRA gradients (``hpc.dist.
+stop flag. Per rank and step, F-GRPO all-reduces the LoRA gradients (``hpc.runtime.dist.
 all_reduce_mean_``, fp32) and gathers two small metric vectors. Bytes are the payload counted
-by :class:`hpc.world.World`; times are the slowest rank's per round (each after a barrier),
+by :class:`hpc.runtime.world.World`; times are the slowest rank's per round (each after a barrier),
 min and median over ``--repeats`` rounds; ratios use the minimum, the least disturbed by other
 processes on a shared machine. Gradients come from the benchmark model's adapter (toy model,
 LoRA r=8 on q/k/v/o) and, without building the models, from rank-8 q/k/v/o adapters of
@@ -49,9 +49,9 @@ def worker(out_path: str, population: int, repeats: int) -> None:
 
     from common import lora_model, model_path
     from essa.trainer import PHASES, gather_fitness
-    from hpc.dist import all_reduce_mean_, init_process_group
-    from hpc.timing import PhaseTimer, gather_timings
-    from hpc.world import get_world, split_evenly
+    from hpc.runtime.dist import all_reduce_mean_, init_process_group
+    from hpc.runtime.timing import PhaseTimer, gather_timings
+    from hpc.runtime.world import get_world, split_evenly
 
     world = get_world()
     init_process_group(world, torch.device("cpu"))

@@ -40,7 +40,7 @@ from common import TARGETS, machine
 from essa.batched import members_on_device  # common.py: repo on sys.path
 from essa.member_lora import MemberLora
 from essa.space import SingularValueSpace
-from hpc.models import attach_lora
+from hpc.models.loading import attach_lora
 
 # Qwen2.5 shapes (config.json of the released models) and a tiny one for CPU runs.
 SHAPES = {

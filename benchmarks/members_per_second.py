@@ -30,10 +30,10 @@ from common import REPO, lora_model, machine, model_path
 
 from essa.population import score_members  # common.py put the repository on sys.path
 from essa.space import SingularValueSpace
-from hpc.models import save_adapter
-from hpc.runstore import RunFile
-from hpc.tasks import arith_task
-from hpc.timing import PhaseTimer
+from hpc.models.loading import save_adapter
+from hpc.runtime.runstore import RunFile
+from hpc.data.tasks import arith_task
+from hpc.runtime.timing import PhaseTimer
 
 MAX_NEW_TOKENS = 8  # task.max_new_tokens default
 CHUNK = 64  # eval.batch_size default: prompts per generate call and member

@@ -43,7 +43,7 @@ def _essa_generation(model, tok, task, world, k: int) -> None:
     from essa.population import owners, score_members
     from essa.space import SingularValueSpace
     from essa.trainer import PHASES
-    from hpc.timing import PhaseTimer
+    from hpc.runtime.timing import PhaseTimer
 
     space = SingularValueSpace.from_peft(model)
     members = np.random.default_rng(0).normal(0.0, 0.1, (POPULATION, space.dim))
@@ -60,9 +60,9 @@ def _fgrpo_step(model, tok, task, world, device) -> None:
     from fgrpo.config import FGRPOJobConfig
     from fgrpo.rollout import sample_rollouts
     from fgrpo.trainer import PHASES, accumulate_gradients
-    from hpc.dist import all_reduce_mean_, init_process_group
-    from hpc.timing import PhaseTimer
-    from hpc.world import my_slice
+    from hpc.runtime.dist import all_reduce_mean_, init_process_group
+    from hpc.runtime.timing import PhaseTimer
+    from hpc.runtime.world import my_slice
 
     init_process_group(world, device)
     cfg = FGRPOJobConfig()
@@ -88,8 +88,8 @@ def worker(out_path: str, method: str, k: int, device_name: str) -> None:
     import torch
 
     from common import lora_model, model_path
-    from hpc.tasks import arith_task
-    from hpc.world import get_world, select_device
+    from hpc.data.tasks import arith_task
+    from hpc.runtime.world import get_world, select_device
 
     world = get_world()
     device = select_device(world, device_name)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from essa.member_lora import MemberLora
-from hpc.generation import generate
+from hpc.models.generation import generate
 
 MEMORY_SHARE = 0.5  # of free CUDA memory that choose_k may plan to fill
 

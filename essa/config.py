@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hpc.config import JobConfig, param
-from hpc.errors import UserError
+from hpc.runtime.config import JobConfig, param
+from hpc.runtime.errors import UserError
 
 
 @dataclass

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from essa.space import ADAPTER
-from hpc.errors import UserError
+from hpc.runtime.errors import UserError
 
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Sibling layers that HF decoder blocks (Llama, Qwen2, Mistral...) call on one input tensor.

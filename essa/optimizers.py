@@ -13,7 +13,7 @@ from typing import Protocol
 import cma
 import numpy as np
 
-from hpc.errors import UserError
+from hpc.runtime.errors import UserError
 
 OPTIMIZERS = ("cma", "sep-cma", "openai-es")
 

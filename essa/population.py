@@ -1,6 +1,6 @@
 """Population evaluation: which rank scores which member, and the fitness of a member.
 
-Members are split over ranks in contiguous blocks (:func:`hpc.world.split_evenly`, any
+Members are split over ranks in contiguous blocks (:func:`hpc.runtime.world.split_evenly`, any
 P >= N). A member's fitness is the mean reward of greedy completions on the generation's
 minibatch, identical whichever rank computes it (same prompts, same generation batching).
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from essa.batched import score_members_batched
-from hpc.generation import generate
-from hpc.world import split_evenly
+from hpc.models.generation import generate
+from hpc.runtime.world import split_evenly
 
 
 def owners(population: int, n_ranks: int) -> np.ndarray:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from peft.tuners.lora import LoraLayer
 
-from hpc.errors import UserError
+from hpc.runtime.errors import UserError
 
 ADAPTER = "default"
 _WHICH = ("lora_A", "lora_B")

@@ -16,16 +16,16 @@ from essa.config import ESSAJobConfig
 from essa.optimizers import make_optimizer
 from essa.population import minibatch_indices, owners, score_members
 from essa.space import LoraEntrySpace, SingularValueSpace
-from hpc.checkpoint import load_latest, save_checkpoint
-from hpc.errors import UserError, user_errors_exit
+from hpc.runtime.checkpoint import load_latest, save_checkpoint
+from hpc.runtime.errors import UserError, user_errors_exit
 from hpc.evaluate import evaluate, log_eval
-from hpc.jobs import agree_on_resume_step, finish, on_all_ranks, progress_bar, start_job
-from hpc.models import load_adapter, load_model
-from hpc.preempt import preempted_exit, should_stop
-from hpc.runstore import RunStore, environment_attrs
-from hpc.tasks import load_task
-from hpc.timing import PhaseTimer, gather_timings
-from hpc.world import split_evenly
+from hpc.runtime.job import agree_on_resume_step, finish, on_all_ranks, progress_bar, start_job
+from hpc.models.loading import load_adapter, load_model
+from hpc.runtime.preempt import preempted_exit, should_stop
+from hpc.runtime.runstore import RunStore, environment_attrs
+from hpc.data.tasks import load_task
+from hpc.runtime.timing import PhaseTimer, gather_timings
+from hpc.runtime.world import split_evenly
 
 PHASES = ["rebuild", "generate", "reward", "waiting", "communication", "update", "eval",
           "checkpoint"]
@@ -53,7 +53,7 @@ def sanitize(fitness: np.ndarray) -> tuple:
 
 
 def run(job) -> dict:
-    """Train ESSA for ``job`` (a :class:`hpc.jobs.Job`); returns a summary on every rank."""
+    """Train ESSA for ``job`` (a :class:`hpc.runtime.job.Job`); returns a summary on every rank."""
     cfg, world = job.cfg, job.world
     e = cfg.essa
     task = on_all_ranks(world, lambda: load_task(cfg.task))

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hpc.config import JobConfig, param
+from hpc.runtime.config import JobConfig, param
 from fgrpo.loss import LOSS_TYPES
-from hpc.errors import UserError
+from hpc.runtime.errors import UserError
 
 
 @dataclass

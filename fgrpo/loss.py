@@ -21,7 +21,7 @@ optimizer step's batch is split over micro-batches and ranks, the trainer must
    ``normalizer`` to every call; for ``seq-mean-token-sum-norm`` also pass the same
    ``max_completion_length`` everywhere (the default, this call's T, varies with padding);
 2. call ``loss.backward()`` on each micro-batch's loss unscaled (gradients add up);
-3. SUM the gradients over ranks. With a MEAN all-reduce (``hpc.dist.all_reduce_mean_``),
+3. SUM the gradients over ranks. With a MEAN all-reduce (``hpc.runtime.dist.all_reduce_mean_``),
    multiply the result by the world size, or equivalently pass ``normalizer = D / world_size``.
 
 The summed losses and gradients then equal one ``normalizer=None`` call on the full batch.

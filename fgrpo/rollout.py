@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from fgrpo.loss import token_logprobs
-from hpc.generation import generate_tokens
+from hpc.models.generation import generate_tokens
 
 
 @dataclass

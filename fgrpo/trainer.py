@@ -20,17 +20,17 @@ from fgrpo.advantages import batch_moments, group_advantages, std_from_moments
 from fgrpo.config import FGRPOJobConfig
 from fgrpo.loss import entropy_from_logits, policy_loss
 from fgrpo.rollout import sample_rollouts, sequence_logprobs
-from hpc.checkpoint import load_latest, save_checkpoint
-from hpc.dist import all_reduce_mean_, init_process_group
-from hpc.errors import UserError, user_errors_exit
+from hpc.runtime.checkpoint import load_latest, save_checkpoint
+from hpc.runtime.dist import all_reduce_mean_, init_process_group
+from hpc.runtime.errors import UserError, user_errors_exit
 from hpc.evaluate import evaluate, log_eval
-from hpc.jobs import agree_on_resume_step, finish, on_all_ranks, progress_bar, start_job
-from hpc.models import attach_lora, load_adapter, load_model, save_adapter
-from hpc.preempt import preempted_exit, should_stop
-from hpc.runstore import RunStore, environment_attrs
-from hpc.tasks import load_task
-from hpc.timing import PhaseTimer, gather_timings
-from hpc.world import my_slice
+from hpc.runtime.job import agree_on_resume_step, finish, on_all_ranks, progress_bar, start_job
+from hpc.models.loading import attach_lora, load_adapter, load_model, save_adapter
+from hpc.runtime.preempt import preempted_exit, should_stop
+from hpc.runtime.runstore import RunStore, environment_attrs
+from hpc.data.tasks import load_task
+from hpc.runtime.timing import PhaseTimer, gather_timings
+from hpc.runtime.world import my_slice
 
 PHASES = ["generation", "reward", "forward_backward", "waiting", "allreduce", "optimizer",
           "eval", "checkpoint"]

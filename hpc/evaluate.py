@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hpc.config import EvalConfig, JobConfig
-from hpc.errors import user_errors_exit
-from hpc.world import World, split_evenly
+from hpc.runtime.config import EvalConfig, JobConfig
+from hpc.runtime.errors import user_errors_exit
+from hpc.runtime.world import World, split_evenly
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -46,7 +46,7 @@ class EvalResult:
 def evaluate(model, tokenizer, task, split, eval_cfg: EvalConfig, max_new_tokens: int,
              world: World, seed: int = 0, sampled: bool = True) -> EvalResult:
     """Greedy accuracy and (if ``sampled``) pass@k over ``split``, shared across ranks."""
-    from hpc.generation import generate
+    from hpc.models.generation import generate
 
     start = time.perf_counter()
     counts = split_evenly(len(split), world.size)
@@ -103,10 +103,10 @@ EvalJobConfig = JobConfig  # hpc-eval needs only the shared sections
 @user_errors_exit
 def main(argv=None):
     """``hpc-eval [CONFIG.yaml] [key=value ...]``: evaluate a model (+ lora.adapter)."""
-    from hpc.jobs import on_all_ranks, start_job
-    from hpc.models import load_adapter, load_model
-    from hpc.runstore import RunStore, environment_attrs
-    from hpc.tasks import load_task
+    from hpc.runtime.job import on_all_ranks, start_job
+    from hpc.models.loading import load_adapter, load_model
+    from hpc.runtime.runstore import RunStore, environment_attrs
+    from hpc.data.tasks import load_task
 
     job = start_job(EvalJobConfig, "eval", "hpc-eval", argv)
     cfg, world = job.cfg, job.world

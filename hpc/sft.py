@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hpc.config import JobConfig, param
-from hpc.errors import UserError, user_errors_exit
-from hpc.world import my_slice
+from hpc.runtime.config import JobConfig, param
+from hpc.runtime.errors import UserError, user_errors_exit
+from hpc.runtime.world import my_slice
 
 PHASES = ["forward_backward", "allreduce", "optimizer"]
 
@@ -66,8 +66,8 @@ def completion_batch(tokenizer, prompts: list, completions: list, device):
 
 def train_sft(model, tokenizer, task, cfg: SFTJobConfig, world, store, timer, progress=None):
     """Run ``cfg.sft.steps`` steps of completion-only cross-entropy on ``task.train``."""
-    from hpc.dist import all_reduce_mean_
-    from hpc.timing import gather_timings
+    from hpc.runtime.dist import all_reduce_mean_
+    from hpc.runtime.timing import gather_timings
 
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.sft.lr, weight_decay=cfg.sft.weight_decay)
@@ -103,13 +103,13 @@ def train_sft(model, tokenizer, task, cfg: SFTJobConfig, world, store, timer, pr
 
 @user_errors_exit
 def main(argv=None):
-    from hpc.dist import init_process_group
+    from hpc.runtime.dist import init_process_group
     from hpc.evaluate import evaluate, format_table, log_eval
-    from hpc.jobs import on_all_ranks, progress_bar, start_job
-    from hpc.models import attach_lora, load_model, save_adapter
-    from hpc.runstore import RunStore, environment_attrs
-    from hpc.tasks import load_task
-    from hpc.timing import PhaseTimer
+    from hpc.runtime.job import on_all_ranks, progress_bar, start_job
+    from hpc.models.loading import attach_lora, load_model, save_adapter
+    from hpc.runtime.runstore import RunStore, environment_attrs
+    from hpc.data.tasks import load_task
+    from hpc.runtime.timing import PhaseTimer
 
     job = start_job(SFTJobConfig, "sft", "hpc-sft", argv)
     cfg, world = job.cfg, job.world

@@ -13,7 +13,7 @@ MPIRUN=(mpirun -n "$RANKS" --oversubscribe)
 
 rm -rf "$OUT"
 echo "== toy model"
-$PY -m hpc.toy
+$PY -m hpc.models.toy
 echo "== LoRA SFT ($RANKS ranks)"
 "${MPIRUN[@]}" $PY -m hpc.sft configs/demo/sft.yaml "run.out=$OUT/sft"
 echo "== ESSA ($RANKS ranks)"
@@ -21,4 +21,4 @@ echo "== ESSA ($RANKS ranks)"
 echo "== F-GRPO ($RANKS ranks)"
 "${MPIRUN[@]}" $PY -m fgrpo configs/demo/fgrpo.yaml "lora.adapter=$OUT/sft/adapter" "run.out=$OUT/fgrpo"
 echo "== held-out comparison (256 problems; pass@k from 8 samples at temperature 1)"
-$PY -m hpc.report compare "$OUT/sft/sft.h5" "$OUT/essa/essa.h5" "$OUT/fgrpo/fgrpo.h5"
+$PY -m hpc.analysis.report compare "$OUT/sft/sft.h5" "$OUT/essa/essa.h5" "$OUT/fgrpo/fgrpo.h5"

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from conftest import our_lines, run_cli
 from essa.config import ESSAJobConfig
 from fgrpo.config import FGRPOJobConfig
-from hpc.config import load_config
-from hpc.errors import UserError
+from hpc.runtime.config import load_config
+from hpc.runtime.errors import UserError
 from hpc.sft import SFTJobConfig
 
 

@@ -1,8 +1,8 @@
 """Config: YAML + overrides, validation errors naming the key, reference table."""
 import pytest
 
-from hpc.config import config_to_yaml, load_config, reference_markdown
-from hpc.errors import UserError
+from hpc.runtime.config import config_to_yaml, load_config, reference_markdown
+from hpc.runtime.errors import UserError
 from hpc.evaluate import EvalJobConfig
 
 

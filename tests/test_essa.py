@@ -4,7 +4,7 @@ and the exported adapter."""
 import numpy as np
 
 from conftest import our_lines, run_cli, run_mpi
-from hpc.runstore import RunFile
+from hpc.runtime.runstore import RunFile
 
 P = 6
 
@@ -87,7 +87,7 @@ def test_adapter_missing_a_target_module(tiny_models, tmp_path):
 def test_non_lora_adapter(tiny_models, tmp_path):
     from peft import IA3Config, get_peft_model
 
-    from hpc.models import load_model
+    from hpc.models.loading import load_model
 
     model_dir, _, _ = tiny_models["small"]
     model, _ = load_model(model_dir)
@@ -112,9 +112,9 @@ def test_learning_and_exported_adapter(toy_adapter, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hpc.generation import generate
-    from hpc.tasks import arith_task
-    from hpc.toy import toy_model_path
+    from hpc.models.generation import generate
+    from hpc.data.tasks import arith_task
+    from hpc.models.toy import toy_model_path
 
     out = tmp_path / "run"
     proc = run_mpi(2, essa_args(toy_adapter, out, "task.n_eval=256", "essa.population=16",

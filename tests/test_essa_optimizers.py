@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from essa.optimizers import OPTIMIZERS, CMAES, OpenAIES, centered_ranks, make_optimizer
-from hpc.errors import UserError
+from hpc.runtime.errors import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = np.linspace(-1.0, 1.0, 10)  # sphere optimum; fitness(0) = -sum(TARGET**2) = -4.07

@@ -9,7 +9,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from essa.space import LoraEntrySpace, SingularValueSpace, searched_count
-from hpc.errors import UserError
+from hpc.runtime.errors import UserError
 
 LAYERS, RANK = 2, 4
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]

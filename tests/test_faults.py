@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from conftest import MPI_ENV, REPO, mpirun_path, require, run_mpi
-from hpc.checkpoint import list_checkpoints, load_latest, save_checkpoint
-from hpc.errors import UserError
-from hpc.runstore import RunFile
+from hpc.runtime.checkpoint import list_checkpoints, load_latest, save_checkpoint
+from hpc.runtime.errors import UserError
+from hpc.runtime.runstore import RunFile
 
 P = 6
 

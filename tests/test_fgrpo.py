@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import our_lines, run_mpi
-from hpc.runstore import RunFile
+from hpc.runtime.runstore import RunFile
 
 
 @pytest.mark.parametrize("loss_type", ["token-mean", "seq-mean-token-mean",

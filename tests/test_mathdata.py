@@ -4,11 +4,11 @@ import os
 
 import pytest
 
-from hpc.config import TaskConfig
-from hpc.errors import UserError
-from hpc.mathdata import GSM8K_TEMPLATE, MATH_TEMPLATE, load_file_task
-from hpc.rewards import math_reward, numeric_reward
-from hpc.tasks import load_task
+from hpc.runtime.config import TaskConfig
+from hpc.runtime.errors import UserError
+from hpc.data.mathdata import GSM8K_TEMPLATE, MATH_TEMPLATE, load_file_task
+from hpc.data.rewards import math_reward, numeric_reward
+from hpc.data.tasks import load_task
 
 
 def cfg(name, train="", evaluation="", **kw):

@@ -5,9 +5,9 @@ import shutil
 import pytest
 import torch
 
-from hpc.errors import UserError
-from hpc.generation import generate, generate_tokens
-from hpc.models import attach_lora, load_adapter, load_model, save_adapter, tiny_model
+from hpc.runtime.errors import UserError
+from hpc.models.generation import generate, generate_tokens
+from hpc.models.loading import attach_lora, load_adapter, load_model, save_adapter, tiny_model
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 PROMPTS = ["47+38=", "12+90=", "55+55=", "10+11=", "99+99=", "31+64="]
@@ -184,8 +184,8 @@ def test_sampling_reproducible_and_prompt_major():
 
 
 def test_toy_data_never_trains_on_the_demo_heldout_set():
-    from hpc.tasks import arith_task
-    from hpc.toy import _problem_sets
+    from hpc.data.tasks import arith_task
+    from hpc.models.toy import _problem_sets
 
     train, heldout, probe = _problem_sets()
     demo = arith_task(n_train=2000, n_eval=256, digits=2, ops="+", seed=0)
@@ -198,7 +198,7 @@ def test_toy_data_never_trains_on_the_demo_heldout_set():
 
 
 def test_toy_build_is_atomic_and_loadable(tmp_path, monkeypatch):
-    from hpc import toy
+    from hpc.models import toy
 
     monkeypatch.setenv("HPC_CACHE", str(tmp_path))
     final = toy.cache_dir()

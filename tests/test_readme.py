@@ -6,7 +6,7 @@ import pytest
 from conftest import REPO
 from essa.config import ESSAJobConfig
 from fgrpo.config import FGRPOJobConfig
-from hpc.config import reference_markdown
+from hpc.runtime.config import reference_markdown
 from hpc.sft import SFTJobConfig
 
 

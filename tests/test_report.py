@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from hpc.report import PLOTS, main, scaling_points, summarize
-from hpc.runstore import RunStore
+from hpc.analysis.report import PLOTS, main, scaling_points, summarize
+from hpc.runtime.runstore import RunStore
 
 WRITER = """
 import sys

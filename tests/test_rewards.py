@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from math_verify import parse, verify
 
-from hpc.rewards import gsm8k_gold, last_boxed, math_reward, numeric_reward
+from hpc.data.rewards import gsm8k_gold, last_boxed, math_reward, numeric_reward
 
 SUFFIX = "The answer is:"
 

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 from conftest import REPO, require
-from hpc.errors import UserError
-from hpc.runstore import RunFile, RunStore
+from hpc.runtime.errors import UserError
+from hpc.runtime.runstore import RunFile, RunStore
 
 WRITER = """
 import sys, time
 import numpy as np
-from hpc.runstore import RunStore
+from hpc.runtime.runstore import RunStore
 store = RunStore(sys.argv[1], active=True, attrs={"method": "test", "world_size": 2})
 for step in range(100000):
     store.log_step(step, metrics={"reward": step * 0.5},
@@ -103,8 +103,8 @@ def test_sigkill_leaves_readable_file(tmp_path):
 FILLER = """
 import sys
 import numpy as np
-from hpc.errors import user_errors_exit
-from hpc.runstore import RunStore
+from hpc.runtime.errors import user_errors_exit
+from hpc.runtime.runstore import RunStore
 
 
 @user_errors_exit

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from hpc.runstore import RunStore
-from hpc.scaling import (GPUS, LINKS, QWEN25_32B, Link, Measured, Network, Roofline, Workload,
+from hpc.runtime.runstore import RunStore
+from hpc.analysis.scaling import (GPUS, LINKS, QWEN25_32B, Link, Measured, Network, Roofline, Workload,
                          allgather, essa_step, grpo_step, main, predict, ring_allreduce)
 
 NDR = Network(LINKS["infiniband-ndr"], LINKS["nvlink-h100"], 8)

@@ -17,7 +17,7 @@ import h5py
 import pytest
 
 from conftest import MPI_ENV, REPO, require
-from hpc.runstore import RunFile
+from hpc.runtime.runstore import RunFile
 
 START = os.path.join(REPO, "jobscripts", "local-slurm", "start.sh")
 STOP = os.path.join(REPO, "jobscripts", "local-slurm", "stop.sh")
@@ -97,7 +97,7 @@ def slurm():
 @pytest.fixture(scope="module")
 def toy_model(slurm):
     """Build the cached toy model if absent (2-3 minutes) before any job, not inside one."""
-    proc = subprocess.run([sys.executable, "-m", "hpc.toy"], env=slurm, cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "hpc.models.toy"], env=slurm, cwd=REPO,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from conftest import run_mpi
-from hpc.world import split_evenly
+from hpc.runtime.world import split_evenly
 
 
 @pytest.mark.parametrize("n", [2, 4])

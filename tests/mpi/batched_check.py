@@ -15,9 +15,9 @@ import torch
 from essa.batched import member_completions
 from essa.population import owners, score_members
 from essa.space import SingularValueSpace
-from hpc.generation import generate
-from hpc.models import attach_lora, randomize_lora_b, tiny_model
-from hpc.timing import PhaseTimer
+from hpc.models.generation import generate
+from hpc.models.loading import attach_lora, randomize_lora_b, tiny_model
+from hpc.runtime.timing import PhaseTimer
 
 N_MEMBERS = 5
 N_PROMPTS = 28  # with BATCH = 16: generate chunks of 16 and 12 prompts
@@ -70,7 +70,7 @@ def completions(case, members, k: int) -> list:
 
 
 def main(out_path: str, k: int = 2) -> None:
-    from hpc.world import get_world
+    from hpc.runtime.world import get_world
 
     world = get_world()
     case = build_case()

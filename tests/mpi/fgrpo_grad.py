@@ -14,9 +14,9 @@ from fgrpo.advantages import group_advantages
 from fgrpo.config import FGRPOConfig
 from fgrpo.rollout import Rollouts
 from fgrpo.trainer import accumulate_gradients
-from hpc.dist import all_reduce_mean_, init_process_group
-from hpc.models import attach_lora, randomize_lora_b, tiny_model
-from hpc.world import get_world, split_evenly
+from hpc.runtime.dist import all_reduce_mean_, init_process_group
+from hpc.models.loading import attach_lora, randomize_lora_b, tiny_model
+from hpc.runtime.world import get_world, split_evenly
 
 world = get_world()
 init_process_group(world, torch.device("cpu"))

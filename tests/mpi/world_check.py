@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import torch
 
-from hpc.dist import all_reduce_mean_, init_process_group
-from hpc.world import get_world, select_device, split_evenly
+from hpc.runtime.dist import all_reduce_mean_, init_process_group
+from hpc.runtime.world import get_world, select_device, split_evenly
 
 world = get_world()
 device = select_device(world, "auto")

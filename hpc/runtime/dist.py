@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hpc.world import World
+from hpc.runtime.world import World
 
 _ADDR_BYTES = 256
 

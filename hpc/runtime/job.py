@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hpc.config import config_to_yaml, load_config
-from hpc.errors import EXIT_USER_ERROR, UserError
-from hpc.world import World, get_world, select_device
+from hpc.runtime.config import config_to_yaml, load_config
+from hpc.runtime.errors import EXIT_USER_ERROR, UserError
+from hpc.runtime.world import World, get_world, select_device
 
 
 class PeerFailed(SystemExit):
@@ -110,12 +110,12 @@ class Job:
     resume: bool
     config_text: str
     method: str
-    signals: object  # hpc.preempt.StopSignals, installed before any loading
+    signals: object  # hpc.runtime.preempt.StopSignals, installed before any loading
 
 
 def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
     """Parse, validate and prepare a job on every rank (see the module docstring)."""
-    from hpc.preempt import StopSignals
+    from hpc.runtime.preempt import StopSignals
 
     # First of all: a preemption signal during start-up (model loading can take minutes) must
     # not kill the ranks; it is honoured at the end of the first step.
@@ -144,7 +144,7 @@ def finish(job: Job, summary: dict, start_label: str, end_label: str) -> None:
     """End a training job: exit 3 if it was preempted, else print (rank 0) the held-out table
     of the start and the end of the run and the run folder."""
     from hpc.evaluate import format_table
-    from hpc.preempt import EXIT_PREEMPTED
+    from hpc.runtime.preempt import EXIT_PREEMPTED
 
     if summary["preempted"]:
         sys.exit(EXIT_PREEMPTED)

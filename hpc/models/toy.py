@@ -25,7 +25,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from hpc.errors import user_errors_exit
+from hpc.runtime.errors import user_errors_exit
 
 VERSION = "toy-model-v1"
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
@@ -66,19 +66,22 @@ def qwen2_config(vocab_size: int, hidden: int = 128, layers: int = 4, heads: int
                        bos_token_id=None)
 
 
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def cache_dir() -> str:
     """Where the toy model lives: ``$HPC_CACHE/toy-model-v1`` or ``<repo>/.cache/toy-model-v1``."""
     root = os.environ.get("HPC_CACHE") or os.path.join(
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache")
+        _REPO, ".cache")
     return os.path.join(root, VERSION)
 
 
 def _problem_sets() -> tuple[list, list, list]:
     """(train, demo held-out, probe) lists of ``(prompt, answer)`` for 2-digit addition."""
-    from hpc.tasks import ARITH_TEMPLATE, _arith_problem
+    from hpc.data.tasks import ARITH_TEMPLATE, _arith_problem
 
     rng, reserved, seen = random.Random(0), [], set()
-    while len(reserved) < N_RESERVED:  # the arith task's stream for seed 0 (see hpc.tasks)
+    while len(reserved) < N_RESERVED:  # the arith task's stream for seed 0 (see hpc.data.tasks)
         question, answer = _arith_problem(rng, 2, "+")
         if question not in seen:
             seen.add(question)
@@ -104,7 +107,7 @@ def _encode(tokenizer, pairs) -> tuple[torch.Tensor, torch.Tensor]:
 
 def greedy_accuracy(model, tokenizer, pairs) -> float:
     """Fraction of ``(prompt, answer)`` pairs whose greedy completion equals the answer."""
-    from hpc.generation import generate
+    from hpc.models.generation import generate
 
     outs = generate(model, tokenizer, [p for p, _ in pairs], max_new_tokens=4, batch_size=256)
     return sum(o.strip() == a for o, (_, a) in zip(outs, pairs)) / len(pairs)
@@ -162,7 +165,7 @@ def train_toy(out_dir: str, budget_s: float = BUDGET_S, log=print) -> dict:
 
 
 def _local_rank() -> int:
-    from hpc.world import _LOCAL_RANK_VARS
+    from hpc.runtime.world import _LOCAL_RANK_VARS
 
     return next((int(os.environ[v]) for v in _LOCAL_RANK_VARS if v in os.environ), 0)
 

@@ -18,9 +18,9 @@ import os
 import numpy as np
 import yaml
 
-from hpc.errors import UserError, user_errors_exit
+from hpc.runtime.errors import UserError, user_errors_exit
 from hpc.evaluate import EvalResult, format_table
-from hpc.runstore import RunFile
+from hpc.runtime.runstore import RunFile
 
 COMM_PHASES = ("communication", "waiting", "allreduce")
 NON_COMPUTE = COMM_PHASES + ("eval", "checkpoint")

@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from hpc.errors import UserError
+from hpc.runtime.errors import UserError
 
 
 def _path(directory: str, step: int) -> str:

@@ -6,7 +6,7 @@ per-tag counter, so a run can log exactly what crossed the network:
 
 * ``bcast``: the buffer's bytes (what each receiving rank gets);
 * ``allgather`` / ``allgatherv``: the bytes of the gathered result buffer;
-* torch.distributed all-reduce (see :mod:`hpc.dist`): the reduced tensor's bytes.
+* torch.distributed all-reduce (see :mod:`hpc.runtime.dist`): the reduced tensor's bytes.
 
 These are payload bytes per rank, not wire bytes; the scaling model turns them into wire time
 with an algorithm (ring, tree) and a network model.
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hpc.errors import UserError
+from hpc.runtime.errors import UserError
 
 _LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
 _ARRIVE_TAG, _RELEASE_TAG = 7301, 7302

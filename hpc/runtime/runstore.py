@@ -40,7 +40,7 @@ import h5py
 import numpy as np
 
 from hpc import __version__
-from hpc.errors import UserError
+from hpc.runtime.errors import UserError
 
 _CHUNK_ROWS = 64
 
@@ -58,7 +58,7 @@ def environment_attrs(world, device) -> dict:
     """Versions, hosts and device model of this job (collective: call on every rank)."""
     import torch
 
-    from hpc.world import _mpi
+    from hpc.runtime.world import _mpi
 
     hosts = world.comm.allgather(world.hostname)  # once per run, not a hot path
     if device.type == "cuda":

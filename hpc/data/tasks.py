@@ -1,7 +1,7 @@
 """Tasks: prompts, gold answers, SFT solutions, a prompt template and a reward function.
 
 ``arith`` is generated (no files, the demo task); ``gsm8k``, ``math``, ``aime`` and ``amc`` read
-jsonl files (:mod:`hpc.mathdata`). Rewards live in :mod:`hpc.rewards`.
+jsonl files (:mod:`hpc.data.mathdata`). Rewards live in :mod:`hpc.data.rewards`.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-from hpc.errors import UserError
+from hpc.runtime.errors import UserError
 
 ARITH_TEMPLATE = "{question}="
 
@@ -55,7 +55,7 @@ def arith_task(n_train: int, n_eval: int, digits: int = 2, ops: str = "+", seed:
 
     Difficulty knobs: ``digits`` per operand and the operator set ``ops`` (from ``+-*``).
     """
-    from hpc.rewards import numeric_reward
+    from hpc.data.rewards import numeric_reward
 
     if not ops or any(op not in "+-*" for op in ops):
         raise UserError(f"config key 'task.ops': {ops!r} must use only the operators + - *")
@@ -79,9 +79,9 @@ def arith_task(n_train: int, n_eval: int, digits: int = 2, ops: str = "+", seed:
 
 
 def load_task(cfg) -> Task:
-    """Build the task described by a :class:`hpc.config.TaskConfig` (UserError if unusable)."""
+    """Build the task described by a :class:`hpc.runtime.config.TaskConfig` (UserError if unusable)."""
     if cfg.name == "arith":
         return arith_task(cfg.n_train, cfg.n_eval, cfg.digits, cfg.ops, cfg.seed)
-    from hpc.mathdata import load_file_task
+    from hpc.data.mathdata import load_file_task
 
     return load_file_task(cfg)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from hpc.errors import UserError
+from hpc.runtime.errors import UserError
 
 
 def param(default, help: str, *, min=None, max=None, choices=None):

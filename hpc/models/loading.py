@@ -16,7 +16,7 @@ import transformers
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hpc.errors import UserError
+from hpc.runtime.errors import UserError
 
 # Jobs print on rank 0 only, and only what the user asked for: no per-rank weight-loading bars
 # or library deprecation notices.
@@ -65,7 +65,7 @@ def load_model(path: str, dtype: str = "float32", device="cpu"):
     token (eos when it has none) and pads on the left (generation).
     """
     if path == "toy":
-        from hpc.toy import toy_model_path
+        from hpc.models.toy import toy_model_path
 
         path = toy_model_path()
     if dtype not in DTYPES:
@@ -200,7 +200,7 @@ def tiny_model(hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int 
     """
     from transformers import Qwen2ForCausalLM
 
-    from hpc.toy import build_tokenizer, qwen2_config
+    from hpc.models.toy import build_tokenizer, qwen2_config
 
     tokenizer = build_tokenizer()
     with torch.random.fork_rng(devices=[]):

@@ -1,0 +1,1 @@
+"""Tasks and their data: the built-in toy tasks, GSM8K / MATH files, and answer grading."""

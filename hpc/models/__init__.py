@@ -1,0 +1,1 @@
+"""Models and generation: loading, LoRA adapters, the toy model, decoding."""
