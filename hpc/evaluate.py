@@ -6,12 +6,12 @@ once (Allgatherv, tag ``eval``). Also the ``hpc-eval`` command (``python -m hpc.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from hpc.runtime.config import EvalConfig, JobConfig
 from hpc.runtime.errors import user_errors_exit
+from hpc.runtime.results import EvalResult, format_table, log_eval
 from hpc.runtime.world import World, split_evenly
 
 
@@ -31,16 +31,6 @@ def pass_at_k_curve(correct_counts: np.ndarray, n: int) -> np.ndarray:
     """Mean pass@k over problems for k = 1..n: float64 (n,). ``correct_counts``: (problems,)."""
     return np.array([np.mean([pass_at_k(n, int(c), k) for c in correct_counts])
                      for k in range(1, n + 1)])
-
-
-@dataclass
-class EvalResult:
-    accuracy: float  # greedy, fraction of problems
-    pass_at_k: np.ndarray  # (n_samples,), k = 1..n_samples
-    avg_at_n: float  # mean reward of all samples
-    n_problems: int
-    seconds: float
-    greedy_correct: np.ndarray = field(repr=False)  # (n_problems,) int8
 
 
 def evaluate(model, tokenizer, task, split, eval_cfg: EvalConfig, max_new_tokens: int,
@@ -72,29 +62,6 @@ def evaluate(model, tokenizer, task, split, eval_cfg: EvalConfig, max_new_tokens
     return EvalResult(accuracy=float(all_correct.mean()), pass_at_k=curve, avg_at_n=avg,
                       n_problems=len(split), seconds=time.perf_counter() - start,
                       greedy_correct=all_correct)
-
-
-def log_eval(store, step: int, result: EvalResult) -> None:
-    """Write one full evaluation (start: step -1, or final) to group ``eval`` of the store."""
-    store.write_row("eval", step, accuracy=result.accuracy, pass_at_k=result.pass_at_k,
-                    avg_at_n=result.avg_at_n, seconds=result.seconds)
-
-
-def format_table(rows: list, ks=(1, 2, 4, 8, 16, 32, 64, 128, 256)) -> str:
-    """Text table of (label, EvalResult, extra dict) rows: accuracy, pass@k, extra columns."""
-    n = max(len(r[1].pass_at_k) for r in rows)
-    shown = [k for k in ks if k <= n]
-    extra_keys = list(dict.fromkeys(key for r in rows for key in r[2]))
-    head = ["model", "greedy acc"] + [f"pass@{k}" for k in shown] + extra_keys
-    lines = [head]
-    for label, res, extra in rows:
-        cells = [label, f"{100 * res.accuracy:.1f}%"]
-        cells += [f"{100 * res.pass_at_k[k - 1]:.1f}%" if k <= len(res.pass_at_k) else ""
-                  for k in shown]
-        cells += [str(extra.get(key, "")) for key in extra_keys]
-        lines.append(cells)
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines)
 
 
 EvalJobConfig = JobConfig  # hpc-eval needs only the shared sections

@@ -19,7 +19,7 @@ import numpy as np
 import yaml
 
 from hpc.runtime.errors import UserError, user_errors_exit
-from hpc.evaluate import EvalResult, format_table
+from hpc.runtime.results import EvalResult, format_table
 from hpc.runtime.runstore import RunFile
 
 COMM_PHASES = ("communication", "waiting", "allreduce")
@@ -260,7 +260,7 @@ def scaling_points(rows: list) -> dict:
 def draw_plots(rows: list, paths: list, out_dir: str, timeline_steps: int = 5,
                target: float | None = None) -> list:
     """Write the four PNGs of :data:`PLOTS` into ``out_dir``; returns their paths."""
-    import matplotlib
+    import matplotlib  # here: only the plots need it, and the backend is chosen before pyplot
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import yaml
 
+from hpc.analysis.report import open_run, step_timings
 from hpc.runtime.errors import UserError, user_errors_exit
 
 
@@ -217,8 +218,6 @@ class Measured:
     the phase timings summed over ranks), scaled linearly in the completions a GPU does."""
 
     def __init__(self, essa_path: str, grpo_path: str):
-        from hpc.analysis.report import open_run, step_timings
-
         self.essa, self.grpo = open_run(essa_path), open_run(grpo_path)
         self.essa_cfg = self._section(self.essa, "essa", ("population", "minibatch"))
         self.grpo_cfg = self._section(self.grpo, "fgrpo", ("batch_prompts", "num_generations"))

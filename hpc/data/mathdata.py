@@ -23,9 +23,9 @@ import random
 import re
 from fractions import Fraction
 
-from hpc.runtime.errors import UserError
 from hpc.data.rewards import gsm8k_gold, last_boxed, math_reward, numeric_reward
-from hpc.data.tasks import Split, Task
+from hpc.data.split import Split, Task
+from hpc.runtime.errors import UserError
 
 GSM8K_TEMPLATE = "Question: {question}\nAnswer: Let's think step by step."
 MATH_TEMPLATE = "Problem: {question}\nSolution:"

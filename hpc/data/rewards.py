@@ -145,14 +145,14 @@ def _normalized(latex: str) -> str:
 @functools.lru_cache(maxsize=4096)
 def _parsed(latex: str, limit):
     """math-verify's reading of the answer ``latex`` (empty when unreadable or timed out)."""
-    from math_verify import parse
+    from math_verify import parse  # here: math-verify loads sympy, which arith jobs never need
 
     return parse(f"\\boxed{{{latex}}}", parsing_timeout=limit)
 
 
 def _verify(gold: str, answer: str) -> bool:
     """math-verify equivalence, with its signal timeouts where signals work (main thread)."""
-    from math_verify import verify
+    from math_verify import verify  # here: see _parsed
 
     limit = _TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
     gold_parsed, answer_parsed = _parsed(gold, limit), _parsed(answer, limit)
@@ -168,7 +168,7 @@ def math_reward(completion: str, gold: str) -> float:
     text after "The answer is:". Plain numbers compare numerically; everything else goes
     through math-verify (timeouts and errors count as wrong).
     """
-    from math_verify.errors import TimeoutException
+    from math_verify.errors import TimeoutException  # here: see _parsed
 
     try:
         gold = str(gold)

@@ -1,45 +1,19 @@
 """Tasks: prompts, gold answers, SFT solutions, a prompt template and a reward function.
 
 ``arith`` is generated (no files, the demo task); ``gsm8k``, ``math``, ``aime`` and ``amc`` read
-jsonl files (:mod:`hpc.data.mathdata`). Rewards live in :mod:`hpc.data.rewards`.
+jsonl files (:mod:`hpc.data.mathdata`). Rewards live in :mod:`hpc.data.rewards`, the
+:class:`Split` and :class:`Task` containers in :mod:`hpc.data.split`.
 """
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
-from typing import Callable
 
+from hpc.data.mathdata import load_file_task
+from hpc.data.rewards import numeric_reward
+from hpc.data.split import Split, Task
 from hpc.runtime.errors import UserError
 
 ARITH_TEMPLATE = "{question}="
-
-
-@dataclass
-class Split:
-    """One split of a task. All lists have the same length (one entry per problem)."""
-
-    prompts: list  # model inputs, template already applied
-    answers: list  # gold final answers, as strings
-    solutions: list  # SFT targets: the text a model should write after the prompt
-
-    def __len__(self) -> int:
-        return len(self.prompts)
-
-    def subset(self, indices) -> "Split":
-        return Split([self.prompts[i] for i in indices], [self.answers[i] for i in indices],
-                     [self.solutions[i] for i in indices])
-
-
-@dataclass
-class Task:
-    name: str
-    train: Split
-    eval: Split
-    reward_fn: Callable[[str, str], float]  # (completion, gold answer) -> reward in [0, 1]
-
-    def rewards(self, completions: list, answers: list) -> list:
-        """Reward of each completion against its gold answer (floats in [0, 1])."""
-        return [float(self.reward_fn(c, a)) for c, a in zip(completions, answers)]
 
 
 def _arith_problem(rng: random.Random, digits: int, ops: str):
@@ -55,8 +29,6 @@ def arith_task(n_train: int, n_eval: int, digits: int = 2, ops: str = "+", seed:
 
     Difficulty knobs: ``digits`` per operand and the operator set ``ops`` (from ``+-*``).
     """
-    from hpc.data.rewards import numeric_reward
-
     if not ops or any(op not in "+-*" for op in ops):
         raise UserError(f"config key 'task.ops': {ops!r} must use only the operators + - *")
     rng = random.Random(seed)
@@ -82,6 +54,4 @@ def load_task(cfg) -> Task:
     """Build the task described by a :class:`hpc.runtime.config.TaskConfig` (UserError if unusable)."""
     if cfg.name == "arith":
         return arith_task(cfg.n_train, cfg.n_eval, cfg.digits, cfg.ops, cfg.seed)
-    from hpc.data.mathdata import load_file_task
-
     return load_file_task(cfg)

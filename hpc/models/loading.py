@@ -14,8 +14,9 @@ import warnings
 import torch
 import transformers
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
 
+from hpc.models.toy import build_tokenizer, qwen2_config, toy_model_path
 from hpc.runtime.errors import UserError
 
 # Jobs print on rank 0 only, and only what the user asked for: no per-rank weight-loading bars
@@ -65,8 +66,6 @@ def load_model(path: str, dtype: str = "float32", device="cpu"):
     token (eos when it has none) and pads on the left (generation).
     """
     if path == "toy":
-        from hpc.models.toy import toy_model_path
-
         path = toy_model_path()
     if dtype not in DTYPES:
         raise UserError(f"model dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -198,10 +197,6 @@ def tiny_model(hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int 
     Built in well under a second; ``save_dir`` saves both (loadable by :func:`load_model`).
     Returns ``(model, tokenizer)`` with the model in eval mode on CPU, float32.
     """
-    from transformers import Qwen2ForCausalLM
-
-    from hpc.models.toy import build_tokenizer, qwen2_config
-
     tokenizer = build_tokenizer()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

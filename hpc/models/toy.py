@@ -25,7 +25,10 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from hpc.data.tasks import ARITH_TEMPLATE, _arith_problem
+from hpc.models.generation import generate
 from hpc.runtime.errors import user_errors_exit
+from hpc.runtime.world import _LOCAL_RANK_VARS
 
 VERSION = "toy-model-v1"
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
@@ -78,8 +81,6 @@ def cache_dir() -> str:
 
 def _problem_sets() -> tuple[list, list, list]:
     """(train, demo held-out, probe) lists of ``(prompt, answer)`` for 2-digit addition."""
-    from hpc.data.tasks import ARITH_TEMPLATE, _arith_problem
-
     rng, reserved, seen = random.Random(0), [], set()
     while len(reserved) < N_RESERVED:  # the arith task's stream for seed 0 (see hpc.data.tasks)
         question, answer = _arith_problem(rng, 2, "+")
@@ -107,8 +108,6 @@ def _encode(tokenizer, pairs) -> tuple[torch.Tensor, torch.Tensor]:
 
 def greedy_accuracy(model, tokenizer, pairs) -> float:
     """Fraction of ``(prompt, answer)`` pairs whose greedy completion equals the answer."""
-    from hpc.models.generation import generate
-
     outs = generate(model, tokenizer, [p for p, _ in pairs], max_new_tokens=4, batch_size=256)
     return sum(o.strip() == a for o, (_, a) in zip(outs, pairs)) / len(pairs)
 
@@ -165,8 +164,6 @@ def train_toy(out_dir: str, budget_s: float = BUDGET_S, log=print) -> dict:
 
 
 def _local_rank() -> int:
-    from hpc.runtime.world import _LOCAL_RANK_VARS
-
     return next((int(os.environ[v]) for v in _LOCAL_RANK_VARS if v in os.environ), 0)
 
 

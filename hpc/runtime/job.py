@@ -14,9 +14,12 @@ import sys
 from dataclasses import dataclass
 
 import numpy as np
+from tqdm import tqdm
 
 from hpc.runtime.config import config_to_yaml, load_config
 from hpc.runtime.errors import EXIT_USER_ERROR, UserError
+from hpc.runtime.preempt import EXIT_PREEMPTED, StopSignals
+from hpc.runtime.results import format_table
 from hpc.runtime.world import World, get_world, select_device
 
 
@@ -93,8 +96,6 @@ def _check_writable(out_dir: str, min_free_mb: float) -> None:
 def progress_bar(job: "Job", total: int, desc: str, initial: int = 0):
     """tqdm bar on rank 0 only (``run.progress``). Into a file (a Slurm log) it redraws every
     30 s instead of every step, so logs stay readable."""
-    from tqdm import tqdm
-
     enabled = job.world.is_root and job.cfg.run.progress
     interactive = sys.stderr.isatty()
     return tqdm(total=total, initial=initial, desc=desc, disable=not enabled,
@@ -115,8 +116,6 @@ class Job:
 
 def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
     """Parse, validate and prepare a job on every rank (see the module docstring)."""
-    from hpc.runtime.preempt import StopSignals
-
     # First of all: a preemption signal during start-up (model loading can take minutes) must
     # not kill the ranks; it is honoured at the end of the first step.
     signals = StopSignals()
@@ -143,9 +142,6 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
 def finish(job: Job, summary: dict, start_label: str, end_label: str) -> None:
     """End a training job: exit 3 if it was preempted, else print (rank 0) the held-out table
     of the start and the end of the run and the run folder."""
-    from hpc.evaluate import format_table
-    from hpc.runtime.preempt import EXIT_PREEMPTED
-
     if summary["preempted"]:
         sys.exit(EXIT_PREEMPTED)
     if job.world.is_root:

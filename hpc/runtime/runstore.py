@@ -41,6 +41,7 @@ import numpy as np
 
 from hpc import __version__
 from hpc.runtime.errors import UserError
+from hpc.runtime.world import _mpi
 
 _CHUNK_ROWS = 64
 
@@ -56,9 +57,7 @@ def _git_commit() -> str:
 
 def environment_attrs(world, device) -> dict:
     """Versions, hosts and device model of this job (collective: call on every rank)."""
-    import torch
-
-    from hpc.runtime.world import _mpi
+    import torch  # here, not at the top: the offline report reads run files without torch
 
     hosts = world.comm.allgather(world.hostname)  # once per run, not a hot path
     if device.type == "cuda":
@@ -183,10 +182,6 @@ class RunStore:
             self.file.flush()
         with open(self.path, "rb") as fh:
             return fh.read()
-
-    @property
-    def active(self) -> bool:
-        return self.file is not None
 
     def set_attrs(self, **attrs) -> None:
         if self.file is None:
@@ -314,14 +309,14 @@ class RunFile:
 
     def frame(self, group: str = "metrics"):
         """A pandas DataFrame of the 1-D series of ``group`` (one row per step)."""
-        import pandas as pd
+        import pandas as pd  # here: slow to import, and only these two readers use it
 
         data = {k: v for k, v in self.group(group).items() if v.ndim == 1}
         return pd.DataFrame(data)
 
     def timings_frame(self):
         """Long-format pandas DataFrame: step, rank, phase, seconds."""
-        import pandas as pd
+        import pandas as pd  # here: see frame()
 
         g = self.group("timings")
         rows = []

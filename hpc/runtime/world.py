@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -91,8 +93,6 @@ class World:
 
     def _complete(self, request, label: str, poll_s: float = 0.0005) -> None:
         """Wait for a non-blocking collective, aborting the job after ``timeout_s``."""
-        import time
-
         deadline = time.monotonic() + self.timeout_s
         while not request.Test():
             if time.monotonic() > deadline:
@@ -109,8 +109,6 @@ class World:
         one line naming it and aborts the whole job (MPI_Abort, exit code 1); a rank that
         never hears back from rank 0 does the same. Tag ``control``, 1 byte per rank.
         """
-        import time
-
         MPI = _mpi()
         if self.size == 1:
             return
@@ -140,14 +138,8 @@ class World:
         self.count("control", self.size - 1 if self.is_root else 1)
 
     def _abort(self, message: str) -> None:
-        import sys
-
         print(f"error (rank {self.rank}): {message}", file=sys.stderr, flush=True)
         self.comm.Abort(1)
-
-    def agree_all(self, ok: bool, tag: str = "control") -> bool:
-        """True only if ``ok`` is True on every rank (one small Allgather)."""
-        return bool(self.allgather(np.array([1 if ok else 0], dtype=np.int8), tag=tag).all())
 
 
 _WORLD: World | None = None
@@ -181,7 +173,7 @@ def select_device(world: World, requested: str = "auto"):
     ``requested`` is ``auto``, ``cpu`` or ``cuda``. Asking for CUDA without it, or placing more
     ranks on a node than it has GPUs, is a UserError (unless CPU is asked for).
     """
-    import torch
+    import torch  # here, not at the top: the world (and every --help) must load without torch
 
     if requested == "cpu":
         return torch.device("cpu")

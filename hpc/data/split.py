@@ -1,0 +1,34 @@
+"""The containers every task fills: a :class:`Split` of prompts, gold answers and SFT
+solutions, and a :class:`Task` (two splits and a reward function)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass
+class Split:
+    """One split of a task. All lists have the same length (one entry per problem)."""
+
+    prompts: list  # model inputs, template already applied
+    answers: list  # gold final answers, as strings
+    solutions: list  # SFT targets: the text a model should write after the prompt
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def subset(self, indices) -> "Split":
+        return Split([self.prompts[i] for i in indices], [self.answers[i] for i in indices],
+                     [self.solutions[i] for i in indices])
+
+
+@dataclass
+class Task:
+    name: str
+    train: Split
+    eval: Split
+    reward_fn: Callable[[str, str], float]  # (completion, gold answer) -> reward in [0, 1]
+
+    def rewards(self, completions: list, answers: list) -> list:
+        """Reward of each completion against its gold answer (floats in [0, 1])."""
+        return [float(self.reward_fn(c, a)) for c, a in zip(completions, answers)]
