@@ -12,15 +12,13 @@ every factor owns one contiguous slice of the vector. Only the ``default`` adapt
 The additive form keeps x = 0 exact: W + 0 in float64 is W, and casting back is lossless.
 """
 import math
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from peft.tuners.lora import LoraLayer
 
+from hpc.runtime.atomic import replaced_dir
 from hpc.runtime.errors import UserError
 
 ADAPTER = "default"
@@ -68,17 +66,6 @@ def _lora_modules(peft_model, targets) -> list:
 
 def _weight(peft_model, f: _Factor) -> torch.nn.Parameter:
     return getattr(peft_model.get_submodule(f.module), f.which)[ADAPTER].weight
-
-
-def _replace_dir(src: str, dst: str) -> None:
-    """Move the finished directory ``src`` to ``dst``, replacing an older ``dst``."""
-    if not os.path.lexists(dst):
-        os.rename(src, dst)
-        return
-    trash = tempfile.mkdtemp(prefix=".old-adapter-", dir=os.path.dirname(dst))
-    os.rename(dst, os.path.join(trash, "old"))
-    os.rename(src, dst)
-    shutil.rmtree(trash)
 
 
 class _AdapterSpace:
@@ -152,20 +139,16 @@ class _AdapterSpace:
         """Save vector x as a plain peft adapter directory (adapter_config.json +
         adapter_model.safetensors), written to a temporary sibling and renamed into place.
         ``peft_model``'s weights are left as they were. Call on one rank only."""
-        out_dir = os.path.abspath(out_dir)
-        os.makedirs(os.path.dirname(out_dir), exist_ok=True)
         weights = [_weight(peft_model, f) for f in self._factors]
         saved = [w.detach().clone() for w in weights]
-        tmp = tempfile.mkdtemp(prefix=".adapter-", dir=os.path.dirname(out_dir))
         try:
-            self.apply(peft_model, x)
-            peft_model.save_pretrained(tmp, selected_adapters=[ADAPTER])
-            _replace_dir(tmp, out_dir)
+            with replaced_dir(out_dir) as tmp:
+                self.apply(peft_model, x)
+                peft_model.save_pretrained(tmp, selected_adapters=[ADAPTER])
         finally:
             with torch.no_grad():
                 for w, s in zip(weights, saved):
                     w.copy_(s)
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def searched_count(alpha: float, rank: int) -> int:

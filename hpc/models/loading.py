@@ -7,8 +7,6 @@ instead of a library traceback. Nothing is ever downloaded (``local_files_only``
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import warnings
 
 import torch
@@ -17,6 +15,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
 
 from hpc.models.toy import build_tokenizer, qwen2_config, toy_model_path
+from hpc.runtime.atomic import replaced_dir
 from hpc.runtime.errors import UserError
 
 # Jobs print on rank 0 only, and only what the user asked for: no per-rank weight-loading bars
@@ -172,22 +171,8 @@ def save_adapter(peft_model, out_dir: str) -> None:
     """Save the LoRA adapter in standard PEFT format (``adapter_config.json`` +
     ``adapter_model.safetensors``) into ``out_dir``: written to a temporary sibling folder,
     then renamed, so a reader never sees a half-written adapter. Replaces an existing one."""
-    out_dir = os.path.abspath(out_dir)
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
-    try:
+    with replaced_dir(out_dir) as tmp:
         peft_model.save_pretrained(tmp)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private
-        if os.path.exists(out_dir):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
-            os.rename(out_dir, os.path.join(old, "adapter"))
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def tiny_model(hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,

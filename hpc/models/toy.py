@@ -18,7 +18,6 @@ import json
 import os
 import random
 import shutil
-import tempfile
 import time
 
 import torch
@@ -27,6 +26,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from hpc.data.tasks import ARITH_TEMPLATE, _arith_problem
 from hpc.models.generation import generate
+from hpc.runtime.atomic import replaced_dir
 from hpc.runtime.errors import user_errors_exit
 from hpc.runtime.world import _LOCAL_RANK_VARS
 
@@ -170,18 +170,12 @@ def _local_rank() -> int:
 def build_toy(final: str, budget_s: float = BUDGET_S, log=print) -> None:
     """Build into a temporary sibling folder, then rename it to ``final`` (atomic). If another
     process finished first, its folder is kept and this build is discarded."""
-    parent = os.path.dirname(final)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{VERSION}-build-", dir=parent)
     try:
-        train_toy(tmp, budget_s, log)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; other users of the cache read it
-        os.rename(tmp, final)
-    except OSError:
+        with replaced_dir(final, keep_existing=True) as tmp:
+            train_toy(tmp, budget_s, log)
+    except OSError:  # another process renamed its build into place between check and rename
         if not os.path.isfile(os.path.join(final, INFO_FILE)):
             raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def toy_model_path(wait_s: float = 4 * BUDGET_S, log=print) -> str:

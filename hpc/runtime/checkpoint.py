@@ -14,20 +14,12 @@ import sys
 
 import torch
 
+from hpc.runtime.atomic import write_bytes
 from hpc.runtime.errors import UserError
 
 
 def _path(directory: str, step: int) -> str:
     return os.path.join(directory, f"step-{step:08d}.pt")
-
-
-def _fsync_write(path: str, data: bytes) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def save_checkpoint(directory: str, step: int, state: dict, keep: int = 3) -> str:
@@ -38,12 +30,11 @@ def save_checkpoint(directory: str, step: int, state: dict, keep: int = 3) -> st
     data = buf.getvalue()
     path = _path(directory, step)
     try:
-        _fsync_write(path[:-3] + ".sha256", hashlib.sha256(data).hexdigest().encode())
-        _fsync_write(path, data)
+        write_bytes(path[:-3] + ".sha256", hashlib.sha256(data).hexdigest().encode())
+        write_bytes(path, data)
     except OSError as err:
-        for leftover in (path + ".tmp", path[:-3] + ".sha256.tmp", path[:-3] + ".sha256"):
-            if os.path.exists(leftover):
-                os.remove(leftover)
+        if os.path.exists(path[:-3] + ".sha256"):
+            os.remove(path[:-3] + ".sha256")
         raise UserError(f"cannot write checkpoint {path} ({len(data) / 2 ** 20:.1f} MiB): "
                         f"{err.strerror or err}; earlier checkpoints are intact",
                         same_on_all_ranks=False) from None

@@ -40,6 +40,7 @@ import h5py
 import numpy as np
 
 from hpc import __version__
+from hpc.runtime.atomic import replaced_file, write_bytes
 from hpc.runtime.errors import UserError
 from hpc.runtime.world import _mpi
 
@@ -109,16 +110,9 @@ class RunStore:
 
     def _create(self) -> None:
         """A new file with its start time, written beside ``path`` and renamed into place."""
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        tmp = self.path + ".tmp"
-        try:
-            with h5py.File(tmp, "w") as fresh:
-                fresh.attrs["start_time"] = datetime.datetime.now(
-                    datetime.timezone.utc).isoformat(timespec="seconds")
-            os.replace(tmp, self.path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        with replaced_file(self.path, fsync=False) as tmp, h5py.File(tmp, "w") as fresh:
+            fresh.attrs["start_time"] = datetime.datetime.now(
+                datetime.timezone.utc).isoformat(timespec="seconds")
 
     def _restore(self, backup: bytes) -> None:
         """Put the checkpoint's copy in place (atomically). Rows after the checkpoint would be
@@ -126,17 +120,8 @@ class RunStore:
         when it was missing or damaged (then a failed write left it so)."""
         damage = ("missing" if not os.path.exists(self.path) else
                   None if _readable(self.path) else "damaged")
-        tmp = self.path + ".tmp"
         with self._writing():
-            try:
-                with open(tmp, "wb") as fh:
-                    fh.write(backup)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                os.replace(tmp, self.path)
-            finally:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
+            write_bytes(self.path, backup)
         if damage:
             print(f"warning: the run file {self.path} was {damage}; restored from the "
                   f"checkpoint", file=sys.stderr, flush=True)
