@@ -257,3 +257,55 @@ def make_optimizer(name: str, dim: int, popsize: int, sigma0: float, seed: int,
     if name == "openai-es":
         return OpenAIES(dim, popsize, sigma0, lr, seed)
     raise UserError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+
+
+def sanitize(fitness: np.ndarray) -> tuple:
+    """Replace NaN/inf fitness by the worst finite value minus 1; returns (fitness, n_bad)."""
+    bad = ~np.isfinite(fitness)
+    if not bad.any():
+        return fitness, 0
+    worst = fitness[~bad].min() if (~bad).any() else 0.0
+    out = fitness.copy()
+    out[bad] = worst - 1.0
+    return out, int(bad.sum())
+
+
+class Tracked:
+    """An optimizer as a training run uses it: ``tell`` accepts NaN/inf fitness (a member whose
+    completions could not be scored counts as the worst, see :func:`sanitize`) and the best
+    member told so far is remembered (it is exported beside the mean)."""
+
+    def __init__(self, optimizer: Optimizer):
+        self.optimizer = optimizer
+        self.best_x = optimizer.mean.copy()  # (dim,) float64
+        self.best_fitness = -np.inf
+        self.bad_fitness = 0  # NaN/inf fitness values in the last tell
+
+    @property
+    def mean(self) -> np.ndarray:
+        return self.optimizer.mean
+
+    @property
+    def sigma(self) -> float | None:
+        """The global step size, for the optimizers that have one (None for others)."""
+        return getattr(self.optimizer, "sigma", None)
+
+    def ask(self) -> np.ndarray:
+        return self.optimizer.ask()
+
+    def tell(self, solutions: np.ndarray, fitness: np.ndarray) -> np.ndarray:
+        """Tell the sanitised fitness (P,); returns it."""
+        fitness, self.bad_fitness = sanitize(fitness)
+        self.optimizer.tell(solutions, fitness)
+        if fitness.max() > self.best_fitness:
+            self.best_fitness = float(fitness.max())
+            self.best_x = solutions[int(fitness.argmax())].copy()
+        return fitness
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "best_x": self.best_x,
+                "best_fitness": self.best_fitness}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.best_x, self.best_fitness = state["best_x"], state["best_fitness"]

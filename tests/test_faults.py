@@ -222,7 +222,7 @@ def test_hung_rank_is_named_and_the_job_aborted(toy_adapter, tmp_path):
 
 
 def test_nan_fitness_is_worst_and_counted():
-    from essa.trainer import sanitize
+    from essa.optimizers import sanitize
 
     fitness, bad = sanitize(np.array([0.5, np.nan, 0.25, np.inf, -np.inf]))
     assert bad == 3

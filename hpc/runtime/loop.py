@@ -1,0 +1,183 @@
+"""The job loop every training method runs (SFT, ESSA, F-GRPO): the lifecycle, written once.
+
+A method is a :class:`Method`: its timed phases, a ``step(i)`` returning named metrics, its
+state for checkpoints, its evaluation and its export. :func:`run_loop` does the rest, the same
+for every method:
+
+1. resume: load the newest intact checkpoint (``--resume``) and check every rank resumes from
+   the same step;
+2. run file ``<run.out>/<method>.h5``: open (restored from the checkpoint's copy on resume),
+   drop rows after the resumed step; its attributes name the method's phases, metrics and
+   what a step is called, so readers need not know the method;
+3. evaluation at the start (not on resume), a held-out evaluation every ``eval.every`` steps
+   and at the last step, a final evaluation at the end;
+4. per step: phase seconds per rank and payload bytes per tag, then the stop decision
+   (preemption signal on any rank, ``run.max_time_s`` on rank 0's clock, the method's target),
+   then a checkpoint every ``run.checkpoint_every`` steps, on stop and at the end. The step's
+   row goes out before its checkpoint: a kill in between leaves a row that the resumed run
+   truncates and recomputes, never a checkpoint without its row;
+5. preempted: close the run file as ``preempted`` and return (the caller exits 3); else the
+   final evaluation, the export (rank 0), and the run file closed as ``complete``.
+
+Checkpoints hold ``{"step", "elapsed_s", "run_file", "method": method.state_dict()}``.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from hpc.runtime.checkpoint import load_latest, save_checkpoint
+from hpc.runtime.job import Job, agree_on_resume_step, on_all_ranks, progress_bar
+from hpc.runtime.preempt import preempted_exit, should_stop
+from hpc.runtime.results import EvalResult, log_eval
+from hpc.runtime.runstore import RunStore, environment_attrs
+from hpc.runtime.timing import PhaseTimer, gather_timings
+
+# What a phase's seconds are spent on, for readers of the run file (hpc-report, hpc-scaling):
+PHASE_KINDS = ("rollout",        # producing and scoring completions (decoding, rewards)
+               "train",          # forward/backward passes
+               "update",         # optimizer step
+               "waiting",        # at a barrier for the slowest rank
+               "communication",  # in a collective
+               "eval", "checkpoint")
+LOOP_PHASES = {"eval": "eval", "checkpoint": "checkpoint"}  # the loop's own phases
+
+
+class Method:
+    """What a training method gives :func:`run_loop`. Subclasses set the class attributes and
+    the attributes of ``__init__`` and implement the methods that raise here.
+
+    The loop sets ``store`` (the :class:`RunStore`) and ``timer`` (a :class:`PhaseTimer` of
+    :attr:`phases` plus ``eval`` and ``checkpoint``) before the first step; a step times its
+    phases with ``self.timer.phase(name)`` and may write rows of its own groups to the store.
+    """
+
+    name: str = ""               # run file <run.out>/<name>.h5, progress bar, attribute method
+    step_name: str = "step"      # what one step is called in the method's own words
+    phases: dict = {}            # {phase: kind in PHASE_KINDS}, in the order of a step
+    heldout_accuracy: str = "accuracy"  # the held-out column that accuracy curves follow
+
+    def __init__(self, job: Job):
+        self.job = job
+        self.metrics: tuple = ()     # names of step()'s metrics, in order
+        self.total_steps: int = 0
+        self.keep_checkpoints: int = 3
+        self.store: RunStore | None = None
+        self.timer: PhaseTimer | None = None
+
+    def attrs(self) -> dict:
+        """Method-specific run-file attributes (sizes of the problem)."""
+        return {}
+
+    def step(self, i: int) -> dict:
+        """Run step ``i`` (0-based; logged as step i + 1); returns {metric name: float}."""
+        raise NotImplementedError
+
+    def heldout(self) -> dict:
+        """The periodic held-out evaluation after a step: {column: value} of group heldout."""
+        raise NotImplementedError
+
+    def target_reached(self, heldout: dict) -> bool:
+        """True to stop after this held-out evaluation (a target accuracy)."""
+        return False
+
+    def evaluate(self, sampled: bool) -> EvalResult:
+        """The full evaluation of the current model (start and end of the run)."""
+        raise NotImplementedError
+
+    def export(self, out_dir: str, step: int) -> None:
+        """Write the result after ``step`` steps into ``out_dir`` (rank 0 only)."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs, as nested dicts of tensors, arrays and scalars."""
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError
+
+
+def run_attrs(job: Job, method: Method) -> dict:
+    """The run file's attributes: environment, config, and the method's own vocabulary."""
+    phases = dict(method.phases, **LOOP_PHASES)
+    unknown = set(phases.values()) - set(PHASE_KINDS)
+    if unknown:
+        raise ValueError(f"{method.name}: phase kinds {sorted(unknown)} not in {PHASE_KINDS}")
+    return dict(environment_attrs(job.world, job.device), method=method.name,
+                config=job.config_text, step_name=method.step_name,
+                phases=json.dumps(phases), metrics=json.dumps(list(method.metrics) + ["wall_s"]),
+                heldout_accuracy=method.heldout_accuracy, **method.attrs())
+
+
+def _due(every: int, step: int, total: int) -> bool:
+    return bool(every) and step % every == 0 or step == total
+
+
+def run_loop(job: Job, method: Method) -> dict:
+    """Run ``method`` for ``job`` (see the module docstring); returns on every rank a summary:
+    ``start`` and ``final`` (EvalResult or None), ``steps``, ``wall_s``, ``preempted``."""
+    cfg, world = job.cfg, job.world
+    ckpt_dir = f"{job.out_dir}/checkpoints"
+    state = load_latest(ckpt_dir, warn=world.is_root) if job.resume else None
+    start, elapsed0 = 0, 0.0
+    if state is not None:
+        method.load_state_dict(state["method"])
+        start, elapsed0 = state["step"], state["elapsed_s"]
+    agree_on_resume_step(world, start)
+    attrs = run_attrs(job, method)
+    store = on_all_ranks(world, lambda: RunStore(
+        f"{job.out_dir}/{method.name}.h5", world.is_root, attrs, resume=job.resume,
+        backup=state.get("run_file") if state else None))
+    store.truncate_after(start)
+    sync = torch.cuda.synchronize if job.device.type == "cuda" else None
+    method.store, method.timer = store, PhaseTimer(list(method.phases) + list(LOOP_PHASES), sync)
+    timer = method.timer
+    start_eval = method.evaluate(sampled=True) if start == 0 else None
+    if start_eval is not None:
+        log_eval(store, -1, start_eval)
+    total = method.total_steps
+    progress = progress_bar(job, total, method.name, initial=start)
+    t0 = time.perf_counter() - elapsed0
+    step, preempted = start, False
+    world.take_bytes()  # start-up traffic (bootstrap, start evaluation) is not a step's
+    while step < total:
+        metrics = method.step(step)
+        step += 1
+        metrics["wall_s"] = time.perf_counter() - t0
+        reached = False
+        if _due(cfg.eval.every, step, total):
+            with timer.phase("eval"):
+                row = method.heldout()
+            store.write_row("heldout", step, flush=False, wall_s=time.perf_counter() - t0, **row)
+            reached = method.target_reached(row)
+        stop, preempted = should_stop(world, job.signals, cfg.run.max_time_s > 0 and
+                                      time.perf_counter() - t0 >= cfg.run.max_time_s)
+        stop = stop or reached
+        store.log_step(step, metrics=metrics, timings=gather_timings(world, timer),
+                       nbytes=world.take_bytes())
+        if _due(cfg.run.checkpoint_every, step, total) or stop:
+            with timer.phase("checkpoint"):
+                if world.is_root:
+                    save_checkpoint(ckpt_dir, step, {
+                        "step": step, "elapsed_s": time.perf_counter() - t0,
+                        "run_file": store.snapshot(), "method": method.state_dict()},
+                        keep=method.keep_checkpoints)
+        progress.update(1)
+        progress.set_postfix({name: f"{metrics[name]:.3f}" for name in method.metrics[:1]},
+                             refresh=False)
+        if stop:
+            break
+    progress.close()
+    wall = time.perf_counter() - t0
+    if preempted:
+        return preempted_exit(world, store, step, wall)
+    final = method.evaluate(sampled=True)
+    log_eval(store, step, final)
+    if world.is_root:
+        method.export(job.out_dir, step)
+    store.set_attrs(steps_done=step, wall_seconds=wall)
+    store.close("complete")
+    return {"start": start_eval, "final": final, "steps": step, "wall_s": wall,
+            "preempted": False}
