@@ -279,7 +279,7 @@ def fgrpo_step(model, device, lengths) -> dict:
 
     from fgrpo.advantages import group_advantages
     from fgrpo.loss import policy_loss
-    from fgrpo.rollout import sequence_logprobs
+    from fgrpo.loss import sequence_logprobs
 
     prompt_len, new_tokens = lengths
     n, G = FGRPO["prompts"], FGRPO["G"]

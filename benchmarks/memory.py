@@ -59,7 +59,8 @@ def _fgrpo_step(model, tok, task, world, device) -> None:
     from fgrpo.advantages import group_advantages
     from fgrpo.config import FGRPOJobConfig
     from fgrpo.rollout import sample_rollouts
-    from fgrpo.trainer import PHASES, accumulate_gradients
+    from fgrpo.gradients import accumulate_gradients
+    from fgrpo.trainer import PHASES
     from hpc.runtime.dist import all_reduce_mean_, init_process_group
     from hpc.runtime.timing import PhaseTimer
     from hpc.runtime.world import my_slice

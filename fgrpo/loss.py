@@ -17,8 +17,9 @@ is the batch's valid-token count (token-mean) or sequence count (both seq modes)
 optimizer step's batch is split over micro-batches and ranks, the trainer must
 
 1. compute D over the WHOLE step: the valid tokens (token-mean) or sequences (seq modes) of
-   every micro-batch on every rank (a SUM all-reduce of the local counts), and pass it as
-   ``normalizer`` to every call; for ``seq-mean-token-sum-norm`` also pass the same
+   every micro-batch on every rank (a SUM all-reduce of the local counts: :func:`step_counts`
+   on each rank, gathered, then :func:`step_normalizer`), and pass it as ``normalizer`` to
+   every call; for ``seq-mean-token-sum-norm`` also pass the same
    ``max_completion_length`` everywhere (the default, this call's T, varies with padding);
 2. call ``loss.backward()`` on each micro-batch's loss unscaled (gradients add up);
 3. SUM the gradients over ranks. With a MEAN all-reduce (``hpc.runtime.dist.all_reduce_mean_``),
@@ -29,6 +30,7 @@ The summed losses and gradients then equal one ``normalizer=None`` call on the f
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -107,3 +109,27 @@ def entropy_from_logits(logits: Tensor, mask: Tensor) -> float:
     valid = mask.bool()
     total = torch.where(valid, entropy, torch.zeros_like(entropy)).sum()
     return float(total / valid.sum().clamp(min=1))
+
+
+def sequence_logprobs(model, input_ids, attention_mask, with_logits: bool = False):
+    """Log-probabilities of tokens 1..T-1 given their prefix: (B, T-1) float32 (nats).
+
+    With ``with_logits`` also returns the logits (B, T-1, V) for the entropy statistic.
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    logp = token_logprobs(logits, input_ids[:, 1:])
+    return (logp, logits) if with_logits else logp
+
+
+def step_counts(completion_mask: Tensor) -> np.ndarray:
+    """This rank's [valid tokens, sequences] of one step (float64 (2,)); ``completion_mask``
+    (rows, T) marks the loss's tokens."""
+    return np.array([float(completion_mask.sum()), float(completion_mask.shape[0])])
+
+
+def step_normalizer(loss_type: str, counts: np.ndarray, world_size: int) -> float:
+    """``normalizer`` of every :func:`policy_loss` call of one step (rule 1 and 3 of the module
+    docstring): D over every rank's :func:`step_counts` (``counts``: (ranks, 2)), divided by
+    the world size for a MEAN gradient all-reduce."""
+    total = np.asarray(counts).sum(axis=0)
+    return (total[0] if loss_type == "token-mean" else total[1]) / world_size

@@ -1,4 +1,4 @@
-"""Rollouts: G sampled completions per prompt, their rewards, and per-token log-probabilities.
+"""Rollouts: G sampled completions per prompt and their rewards.
 
 Sequences are stored right-padded as ``prompt + completion`` so that position ids start at 0;
 ``completion_mask`` marks the completion tokens (the eos that ended a completion included, so
@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import torch
 
-from fgrpo.loss import token_logprobs
 from hpc.models.generation import generate_tokens
 
 
@@ -52,7 +51,7 @@ def sample_rollouts(model, tokenizer, task, prompts: list, answers: list, cfg, m
     """Sample ``cfg.num_generations`` completions per prompt and score them."""
     G = cfg.num_generations
     device = next(model.parameters()).device
-    with timer.phase("generation"):
+    with timer.phase("generate"):
         completions = generate_tokens(model, tokenizer, prompts, max_new_tokens, do_sample=True,
                                       temperature=cfg.temperature, top_p=cfg.top_p,
                                       num_return_sequences=G, batch_size=batch_size, seed=seed)
@@ -66,12 +65,3 @@ def sample_rollouts(model, tokenizer, task, prompts: list, answers: list, cfg, m
                     torch.tensor(rewards, dtype=torch.float32).reshape(len(prompts), G),
                     torch.tensor([len(c) for c in completions], dtype=torch.long))
 
-
-def sequence_logprobs(model, input_ids, attention_mask, with_logits: bool = False):
-    """Log-probabilities of tokens 1..T-1 given their prefix: (B, T-1) float32 (nats).
-
-    With ``with_logits`` also returns the logits (B, T-1, V) for the entropy statistic.
-    """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
-    logp = token_logprobs(logits, input_ids[:, 1:])
-    return (logp, logits) if with_logits else logp

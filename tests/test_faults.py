@@ -232,7 +232,7 @@ def test_nan_fitness_is_worst_and_counted():
 
 
 def test_nan_gradient_step_is_skipped():
-    from fgrpo.trainer import optimizer_step
+    from fgrpo.gradients import optimizer_step
 
     w = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.AdamW([w], lr=0.1)

@@ -58,10 +58,10 @@ class Method:
     step_name: str = "step"      # what one step is called in the method's own words
     phases: dict = {}            # {phase: kind in PHASE_KINDS}, in the order of a step
     heldout_accuracy: str = "accuracy"  # the held-out column that accuracy curves follow
+    metrics: tuple = ()          # names of step()'s metrics, in order
 
     def __init__(self, job: Job):
         self.job = job
-        self.metrics: tuple = ()     # names of step()'s metrics, in order
         self.total_steps: int = 0
         self.keep_checkpoints: int = 3
         self.store: RunStore | None = None

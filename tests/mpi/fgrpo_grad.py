@@ -13,7 +13,7 @@ import torch
 from fgrpo.advantages import group_advantages
 from fgrpo.config import FGRPOConfig
 from fgrpo.rollout import Rollouts
-from fgrpo.trainer import accumulate_gradients
+from fgrpo.gradients import accumulate_gradients
 from hpc.runtime.dist import all_reduce_mean_, init_process_group
 from hpc.models.loading import attach_lora, randomize_lora_b, tiny_model
 from hpc.runtime.world import get_world, split_evenly

@@ -1,0 +1,62 @@
+"""Gradients of the F-GRPO loss over one step's rollouts, and the step that applies them.
+
+:func:`accumulate_gradients` runs forward/backward in micro-batches with the step's global
+normaliser (:func:`fgrpo.loss.step_normalizer`), so after a MEAN all-reduce every rank holds the
+gradient of the whole step's batch; :func:`optimizer_step` then clips and steps, or skips a
+non-finite gradient.
+"""
+from __future__ import annotations
+
+import torch
+
+from fgrpo.loss import (entropy_from_logits, policy_loss, sequence_logprobs, step_counts,
+                        step_normalizer)
+
+# Per-step sums accumulate_gradients returns (token-weighted stats are sums over tokens).
+GRADIENT_SUMS = ("loss", "tokens", "kl", "clip_fraction", "ratio", "entropy")
+
+
+def accumulate_gradients(model, rollouts, advantages: torch.Tensor, cfg, world,
+                         max_new_tokens: int, old_logp=None, ref_logp=None) -> dict:
+    """Forward/backward over ``rollouts`` in micro-batches; gradients are left ready for a MEAN
+    all-reduce (see :func:`fgrpo.loss.step_normalizer`). ``advantages``: (n*G,).
+
+    Returns {name: float} of :data:`GRADIENT_SUMS`: the loss summed over micro-batches, the
+    valid tokens, and kl, clip_fraction, ratio (mean importance ratio) and entropy summed over
+    valid tokens.
+    """
+    f = cfg.fgrpo
+    rows = rollouts.input_ids.shape[0]
+    counts = world.allgather(step_counts(rollouts.completion_mask[:, 1:]), tag="metrics")
+    normalizer = step_normalizer(f.loss_type, counts, world.size)
+    sums = dict.fromkeys(GRADIENT_SUMS, 0.0)
+    for start in range(0, rows, f.micro_batch):
+        stop = min(start + f.micro_batch, rows)
+        ids, attn, cm = rollouts.rows(start, stop)
+        logp, logits = sequence_logprobs(model, ids, attn, with_logits=True)
+        old = logp.detach() if old_logp is None else old_logp[start:stop]
+        ref = None if ref_logp is None else ref_logp[start:stop]
+        loss, stats = policy_loss(logp, old, advantages[start:stop], cm[:, 1:], f.loss_type,
+                                  f.epsilon, f.epsilon_high, f.beta, ref,
+                                  max_completion_length=max_new_tokens, normalizer=normalizer)
+        loss.backward()
+        n = stats["valid_tokens"]
+        sums["tokens"] += n
+        sums["kl"] += stats["kl"] * n
+        sums["clip_fraction"] += stats["clip_fraction"] * n
+        sums["ratio"] += stats["ratio_mean"] * n
+        sums["entropy"] += entropy_from_logits(logits, cm[:, 1:]) * n
+        sums["loss"] += float(loss.detach())
+    return sums
+
+
+def optimizer_step(params, opt, max_grad_norm: float) -> bool:
+    """Clip and step, unless a gradient holds NaN or inf: then leave the weights and the
+    optimizer state untouched and return False (the caller counts a skipped step). Gradients
+    are all-reduced first, so every rank takes the same decision."""
+    if not all(torch.isfinite(p.grad).all() for p in params):
+        return False
+    if max_grad_norm > 0:
+        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    opt.step()
+    return True
