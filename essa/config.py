@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hpc.runtime.config import JobConfig, param
+from hpc.runtime.config import JobConfig, param, require_per_rank
 from hpc.runtime.errors import UserError
 
 
@@ -51,6 +51,5 @@ class ESSAJobConfig(JobConfig):
                             "give its folder (hpc-sft writes <run.out>/adapter)")
 
     def validate_world(self, world):
-        if self.essa.population < world.size:
-            raise UserError(f"essa.population={self.essa.population} is smaller than the "
-                            f"{world.size} ranks: every rank needs at least one member")
+        require_per_rank("essa.population", self.essa.population, world,
+                         ": every rank needs at least one member")

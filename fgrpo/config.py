@@ -3,9 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hpc.runtime.config import JobConfig, param
+from hpc.runtime.config import JobConfig, param, require_per_rank
 from fgrpo.loss import LOSS_TYPES
-from hpc.runtime.errors import UserError
 
 
 @dataclass
@@ -41,6 +40,4 @@ class FGRPOJobConfig(JobConfig):
     fgrpo: FGRPOConfig = field(default_factory=FGRPOConfig)
 
     def validate_world(self, world):
-        if self.fgrpo.batch_prompts < world.size:
-            raise UserError(f"fgrpo.batch_prompts={self.fgrpo.batch_prompts} is smaller than "
-                            f"the {world.size} ranks")
+        require_per_rank("fgrpo.batch_prompts", self.fgrpo.batch_prompts, world)

@@ -2,22 +2,30 @@
 
 Data parallel over torch.distributed when there are several ranks: every rank draws the same
 global batch of indices from the shared seed, keeps its contiguous share, and LoRA gradients are
-averaged with one flat all-reduce per step. Writes ``<run.out>/adapter`` (peft format) and
-``<run.out>/sft.h5``. Command: ``hpc-sft [CONFIG.yaml] [key=value ...]``.
+averaged with one flat all-reduce per step. The job lifecycle (resume, preemption, evaluations,
+checkpoints of the LoRA weights, optimizer and data position) is
+:func:`hpc.runtime.loop.run_loop`'s. Writes ``<run.out>/adapter`` (peft format),
+``<run.out>/sft.h5`` and ``checkpoints/``. Command: ``hpc-sft [CONFIG.yaml] [key=value ...]
+[--resume]``.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from hpc.runtime.config import JobConfig, param
+from hpc.data.tasks import load_task
+from hpc.evaluate import evaluate
+from hpc.models.loading import attach_lora, load_model, save_adapter
+from hpc.runtime.config import JobConfig, param, require_per_rank
+from hpc.runtime.dist import all_reduce_mean_, init_process_group
 from hpc.runtime.errors import UserError, user_errors_exit
+from hpc.runtime.job import finish, on_all_ranks, start_job
+from hpc.runtime.loop import Method, run_loop
 from hpc.runtime.world import my_slice
 
-PHASES = ["forward_backward", "allreduce", "optimizer"]
+PHASES = {"forward_backward": "train", "allreduce": "communication", "optimizer": "update"}
 
 
 @dataclass
@@ -34,9 +42,7 @@ class SFTJobConfig(JobConfig):
     sft: SFTConfig = field(default_factory=SFTConfig)
 
     def validate_world(self, world):
-        if self.sft.batch_size < world.size:
-            raise UserError(f"sft.batch_size={self.sft.batch_size} is smaller than the "
-                            f"{world.size} ranks")
+        require_per_rank("sft.batch_size", self.sft.batch_size, world)
 
 
 def completion_batch(tokenizer, prompts: list, completions: list, device):
@@ -64,89 +70,92 @@ def completion_batch(tokenizer, prompts: list, completions: list, device):
     return ids.to(device), mask.to(device), lab.to(device)
 
 
-def train_sft(model, tokenizer, task, cfg: SFTJobConfig, world, store, timer, progress=None):
-    """Run ``cfg.sft.steps`` steps of completion-only cross-entropy on ``task.train``."""
-    from hpc.runtime.dist import all_reduce_mean_
-    from hpc.runtime.timing import gather_timings
+class SFT(Method):
+    """Completion-only cross-entropy on ``task.train`` solutions, a fresh LoRA trained."""
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.sft.lr, weight_decay=cfg.sft.weight_decay)
-    rng = np.random.default_rng(cfg.run.seed)
-    device = next(model.parameters()).device
-    model.train()
-    for step in range(cfg.sft.steps):
-        wall = time.perf_counter()
-        batch = rng.choice(len(task.train), size=cfg.sft.batch_size, replace=False)
+    name, phases, metrics = "sft", PHASES, ("loss",)
+
+    def __init__(self, job):
+        super().__init__(job)
+        cfg, world = job.cfg, job.world
+        self.task = on_all_ranks(world, lambda: load_task(cfg.task))
+        if len(self.task.train) < cfg.sft.batch_size:
+            raise UserError(f"the training set has {len(self.task.train)} problems, fewer than "
+                            f"sft.batch_size={cfg.sft.batch_size}")
+        torch.manual_seed(cfg.run.seed)
+        model, self.tok = on_all_ranks(world, lambda: load_model(cfg.model.path,
+                                                                 cfg.model.dtype, job.device))
+        self.model = on_all_ranks(world, lambda: attach_lora(
+            model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets, cfg.lora.dropout,
+            seed=cfg.run.seed))
+        init_process_group(world, job.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.sft.lr,
+                                     weight_decay=cfg.sft.weight_decay)
+        self.data_rng = np.random.default_rng(cfg.run.seed)  # one batch drawn per step
+        self.total_steps = cfg.sft.steps
+
+    def step(self, i: int) -> dict:
+        cfg, world, train, timer = self.job.cfg, self.job.world, self.task.train, self.timer
+        batch = self.data_rng.choice(len(train), size=cfg.sft.batch_size, replace=False)
         mine = batch[my_slice(len(batch), world)]
+        self.model.train()
         with timer.phase("forward_backward"):
-            ids, mask, labels = completion_batch(
-                tokenizer, [task.train.prompts[i] for i in mine],
-                [task.train.solutions[i] for i in mine], device)
-            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-            opt.zero_grad(set_to_none=False)
+            ids, mask, labels = completion_batch(self.tok, [train.prompts[j] for j in mine],
+                                                 [train.solutions[j] for j in mine],
+                                                 self.job.device)
+            loss = self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            self.opt.zero_grad(set_to_none=False)
             loss.backward()
         with timer.phase("allreduce"):
-            all_reduce_mean_([p.grad for p in params], world, tag="grad_allreduce")
+            all_reduce_mean_([p.grad for p in self.params], world, tag="grad_allreduce")
         with timer.phase("optimizer"):
             if cfg.sft.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, cfg.sft.grad_clip)
-            opt.step()
-        losses = world.allgather(np.array([loss.item()]), tag="metrics")
-        store.log_step(step, metrics={"loss": float(losses.mean()),
-                                      "wall_s": time.perf_counter() - wall},
-                       timings=gather_timings(world, timer), nbytes=world.take_bytes())
-        if progress is not None:
-            progress.update(1)
-            progress.set_postfix(loss=f"{losses.mean():.3f}", refresh=False)
-    model.eval()
+                torch.nn.utils.clip_grad_norm_(self.params, cfg.sft.grad_clip)
+            self.opt.step()
+        return {"loss": float(world.allgather(np.array([loss.item()]), tag="metrics").mean())}
+
+    def evaluate(self, sampled: bool):
+        cfg = self.job.cfg
+        self.model.eval()
+        return evaluate(self.model, self.tok, self.task, self.task.eval, cfg.eval,
+                        cfg.task.max_new_tokens, self.job.world, seed=cfg.run.seed,
+                        sampled=sampled)
+
+    def heldout(self) -> dict:
+        return {"accuracy": self.evaluate(sampled=False).accuracy}
+
+    def export(self, out_dir: str, step: int) -> None:
+        save_adapter(self.model, f"{out_dir}/adapter")
+
+    def state_dict(self) -> dict:
+        """LoRA weights, AdamW state, the data position (the batch generator's state) and
+        torch's RNG (LoRA dropout draws from it)."""
+        state = {"params": [p.detach().cpu() for p in self.params],
+                 "optimizer": self.opt.state_dict(),
+                 "data_rng": self.data_rng.bit_generator.state,
+                 "torch_rng": torch.get_rng_state()}
+        if self.job.device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.job.device)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            for p, saved in zip(self.params, state["params"]):
+                p.copy_(saved)
+        self.opt.load_state_dict(state["optimizer"])
+        self.data_rng.bit_generator.state = state["data_rng"]
+        torch.set_rng_state(state["torch_rng"])
+        if "cuda_rng" in state:
+            torch.cuda.set_rng_state(state["cuda_rng"], self.job.device)
 
 
 @user_errors_exit
 def main(argv=None):
-    from hpc.runtime.dist import init_process_group
-    from hpc.evaluate import evaluate, format_table, log_eval
-    from hpc.runtime.job import on_all_ranks, progress_bar, start_job
-    from hpc.models.loading import attach_lora, load_model, save_adapter
-    from hpc.runtime.runstore import RunStore, environment_attrs
-    from hpc.data.tasks import load_task
-    from hpc.runtime.timing import PhaseTimer
-
+    """``hpc-sft [CONFIG.yaml] [key=value ...] [--resume]`` under mpirun/srun (or alone)."""
     job = start_job(SFTJobConfig, "sft", "hpc-sft", argv)
-    cfg, world = job.cfg, job.world
-    task = on_all_ranks(world, lambda: load_task(cfg.task))
-    if len(task.train) < cfg.sft.batch_size:
-        raise UserError(f"the training set has {len(task.train)} problems, fewer than "
-                        f"sft.batch_size={cfg.sft.batch_size}")
-    torch.manual_seed(cfg.run.seed)
-    model, tok = on_all_ranks(world, lambda: load_model(cfg.model.path, cfg.model.dtype,
-                                                        job.device))
-    model = on_all_ranks(world, lambda: attach_lora(model, cfg.lora.rank, cfg.lora.alpha,
-                                                    cfg.lora.targets, cfg.lora.dropout,
-                                                    seed=cfg.run.seed))
-    init_process_group(world, job.device)
-    attrs = environment_attrs(world, job.device)
-    store = RunStore(f"{job.out_dir}/sft.h5", world.is_root,
-                     dict(attrs, method="sft", config=job.config_text))
-    sync = torch.cuda.synchronize if job.device.type == "cuda" else None
-    timer = PhaseTimer(PHASES, sync=sync)
-    before = evaluate(model, tok, task, task.eval, cfg.eval, cfg.task.max_new_tokens, world,
-                      seed=cfg.run.seed)
-    log_eval(store, -1, before)
-    progress = progress_bar(job, cfg.sft.steps, "sft")
-    start = time.perf_counter()
-    train_sft(model, tok, task, cfg, world, store, timer, progress)
-    progress.close()
-    train_s = time.perf_counter() - start
-    after = evaluate(model, tok, task, task.eval, cfg.eval, cfg.task.max_new_tokens, world,
-                     seed=cfg.run.seed)
-    log_eval(store, cfg.sft.steps, after)
-    if world.is_root:
-        save_adapter(model, f"{job.out_dir}/adapter")
-    store.set_attrs(train_seconds=train_s)
-    store.close()
-    if world.is_root:
-        print(format_table([("base", before, {}),
-                            ("sft", after, {"train s": f"{train_s:.0f}"})]))
+    finish(job, run_loop(job, SFT(job)), "base", "sft")
+    if job.world.is_root:
         print(f"adapter: {job.out_dir}/adapter")
 
 

@@ -101,6 +101,13 @@ class JobConfig:
 METHOD_SECTIONS = ("sft", "essa", "fgrpo")
 
 
+def require_per_rank(key: str, value: int, world, what: str = "") -> None:
+    """UserError unless config key ``key`` (``value`` items) gives every rank of ``world`` at
+    least one item; ``what`` ends the message (why a rank needs one)."""
+    if value < world.size:
+        raise UserError(f"{key}={value} is smaller than the {world.size} ranks{what}")
+
+
 def _field_type(section_cls, f: dataclasses.Field):
     return typing.get_type_hints(section_cls)[f.name]
 
