@@ -56,8 +56,8 @@ run_job() {
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
 
   local args=("$@" "run.out=$out")
-  # Only ESSA and F-GRPO write checkpoints; a requeue that came before the first one (or any
-  # SFT/eval requeue) simply starts again in the same folder.
+  # SFT, ESSA and F-GRPO write checkpoints; a requeue that came before the first one (or any
+  # eval requeue) simply starts again in the same folder.
   if compgen -G "$out/checkpoints/step-*.pt" >/dev/null; then
     args+=(--resume)
   fi
