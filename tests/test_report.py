@@ -1,5 +1,6 @@
 """hpc-report summary: values from known timings, CSV, plots, and files of running jobs."""
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -87,6 +88,26 @@ def test_summary_values(tmp_path):
     assert row["final_eval"] == pytest.approx(0.65)
     assert row["time_to_target_s"] == pytest.approx(9.0)  # second held-out eval, 0.6 >= 0.5
     assert np.isnan(summarize(str(path), target=0.9)["time_to_target_s"])
+
+
+def test_phase_kinds_and_accuracy_column_come_from_the_run_file(tmp_path):
+    """A method the report has never heard of: its run file names its phases' kinds and the
+    held-out column to follow, as hpc.runtime.loop writes them."""
+    path = tmp_path / "new.h5"
+    store = RunStore(str(path), active=True, attrs={
+        "method": "other", "world_size": 2, "config": "",
+        "phases": json.dumps({"sample": "rollout", "sync": "waiting", "send": "communication",
+                              "eval": "eval"}), "heldout_accuracy": "score"})
+    for step in (1, 2):
+        store.log_step(step, metrics={"wall_s": 4.0 * step},
+                       timings={"eval": np.zeros(2), "send": np.ones(2), "sync": np.ones(2),
+                                "sample": np.full(2, 2.0)})
+        store.write_row("heldout", step, score=0.3 * step, accuracy=0.0, wall_s=4.0 * step)
+    store.close()
+    row = summarize(str(path), target=0.5)
+    assert list(row["phases"]) == ["sample", "sync", "send", "eval"]
+    assert row["comm_share"] == pytest.approx(0.5)  # (sync 1 + send 1) / 4
+    assert row["best_heldout"] == pytest.approx(0.6) and row["time_to_target_s"] == 8.0
 
 
 def test_reads_file_of_running_job(tmp_path):

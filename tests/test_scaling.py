@@ -63,7 +63,7 @@ def test_generation_floor_and_granularity():
     big = essa_step(256, PAPER_W, cost, NDR)  # N > P: one member per GPU, no further gain
     assert big["generate"] == essa_step(128, PAPER_W, cost, NDR)["generate"]
     g = grpo_step(128, PAPER_W, cost, NDR)
-    assert g["generation"] == pytest.approx(cost.generate(4 * 8))
+    assert g["generate"] == pytest.approx(cost.generate(4 * 8))
     assert g["allreduce"] == pytest.approx(8 * NDR.allreduce(4 * QWEN25_32B.lora_params, 128))
 
 

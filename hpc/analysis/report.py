@@ -8,11 +8,17 @@ run, where the time of a step goes (seconds, per phase), the payload bytes, the 
 communicating or waiting, the straggler spread across ranks, the best held-out accuracy and
 the wall-clock seconds to a target accuracy; writes the same table as CSV and draws PNG plots.
 Both work on files of jobs still running (rows not yet complete are skipped).
+
+Nothing here knows a method: each run file names its phases with their kind (``phases``, see
+:data:`hpc.runtime.loop.PHASE_KINDS`) and the held-out column its accuracy curve follows
+(``heldout_accuracy``). Files written before those attributes existed are read with the names
+the methods used then (:data:`LEGACY_PHASES`).
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 
 import numpy as np
@@ -22,10 +28,14 @@ from hpc.runtime.errors import UserError, user_errors_exit
 from hpc.runtime.results import EvalResult, format_table
 from hpc.runtime.runstore import RunFile
 
-COMM_PHASES = ("communication", "waiting", "allreduce")
-NON_COMPUTE = COMM_PHASES + ("eval", "checkpoint")
-PHASE_ORDER = ("rebuild", "generate", "generation", "reward", "forward_backward", "waiting",
-               "communication", "allreduce", "update", "optimizer", "eval", "checkpoint")
+COMM_KINDS = ("waiting", "communication")  # the share "spent communicating or waiting"
+NON_COMPUTE_KINDS = COMM_KINDS + ("eval", "checkpoint")
+# {phase: kind} of run files written before the runs named their phases, in step order.
+LEGACY_PHASES = {"rebuild": "rollout", "generate": "rollout", "generation": "rollout",
+                 "reward": "rollout", "forward_backward": "train", "waiting": "waiting",
+                 "communication": "communication", "allreduce": "communication",
+                 "update": "update", "optimizer": "update", "eval": "eval",
+                 "checkpoint": "checkpoint"}
 PLOTS = ("accuracy_vs_wall.png", "scaling.png", "phases.png", "timeline.png")
 
 
@@ -79,6 +89,16 @@ def open_run(path: str) -> RunFile:
         raise UserError(f"cannot read {path} as an HDF5 run file: {err}") from None
 
 
+def phase_kinds(run: RunFile) -> dict:
+    """{phase: kind} of the run, in the order of a step (its ``phases`` attribute; for older
+    files the legacy names, then any other timed phase as ``train``)."""
+    if "phases" in run.attrs:
+        return json.loads(run.attrs["phases"])
+    timed = [k for k in run.group("timings") if k != "step"]
+    kinds = {p: k for p, k in LEGACY_PHASES.items() if p in timed}
+    return dict(kinds, **{p: "train" for p in sorted(set(timed) - set(kinds))})
+
+
 def step_timings(run: RunFile) -> dict:
     """{phase: float64 (n, ranks) seconds} over the steps every phase has completely written.
 
@@ -86,8 +106,8 @@ def step_timings(run: RunFile) -> dict:
     NaN fill value; such rows are dropped.
     """
     timings = run.group("timings")
-    order = [p for p in PHASE_ORDER if p in timings] + sorted(set(timings) - set(PHASE_ORDER))
-    g = {k: np.atleast_2d(timings[k].T).T for k in order if k != "step"}
+    order = [p for p in phase_kinds(run) if p in timings]
+    g = {k: np.atleast_2d(timings[k].T).T for k in order}
     if not g:
         return {}
     n = min(len(v) for v in g.values())
@@ -96,9 +116,11 @@ def step_timings(run: RunFile) -> dict:
 
 
 def heldout_curve(run: RunFile) -> tuple:
-    """(wall seconds, accuracy) of the periodic held-out evaluations (ESSA: the mean's)."""
+    """(wall seconds, accuracy) of the periodic held-out evaluations, in the column the run
+    names (ESSA: the mean's)."""
     g = run.group("heldout")
-    key = "mean_accuracy" if "mean_accuracy" in g else "accuracy"
+    key = run.attrs.get("heldout_accuracy",
+                        "mean_accuracy" if "mean_accuracy" in g else "accuracy")
     if key not in g or "wall_s" not in g:
         return np.empty(0), np.empty(0)
     n = min(len(g[key]), len(g["wall_s"]))
@@ -127,11 +149,13 @@ def summarize(path: str, target: float | None = None) -> dict:
     """One summary row of a run file; seconds are per training step, bytes per rank."""
     run = open_run(path)
     t = step_timings(run)
+    kinds = phase_kinds(run)
     phases = {k: float(v.mean()) if len(v) else float("nan") for k, v in t.items()}
     per_rank = sum(t.values()) if t else np.empty((0, 0))  # (n, ranks) seconds a step
     step_s = per_rank.max(axis=1) if per_rank.size else np.empty(0)
-    comm = sum((t[k] for k in COMM_PHASES if k in t), np.zeros_like(per_rank))
-    compute = sum((t[k] for k in t if k not in NON_COMPUTE), np.zeros_like(per_rank))
+    comm = sum((t[k] for k in t if kinds[k] in COMM_KINDS), np.zeros_like(per_rank))
+    compute = sum((t[k] for k in t if kinds[k] not in NON_COMPUTE_KINDS),
+                  np.zeros_like(per_rank))
     b = run.group("bytes")
     tags = _aligned(b, [k for k in b if k not in ("step", "bootstrap")])
     wall, acc = heldout_curve(run)
@@ -210,10 +234,11 @@ def text_table(rows: list, keys: list, head: list | None = None) -> str:
 
 
 def phase_union(rows: list) -> list:
-    """Every phase of ``rows``, in the order of a step (unknown phases last)."""
-    names = dict.fromkeys(p for r in rows for p in r["phases"])
-    return sorted(names, key=lambda p: PHASE_ORDER.index(p) if p in PHASE_ORDER
-                  else len(PHASE_ORDER))
+    """Every phase of ``rows``, each run's in the order of its step, first run first; the
+    job loop's own phases (evaluation, checkpoint) last."""
+    names = list(dict.fromkeys(p for r in rows for p in r["phases"]))
+    last = [p for p in ("eval", "checkpoint") if p in names]
+    return [p for p in names if p not in last] + last
 
 
 def format_summary(rows: list) -> str:

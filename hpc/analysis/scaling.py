@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import yaml
 
-from hpc.analysis.report import open_run, step_timings
+from hpc.analysis.report import open_run, phase_kinds, step_timings
 from hpc.runtime.errors import UserError, user_errors_exit
 
 
@@ -224,13 +224,13 @@ class Measured:
         e, f = self.essa_cfg, self.grpo_cfg
         iters = f.get("num_iterations", 1)
         te, tg = step_timings(self.essa), step_timings(self.grpo)
+        ke, kg = phase_kinds(self.essa), phase_kinds(self.grpo)
         completions_g = f["batch_prompts"] * f["num_generations"]
-        self.s_essa = _rank_sum(te, ("rebuild", "generate", "reward")) / (
-            e["population"] * e["minibatch"])
-        self.s_gen = _rank_sum(tg, ("generation", "reward")) / completions_g
-        self.s_train = _rank_sum(tg, ("forward_backward",)) / completions_g
-        self.essa_update_s = _rank_sum(te, ("update",), mean=True)
-        self.optimizer_s = _rank_sum(tg, ("optimizer",), mean=True) / iters
+        self.s_essa = _rank_sum(te, _of_kind(ke, "rollout")) / (e["population"] * e["minibatch"])
+        self.s_gen = _rank_sum(tg, _of_kind(kg, "rollout")) / completions_g
+        self.s_train = _rank_sum(tg, _of_kind(kg, "train")) / completions_g
+        self.essa_update_s = _rank_sum(te, _of_kind(ke, "update"), mean=True)
+        self.optimizer_s = _rank_sum(tg, _of_kind(kg, "update"), mean=True) / iters
         sent = self.grpo.group("bytes").get("grad_allreduce", np.zeros(0))
         self.grad_bytes = float(sent.mean()) / iters if sent.size and sent.mean() > 0 else \
             4.0 * float(self.grpo.attrs.get("trainable_parameters", 0))
@@ -292,6 +292,12 @@ class Measured:
         ]
 
 
+def _of_kind(kinds: dict, kind: str) -> tuple:
+    """The phases of a run (``{phase: kind}``, :func:`hpc.analysis.report.phase_kinds`) that
+    are of ``kind``: rollout (decoding and rewards), train (forward/backward), update."""
+    return tuple(p for p, k in kinds.items() if k == kind)
+
+
 def _rank_sum(timings: dict, phases: tuple, mean: bool = False) -> float:
     """Seconds a step of ``phases``, summed over ranks (or their mean), averaged over steps."""
     parts = [timings[p] for p in phases if p in timings]
@@ -314,7 +320,7 @@ def grpo_step(n: int, w: Workload, cost, net: Network) -> dict:
     never spans GPUs); batch / mini-batch optimizer updates, each after one all-reduce."""
     seqs = math.ceil(w.grpo_batch / n) * w.grpo_generations
     updates = math.ceil(w.grpo_batch / w.grpo_minibatch)
-    return {"generation": cost.grpo_generate(seqs), "forward_backward": cost.train(seqs),
+    return {"generate": cost.grpo_generate(seqs), "forward_backward": cost.train(seqs),
             "allreduce": updates * net.allreduce(cost.grad_bytes, n),
             "optimizer": updates * cost.optimizer_s}
 
@@ -350,7 +356,7 @@ def format_rows(rows: list) -> str:
     for r in rows:
         e, g = r["essa"], r["grpo"]
         lines.append([str(r["gpus"])] + [_sec(x) for x in (
-            e["generate"], e["communication"], r["essa_step"], g["generation"],
+            e["generate"], e["communication"], r["essa_step"], g["generate"],
             g["forward_backward"], g["allreduce"], r["grpo_step"])] +
             [_duration(r["essa_ttt"]), _duration(r["grpo_ttt"]), f"{r['ratio']:.2f}x"])
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
