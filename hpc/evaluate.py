@@ -22,6 +22,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     """
     if not 1 <= k <= n:
         raise ValueError(f"pass@k needs 1 <= k <= n, got k={k}, n={n}")
+    if not 0 <= c <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n correct samples, got c={c}, n={n}")
     if n - c < k:
         return 1.0
     return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))

@@ -95,6 +95,22 @@ def test_subset_counts_and_order(tmp_path):
     ("math", '{"question": "q", "answer": "no box"}\n', "line 1: the solution has no"),
     ("math", '{"answer": "\\\\boxed{1}"}\n', "line 1: missing field 'question' or 'problem'"),
     ("aime", '{"problem": "p", "solution": "s"}\n', "line 1: missing field 'answer'"),
+    # unreadable golds and badly typed fields: one line, never a silent zero reward
+    ("gsm8k", '{"question": "q", "answer": "step ####  "}\n', "line 1: the gold answer is empty"),
+    ("gsm8k", '{"question": "q", "answer": "#### 1"}\n{"question": "q", "answer": "#### nine"}\n',
+     "line 2: the gold answer 'nine' is not a number"),
+    ("gsm8k", '{"question": "q", "answer": "#### 1e400"}\n', "line 1: the gold answer '1e400' is "
+     "not a finite number"),
+    ("gsm8k", '{"question": 5, "answer": "#### 1"}\n', "line 1: field 'question' must be a string"),
+    ("gsm8k", '{"question": "q", "answer": ["#### 1"]}\n', "line 1: field 'answer' must be a string"),
+    ("math", '{"question": ["q"], "answer": "\\\\boxed{1}"}\n',
+     "line 1: field 'question' must be a string"),
+    ("math", '{"question": "q", "answer": "x The answer is: \\\\frac{1}{2"}\n',
+     "line 1: the gold answer '\\\\frac{1}{2' is unreadable"),
+    ("aime", '{"problem": "p", "answer": 1e400}\n', "line 1: the gold answer inf is not a finite"),
+    ("aime", '{"problem": "p", "answer": "12 or 13"}\n', "line 1: the gold answer '12 or 13' is not"),
+    ("amc", '{"problem": "p", "answer": true}\n', "line 1: the 'answer' must be a number, got bool"),
+    ("amc", '{"problem": "p", "answer": {"v": 1}}\n', "line 1: the 'answer' must be a number"),
 ])
 def test_bad_files_give_one_line_user_errors(tmp_path, name, text, expected):
     path = write(tmp_path, text)
@@ -102,6 +118,16 @@ def test_bad_files_give_one_line_user_errors(tmp_path, name, text, expected):
         load_file_task(cfg(name, evaluation=path))
     message = str(err.value)
     assert path in message and expected in message and "\n" not in message
+
+
+def test_golds_with_units_and_notation_load_and_grade(tmp_path):
+    rows = [{"question": "q", "answer": "step\n#### 9 (apples)"},
+            {"question": "q", "answer": "step\n#### 4.5e33"}]
+    path = write(tmp_path, "".join(json.dumps(r) + "\n" for r in rows))
+    task = load_file_task(cfg("gsm8k", evaluation=path))
+    assert task.eval.answers == ["9 (apples)", "4.5e33"]
+    assert task.rewards(["The answer is 9.", "The answer is 4.5 \\times 10^{33}."],
+                        task.eval.answers) == [1.0, 1.0]
 
 
 def test_missing_and_unset_paths(tmp_path):

@@ -35,3 +35,9 @@ def test_curve_is_mean_and_monotone():
 def test_k_out_of_range():
     with pytest.raises(ValueError):
         pass_at_k(3, 1, 4)
+
+
+@pytest.mark.parametrize("c", [-1, 4, 100])
+def test_correct_count_out_of_range(c):
+    with pytest.raises(ValueError, match=f"0 <= c <= n.*c={c}, n=3"):
+        pass_at_k(3, c, 1)

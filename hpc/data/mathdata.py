@@ -11,6 +11,11 @@ Row formats (one JSON object per line; blank lines are skipped):
 * aime, amc: ``question`` or ``problem``; ``answer`` (a number); optional ``solution``. The SFT
   solution is that text (if any) followed by ``The answer is \\boxed{<answer>}.``
 
+Every row is checked at load, and a bad one ends the job with one line naming the file and
+line (UserError): the question must be a string; numeric golds (gsm8k's ``####`` line, aime
+and amc answers) must be one finite number as :func:`hpc.data.rewards.to_number` reads it
+(units such as '9 (apples)' allowed); math golds must be non-empty with balanced braces.
+
 ``task.eval_path`` is required. ``task.train_path`` may be empty (evaluation-only jobs); the
 train split is then empty. Train rows are shuffled with ``task.seed`` before the first
 ``n_train`` are kept; eval keeps file order. Solutions start with a space, to follow the prompt.
@@ -18,12 +23,13 @@ train split is then empty. Train rows are shuffled with ``task.seed`` before the
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
 from fractions import Fraction
 
-from hpc.data.rewards import gsm8k_gold, last_boxed, math_reward, numeric_reward
+from hpc.data.rewards import gsm8k_gold, last_boxed, math_reward, numeric_reward, to_number
 from hpc.data.split import Split, Task
 from hpc.runtime.errors import UserError
 
@@ -57,33 +63,74 @@ def read_jsonl(path: str) -> list:
     return rows
 
 
-def _field(row: dict, names: tuple, path: str, number: int) -> str:
+def _field(row: dict, names: tuple, path: str, number: int):
     for name in names:
         if row.get(name) not in (None, ""):
             return row[name]
     raise UserError(f"{path} line {number}: missing field {' or '.join(map(repr, names))}")
 
 
+def _text(row: dict, names: tuple, path: str, number: int) -> str:
+    """The first present field of ``names``, which must be a string."""
+    value = _field(row, names, path, number)
+    if not isinstance(value, str):
+        name = next(n for n in names if row.get(n) not in (None, ""))
+        raise UserError(f"{path} line {number}: field {name!r} must be a string, got "
+                        f"{type(value).__name__} {value!r:.40}")
+    return value
+
+
+def _numeric_gold(gold: str, path: str, number: int) -> str:
+    """``gold`` if it is one finite number, else UserError naming the file and line."""
+    if not gold:
+        raise UserError(f"{path} line {number}: the gold answer is empty")
+    value = to_number(gold)
+    if value is None:
+        raise UserError(f"{path} line {number}: the gold answer {gold!r:.60} is not a number")
+    try:
+        finite = math.isfinite(float(value))
+    except OverflowError:
+        finite = False
+    if not finite:
+        raise UserError(f"{path} line {number}: the gold answer {gold!r:.60} is not a finite "
+                        f"number")
+    return gold
+
+
+def _math_gold(gold: str, path: str, number: int) -> str:
+    """``gold`` if it is non-empty with balanced (unescaped) braces, else UserError."""
+    depth = 0
+    for token in re.findall(r"\\[{}]|[{}]", gold):
+        depth += {"{": 1, "}": -1}.get(token, 0)
+        if depth < 0:
+            break
+    if not gold.strip() or depth != 0:
+        raise UserError(f"{path} line {number}: the gold answer {gold!r:.60} is unreadable "
+                        f"(empty or unbalanced braces)")
+    return gold
+
+
 def _gsm8k(row: dict, path: str, number: int):
-    text = str(_field(row, ("answer",), path, number))
+    text = _text(row, ("answer",), path, number)
     if "####" not in text:
         raise UserError(f"{path} line {number}: the 'answer' has no '#### <number>' final line")
-    gold = gsm8k_gold(text)
+    gold = _numeric_gold(gsm8k_gold(text), path, number)
     body = _CALCULATOR_RE.sub("", text.rsplit("####", 1)[0]).strip()
     solution = f" {body}\nThe answer is {gold}." if body else f" The answer is {gold}."
-    question = _field(row, ("question",), path, number)
+    question = _text(row, ("question",), path, number)
     return GSM8K_TEMPLATE.format(question=question), gold, solution
 
 
 def _math(row: dict, path: str, number: int):
-    text = str(_field(row, ("solution", "answer"), path, number))
+    text = _text(row, ("solution", "answer"), path, number)
     worked, suffix, stated = text.rpartition(_ANSWER_SUFFIX)
     if not suffix:
         worked, stated = text, ""
     gold = stated.strip() or last_boxed(worked)
     if not gold:
         raise UserError(f"{path} line {number}: the solution has no \\boxed{{}} final answer")
-    question = _field(row, ("question", "problem"), path, number)
+    gold = _math_gold(gold, path, number)
+    question = _text(row, ("question", "problem"), path, number)
     return MATH_TEMPLATE.format(question=question), gold, " " + worked.strip()
 
 
@@ -98,11 +145,17 @@ def _number_text(value) -> str:
 
 
 def _competition(row: dict, path: str, number: int):
-    gold = _number_text(_field(row, ("answer",), path, number))
+    answer = _field(row, ("answer",), path, number)
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise UserError(f"{path} line {number}: the 'answer' must be a number, got "
+                        f"{type(answer).__name__}")
+    if isinstance(answer, float) and not math.isfinite(answer):  # JSON 1e400 reads as inf
+        raise UserError(f"{path} line {number}: the gold answer {answer} is not a finite number")
+    gold = _numeric_gold(_number_text(answer), path, number)
     worked = str(row.get("solution") or "").strip()
     final = f"The answer is \\boxed{{{gold}}}."
     solution = f" {worked}\n{final}" if worked else f" {final}"
-    question = _field(row, ("question", "problem"), path, number)
+    question = _text(row, ("question", "problem"), path, number)
     return MATH_TEMPLATE.format(question=question), gold, solution
 
 

@@ -4,6 +4,14 @@
 :func:`math_reward` checks LaTeX answers with math-verify (``math``). Neither ever raises:
 unreadable completions score 0. math-verify's per-completion warnings (timeouts on
 pathological LaTeX) are silenced: they would flood run logs.
+
+The final answer is what the LAST final-answer marker gives: ``\\boxed{...}``, "the answer
+is ...", and (numeric only) ``#### ...``; a marker with nothing after it ("The answer is .")
+is an empty answer and scores 0. Both graders read a value with :func:`to_number`: plain
+numbers, '1,000', '$5', '50%', '1/2', scientific notation ('4.5e33', '4.5E33'), a leading
+minus written '\u2212' or '- 3', trailing units ('5 dollars', '9 (apples)', '18 \\text{ cm}'),
+and through math-verify the LaTeX forms ``\\frac{1}{2}``, ``\\frac12``, ``2^{10}``,
+``4.5 \\times 10^{33}`` and ``4.5 \\cdot 10^{33}``.
 """
 from __future__ import annotations
 
@@ -14,15 +22,31 @@ import re
 import threading
 from fractions import Fraction
 
-_NUMBER = r"(?:(?<![\w)])-)?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
-_NUMBER_RE = re.compile(rf"(?:{_NUMBER})(?:\s*/\s*(?:{_NUMBER}))?")
-_LEADING_RE = re.compile(rf"\s*\\?\$?\s*({_NUMBER_RE.pattern})")
+import sympy
+
+_MINUS = "\u2212"  # Unicode minus sign, read as '-'
+_DIGITS = (r"(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
+           r"(?:[eE][-+]?\d{1,3}(?![\w.]))?")  # exponents of at most 3 digits: bounded work
+_SIGN = rf"(?:(?<![\w)}}])[-{_MINUS}])?"  # '5-3' is a difference, not 5 and -3
+_NUMBER = _SIGN + _DIGITS
+_PLAIN = rf"(?:{_NUMBER})(?:\s*/\s*(?:{_NUMBER}))?"  # '3', '-1,000.5', '4.5e33', '1/2'
+_POWER = r"\s*\^\s*(?:\{\s*[-+]?\d{1,3}\s*\}|\d)"  # '^{10}', '^2'
+_FRAC_ARG = rf"(?:\{{\s*[-{_MINUS}]?{_DIGITS}\s*\}}|\d)"
+_LATEX = (rf"(?:{_SIGN}\\[dt]?frac\s*{_FRAC_ARG}\s*{_FRAC_ARG}"  # \frac{1}{2}, \frac12
+          rf"|{_NUMBER}\s*(?:\\times|\\cdot|×|·)\s*10{_POWER}"  # 4.5 \times 10^{33}
+          rf"|{_NUMBER}{_POWER})")  # 2^{10}
+_PLAIN_RE = re.compile(_PLAIN)
+_LATEX_RE = re.compile(_LATEX)
+_VALUE_RE = re.compile(rf"{_LATEX}|{_PLAIN}")
+_LEADING_RE = re.compile(rf"\s*\\?\$?\s*({_VALUE_RE.pattern})")
 _EXPRESSION_NEXT_RE = re.compile(r"[ \t]*[=+\-*/×^%A-Za-z]")
-_HASHES_RE = re.compile(rf"####\s*\\?\$?\s*({_NUMBER_RE.pattern})")
-_ANSWER_IS_RE = re.compile(r"answer is\s*:?\s*", re.IGNORECASE)
-_FRAC_RE = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
+_MARKER_RE = re.compile(r"answer is\s*:?|####", re.IGNORECASE)
 _TEXT_RE = re.compile(r"\\(?:text|textbf|mathrm|mbox)\s*\{[^{}]*\}")
 _LATEX_NOISE_RE = re.compile(r"\\[,;!: ]|\\\$|\$|\\%|%|\\left|\\right|\^\s*\{?\\circ\}?")
+# Trailing units: '9 (apples)', '5 dollars', '18 square feet'; words of 2+ letters, not 'pi'.
+_UNITS_RE = re.compile(r"\s*(?:\(\s*(?!pi\b)[A-Za-z]{2,}[A-Za-z .]*\)"
+                       r"|(?<=[\d\s])(?!pi\b)[A-Za-z]{2,}(?:\s+[A-Za-z]+)*)\s*$")
+_SCIENTIFIC_RE = re.compile(r"(?<![\w.\\])(\d+(?:\.\d+)?)[eE]([-+]?\d{1,3})(?![\w.])")
 _BOX_RE = re.compile(r"\\(?:boxed|fbox|framebox)(?![A-Za-z])(\s*)")
 _TIMEOUT_S = 2
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -41,21 +65,27 @@ def _balanced(text: str, start: int):
     return None
 
 
+def _last_box(text: str):
+    """``(start, content)`` of the last readable ``\\boxed{...}``/``\\fbox{...}``, or None."""
+    for match in reversed(list(_BOX_RE.finditer(text))):
+        if text.startswith("{", match.end()):
+            content = _balanced(text, match.end())
+            if content is not None:
+                return match.start(), content
+        elif match.group(1):
+            token = re.match(r"[^\s$.,]+", text[match.end():])
+            if token:
+                return match.start(), token.group()
+    return None
+
+
 def last_boxed(text: str):
     """Content of the last ``\\boxed{...}``/``\\fbox{...}`` (nested braces kept), or None.
 
     ``\\boxed 5`` (no braces) gives ``'5'``.
     """
-    for match in reversed(list(_BOX_RE.finditer(text))):
-        if text.startswith("{", match.end()):
-            content = _balanced(text, match.end())
-            if content is not None:
-                return content
-        elif match.group(1):
-            token = re.match(r"[^\s$.,]+", text[match.end():])
-            if token:
-                return token.group()
-    return None
+    box = _last_box(text)
+    return None if box is None else box[1]
 
 
 def gsm8k_gold(answer_text: str) -> str:
@@ -63,21 +93,58 @@ def gsm8k_gold(answer_text: str) -> str:
     return answer_text.rsplit("####", 1)[-1].strip().replace(",", "")
 
 
-def _answer_is(text: str):
-    """The rest of the line after the first "the answer is[:]", trailing '.' and '$' removed."""
-    match = _ANSWER_IS_RE.search(text)
-    if match is None:
+def final_answer(text: str, hashes: bool = True):
+    """The text the last final-answer marker of ``text`` gives, '' when it gives nothing, or
+    None without a marker.
+
+    Markers: ``\\boxed{...}`` (its content), "answer is[:]" and, if ``hashes``, ``####`` (the
+    rest of the line, surrounding '$' and a trailing '.' removed). The one starting last wins.
+    """
+    found = _last_box(text)
+    for match in reversed(list(_MARKER_RE.finditer(text))):
+        if match.group() == "####" and not hashes:
+            continue
+        if found is None or match.start() > found[0]:
+            line = text[match.end():].split("\n", 1)[0]
+            found = match.start(), re.sub(r"[\s.$]+$", "", re.sub(r"^[\s$]+", "", line))
+        break
+    return None if found is None else found[1]
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed(latex: str, limit):
+    """math-verify's reading of the answer ``latex`` (empty when unreadable or timed out);
+    scientific notation ('4.5e33', which it would read as 4.5 * e * 33) is rewritten first."""
+    from math_verify import parse  # here: math-verify's parser is slow to import
+
+    latex = _SCIENTIFIC_RE.sub(r"\1\\times 10^{\2}", latex)
+    return parse(f"\\boxed{{{latex}}}", parsing_timeout=limit)
+
+
+def _limit():
+    """math-verify's signal timeouts work on the main thread only."""
+    return _TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+
+
+def _latex_number(latex: str):
+    """A LaTeX number (``\\frac12``, ``2^{10}``, ``4.5 \\times 10^{33}``) as a Fraction, read by
+    math-verify; None if it is not a rational number."""
+    parsed = _parsed(latex, _limit())
+    if not parsed or not isinstance(parsed[0], sympy.Basic):
         return None
-    line = text[match.end():].split("\n", 1)[0].strip()
-    line = re.sub(r"[\s.$]+$", "", line)
-    return line or None
+    value = sympy.nsimplify(parsed[0].doit(), rational=True)
+    return Fraction(int(value.p), int(value.q)) if value.is_Rational else None
 
 
-def _to_number(text: str):
-    """``text`` as a Fraction if it is one number ('1,000', '$5', '0.5', '1/2', '\\frac{1}{2}')."""
-    text = _FRAC_RE.sub(r"(\1)/(\2)", _TEXT_RE.sub("", text))
-    text = _LATEX_NOISE_RE.sub("", text).replace("(", "").replace(")", "").strip().rstrip(".")
-    if not _NUMBER_RE.fullmatch(text):
+def to_number(text: str):
+    """``text`` as a Fraction if it is one number (see the module docstring), else None."""
+    text = _LATEX_NOISE_RE.sub("", _TEXT_RE.sub("", str(text))).replace(_MINUS, "-")
+    text = _UNITS_RE.sub("", text.strip().rstrip("."))
+    text = re.sub(r"^-\s+", "-", text.strip())
+    if _LATEX_RE.fullmatch(text):
+        return _latex_number(text)
+    text = text.replace("(", "").replace(")", "").strip()
+    if not _PLAIN_RE.fullmatch(text):
         return None
     try:
         parts = [Fraction(p.replace(",", "").strip()) for p in text.split("/")]
@@ -86,27 +153,25 @@ def _to_number(text: str):
         return None
 
 
+def _value_in(answer: str):
+    """The number ``answer`` is, else the first number in it ('18, since 3*6 = 18')."""
+    value = to_number(answer)
+    if value is None:
+        first = _VALUE_RE.search(answer)
+        value = to_number(first.group()) if first else None
+    return value
+
+
 def _numeric_answer(text: str):
     """The number a completion gives as its final answer, or None (see :func:`numeric_reward`)."""
-    boxed = last_boxed(text)
-    if boxed is not None:
-        value = _to_number(boxed)
-        if value is None:
-            number = _NUMBER_RE.search(boxed)
-            value = _to_number(number.group()) if number else None
-        return value
-    hashes = _HASHES_RE.search(text)
-    if hashes:
-        return _to_number(hashes.group(1))
-    stated = _answer_is(text)
-    if stated is not None:
-        number = _NUMBER_RE.search(stated)
-        return _to_number(number.group()) if number else None
+    answer = final_answer(text)
+    if answer is not None:
+        return _value_in(answer) if answer else None
     leading = _LEADING_RE.match(text)
     if leading and not _EXPRESSION_NEXT_RE.match(text, leading.end()):
-        return _to_number(leading.group(1))
-    numbers = _NUMBER_RE.findall(text)
-    return _to_number(numbers[-1]) if numbers else None
+        return to_number(leading.group(1))
+    numbers = [m.group() for m in _VALUE_RE.finditer(text)]
+    return to_number(numbers[-1]) if numbers else None
 
 
 def _close(a: Fraction, b: Fraction) -> bool:
@@ -119,22 +184,17 @@ def _close(a: Fraction, b: Fraction) -> bool:
 def numeric_reward(completion: str, gold: str) -> float:
     """1.0 if the completion's final number equals the numeric ``gold`` (see :func:`_close`).
 
-    The final answer is the last ``\\boxed{}``, else the first ``#### n``, else the first
-    "the answer is n", else a number opening the completion (the ``arith`` form ``'85'`` or
-    ``' 85\\n...'``, unless an operator, '=' or a word follows it), else the last number.
-    Commas, '$', a trailing '.', decimals and fractions are understood.
+    The final answer is the last marker's (module docstring): the number it is, else its first
+    number; an empty one scores 0. Without a marker: a number opening the completion (the
+    ``arith`` form ``'85'`` or ``' 85\\n...'``, unless an operator, '=' or a word follows it),
+    else the last number.
     """
     try:
-        want = _to_number(str(gold))
+        want = to_number(str(gold))
         got = _numeric_answer(str(completion))
         return float(want is not None and got is not None and _close(got, want))
     except Exception:
         return 0.0
-
-
-def _math_answer(text: str):
-    boxed = last_boxed(text)
-    return boxed if boxed is not None else _answer_is(text)
 
 
 def _normalized(latex: str) -> str:
@@ -142,19 +202,11 @@ def _normalized(latex: str) -> str:
     return re.sub(r"\s+", "", latex).rstrip(".")
 
 
-@functools.lru_cache(maxsize=4096)
-def _parsed(latex: str, limit):
-    """math-verify's reading of the answer ``latex`` (empty when unreadable or timed out)."""
-    from math_verify import parse  # here: math-verify loads sympy, which arith jobs never need
-
-    return parse(f"\\boxed{{{latex}}}", parsing_timeout=limit)
-
-
 def _verify(gold: str, answer: str) -> bool:
     """math-verify equivalence, with its signal timeouts where signals work (main thread)."""
     from math_verify import verify  # here: see _parsed
 
-    limit = _TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    limit = _limit()
     gold_parsed, answer_parsed = _parsed(gold, limit), _parsed(answer, limit)
     if not gold_parsed or not answer_parsed:
         return False
@@ -164,21 +216,22 @@ def _verify(gold: str, answer: str) -> bool:
 def math_reward(completion: str, gold: str) -> float:
     """1.0 if the completion's final answer is mathematically equivalent to the LaTeX ``gold``.
 
-    The final answer is the last ``\\boxed{...}``/``\\fbox{...}`` (balanced braces), else the
-    text after "The answer is:". Plain numbers compare numerically; everything else goes
-    through math-verify (timeouts and errors count as wrong).
+    The final answer is the last ``\\boxed{...}``/``\\fbox{...}`` (balanced braces) or "The
+    answer is:" line, whichever comes last. Numbers (:func:`to_number`, units dropped)
+    compare by value; everything else goes through math-verify (timeouts and errors count as
+    wrong).
     """
     from math_verify.errors import TimeoutException  # here: see _parsed
 
     try:
         gold = str(gold)
         gold = last_boxed(gold) or gold
-        answer = _math_answer(str(completion))
+        answer = final_answer(str(completion), hashes=False)
         if answer is None or not answer.strip():
             return 0.0
         if _normalized(answer) == _normalized(gold):
             return 1.0
-        want, got = _to_number(gold), _to_number(answer)
+        want, got = to_number(gold), to_number(answer)
         if want is not None and got is not None:
             return float(_close(got, want))
         return float(_verify(gold, answer))
