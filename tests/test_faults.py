@@ -105,7 +105,7 @@ def test_essa_preemption_then_resume_is_bitwise(toy_adapter, tmp_path, sig):
     g = stopped.group("essa")["step"][-1]
     assert 2 <= g < 8
     assert os.path.basename(list_checkpoints(str(part / "checkpoints"))[-1]) == \
-        f"step-{g:08d}.pt"
+        f"step-{g:08d}.safetensors"
     resumed = run_mpi(2, essa_args(toy_adapter, part, 8) + ["--resume"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = RunFile(str(full / "essa.h5")), RunFile(h5)
@@ -136,12 +136,12 @@ def test_damaged_checkpoint_falls_back_to_previous(tmp_path, capsys):
         save_checkpoint(str(tmp_path), step, {"step": step, "x": torch.arange(4) * step},
                         keep=2)
     assert [os.path.basename(p) for p in list_checkpoints(str(tmp_path))] == \
-        ["step-00000002.pt", "step-00000003.pt"]
-    newest = tmp_path / "step-00000003.pt"
+        ["step-00000002.safetensors", "step-00000003.safetensors"]
+    newest = tmp_path / "step-00000003.safetensors"
     newest.write_bytes(newest.read_bytes()[:-20])  # truncated
     assert load_latest(str(tmp_path))["step"] == 2
     assert "truncated or corrupted" in capsys.readouterr().err
-    older = tmp_path / "step-00000002.pt"
+    older = tmp_path / "step-00000002.safetensors"
     data = bytearray(older.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte
     older.write_bytes(bytes(data))
