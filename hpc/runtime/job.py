@@ -55,13 +55,21 @@ def on_all_ranks(world: World, fn):
     return result
 
 
+class _Parser(argparse.ArgumentParser):
+    """A command-line mistake is a UserError (one line from rank 0), not usage on every rank."""
+
+    def error(self, message):
+        raise UserError(f"{self.prog}: {message} (usage: {self.format_usage().strip()[7:]})")
+
+
 def parse_args(prog: str, argv=None, description: str = ""):
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser = _Parser(prog=prog, description=description)
     parser.add_argument("items", nargs="*", metavar="CONFIG.yaml | section.key=value",
                         help="an optional YAML config file, then overrides")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the last checkpoint in run.out")
-    args = parser.parse_args(argv)
+    # Intermixed: overrides may follow --resume (``essa cfg.yaml --resume x.y=1``).
+    args = parser.parse_intermixed_args(argv)
     config_path = None
     overrides = []
     for item in args.items:
