@@ -15,20 +15,22 @@ class ESSAConfig:
                        "adapter entry (use with openai-es)", choices=["sv", "lora"])
     alpha: float = param(1.0, "searched fraction of each factor's singular values (top "
                          "ceil(alpha*r))", min=0.0, max=1.0)
-    population: int = param(96, "population size P (paper: 24-128); must be >= ranks", min=2)
+    population: int = param(96, "population size P (paper: 24-128); must be >= ranks",
+                            min=2, max=100_000)
     minibatch: int = param(100, "training prompts M scored per generation (paper: 100-500)",
-                           min=1)
-    sigma0: float = param(0.3, "initial step size of the search distribution", min=0.0)
+                           min=1, max=1_000_000)
+    sigma0: float = param(0.3, "initial step size of the search distribution",
+                          above=0.0, max=100.0)
     sigma_scale: str = param("relative", "relative: the initial std of each offset is sigma0 "
                              "times its singular value (B's are ~10x smaller than A's); "
                              "absolute: sigma0 for every offset", choices=["relative", "absolute"])
-    lr: float = param(0.01, "openai-es: Adam learning rate", min=0.0)
-    generations: int = param(100, "stop after this many generations", min=1)
+    lr: float = param(0.01, "openai-es: Adam learning rate", above=0.0, max=10.0)
+    generations: int = param(100, "stop after this many generations", min=1, max=1_000_000)
     target_accuracy: float = param(0.0, "stop once the mean's held-out accuracy reaches this "
                                    "(0 = off)", min=0.0, max=1.0)
     members_per_pass: int = param(1, "population members evaluated in one batched generation "
-                                  "(k)", min=1)
-    keep_checkpoints: int = param(3, "newest checkpoints kept", min=1)
+                                  "(k)", min=1, max=1024)
+    keep_checkpoints: int = param(3, "newest checkpoints kept", min=1, max=1000)
 
 
 @dataclass

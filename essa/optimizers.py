@@ -3,16 +3,17 @@
 Every optimizer is a deterministic function of its seed and of the fitness values told: MPI
 ranks that build one with the same seed and tell it the same (all-gathered) fitness hold
 bitwise identical state, so solutions never cross the network. ``state_dict()`` holds numpy
-arrays, Python scalars and bytes only; after ``load_state_dict`` in any process, ask/tell
+arrays, Python scalars, strings and containers of these only (no pickle, so a checkpoint
+cannot carry code); after ``load_state_dict`` in any process, ask/tell
 continue bitwise as if never stopped. Save between generations (after tell, before ask).
 """
 import contextlib
-import pickle
 from typing import Protocol
 
 import cma
 import numpy as np
 
+from essa.cma_state import es_state, restore_es_state
 from hpc.runtime.errors import UserError
 
 OPTIMIZERS = ("cma", "sep-cma", "openai-es")
@@ -69,8 +70,8 @@ def _check_state(state: dict, **expected) -> None:
 
 
 def _randn(*shape) -> np.ndarray:
-    """numpy's global randn, referenced by module path so it survives pickling: pickle turns
-    ``np.random.randn`` itself into a bound method of a detached COPY of the global RNG."""
+    """numpy's global randn, looked up at each call: pycma keeps this function, and the
+    ``np.random.set_state`` swaps in CMAES._own_rng act on the global RNG it reaches."""
     return np.random.randn(*shape)
 
 
@@ -133,21 +134,22 @@ class CMAES:
         self._asked = False
 
     def state_dict(self) -> dict:
-        """Pickled pycma object + RNG state. Only between generations: pycma files asked
-        members under ``hash(bytes)``, which differs between processes, so a pending
-        generation could not be told after a restart."""
+        """pycma's arrays and counters (:mod:`essa.cma_state`) + RNG state. Only between
+        generations: pycma files asked members under ``hash(bytes)``, which differs between
+        processes, so a pending generation could not be told after a restart."""
         if self._asked:
             raise RuntimeError("CMAES.state_dict() between ask() and tell(); save after tell()")
         _, keys, pos, has_gauss, cached = self._rng_state
         return {"kind": "sep-cma" if self.diagonal else "cma", "dim": self.dim,
-                "popsize": self.popsize, "es": self._es.pickle_dumps(),
+                "popsize": self.popsize, "es": es_state(self._es),
                 "rng_keys": np.array(keys, dtype=np.uint32), "rng_pos": int(pos),
                 "rng_has_gauss": int(has_gauss), "rng_cached_gaussian": float(cached)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume into this object, which must be built with the original arguments."""
         _check_state(state, kind="sep-cma" if self.diagonal else "cma", dim=self.dim,
                      popsize=self.popsize)
-        self._es = pickle.loads(state["es"])
+        restore_es_state(self._es, state["es"])
         self._rng_state = ("MT19937", np.asarray(state["rng_keys"], dtype=np.uint32),
                            int(state["rng_pos"]), int(state["rng_has_gauss"]),
                            float(state["rng_cached_gaussian"]))

@@ -9,30 +9,31 @@ from fgrpo.loss import LOSS_TYPES
 
 @dataclass
 class FGRPOConfig:
-    steps: int = param(50, "optimizer steps (each on a fresh batch of prompts)", min=1)
-    batch_prompts: int = param(32, "prompts per step, over all ranks", min=1)
+    steps: int = param(50, "optimizer steps (each on a fresh batch of prompts)",
+                       min=1, max=1_000_000)
+    batch_prompts: int = param(32, "prompts per step, over all ranks", min=1, max=1_000_000)
     num_generations: int = param(8, "G: completions sampled per prompt (TRL num_generations); "
-                                 "group advantages need G >= 2", min=2)
+                                 "group advantages need G >= 2", min=2, max=1024)
     gamma: float = param(1.0, "focal exponent: advantages scaled by (1 - p)^gamma; 0 = plain "
-                         "GRPO", min=0.0)
+                         "GRPO", min=0.0, max=100.0)
     scale_rewards: str = param("group", "advantage std scaling (TRL scale_rewards); none = "
                                "Dr. GRPO", choices=["group", "batch", "none"])
     loss_type: str = param("token-mean", "aggregation: token-mean (DAPO), seq-mean-token-mean "
                            "(GRPO), seq-mean-token-sum-norm (Dr. GRPO)", choices=list(LOSS_TYPES))
-    epsilon: float = param(0.2, "lower clip of the importance ratio", min=0.0)
-    epsilon_high: float = param(0.28, "upper clip (clip-higher as in DAPO)", min=0.0)
+    epsilon: float = param(0.2, "lower clip of the importance ratio", min=0.0, max=10.0)
+    epsilon_high: float = param(0.28, "upper clip (clip-higher as in DAPO)", min=0.0, max=10.0)
     beta: float = param(0.0, "KL penalty to the reference (k3); under LoRA the reference is the "
-                        "base model with the adapter disabled", min=0.0)
-    num_iterations: int = param(1, "mu: optimizer passes over the same rollouts", min=1)
-    learning_rate: float = param(2e-3, "AdamW learning rate", min=0.0)
-    weight_decay: float = param(0.0, "AdamW weight decay", min=0.0)
-    max_grad_norm: float = param(1.0, "gradient clipping (0 = off)", min=0.0)
+                        "base model with the adapter disabled", min=0.0, max=1000.0)
+    num_iterations: int = param(1, "mu: optimizer passes over the same rollouts", min=1, max=1000)
+    learning_rate: float = param(2e-3, "AdamW learning rate", min=0.0, max=10.0)
+    weight_decay: float = param(0.0, "AdamW weight decay", min=0.0, max=10.0)
+    max_grad_norm: float = param(1.0, "gradient clipping (0 = off)", min=0.0, max=1e6)
     micro_batch: int = param(64, "sequences per forward/backward (gradient accumulation)",
-                             min=1)
-    temperature: float = param(1.0, "rollout sampling temperature", min=0.0)
+                             min=1, max=65536)
+    temperature: float = param(1.0, "rollout sampling temperature", min=0.0, max=100.0)
     top_p: float = param(1.0, "rollout nucleus sampling", min=0.0, max=1.0)
     full_finetune: bool = param(False, "train every weight instead of a LoRA")
-    keep_checkpoints: int = param(3, "newest checkpoints kept", min=1)
+    keep_checkpoints: int = param(3, "newest checkpoints kept", min=1, max=1000)
 
 
 @dataclass

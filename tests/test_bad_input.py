@@ -2,17 +2,19 @@
 
 By hand (each job's real command line) and fuzzed (hypothesis) over config overrides.
 """
+import dataclasses
 import os
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import our_lines, run_cli
+from conftest import our_lines, run_cli, run_mpi
 from essa.config import ESSAJobConfig
 from fgrpo.config import FGRPOJobConfig
 from hpc.runtime.config import load_config
 from hpc.runtime.errors import UserError
+from hpc.runtime.job import run_folder
 from hpc.sft import SFTJobConfig
 
 
@@ -101,10 +103,12 @@ def test_adapter_for_another_model(tiny_models, tmp_path):
 KEYS = [f"{s}.{k}" for s, ks in {
     "model": ["path", "dtype", "device"], "lora": ["rank", "alpha", "targets"],
     "task": ["name", "n_train", "digits", "ops"], "eval": ["every", "top_p", "n_samples"],
-    "run": ["seed", "max_time_s", "progress"], "essa": ["population", "sigma0", "optimizer"],
+    "run": ["seed", "max_time_s", "progress"],
+    "essa": ["population", "sigma0", "optimizer", "members_per_pass"],
     "fgrpo": ["gamma", "loss_type", "num_generations"], "sft": ["steps", "lr"]}.items()
     for k in ks] + ["model.nope", "nope.path", "rank", ""]
 VALUES = st.one_of(st.integers(-5, 10 ** 6).map(str), st.floats(allow_nan=True).map(str),
+                   st.integers(10 ** 6, 10 ** 12).map(str), st.sampled_from(["0", "0.0"]),
                    st.sampled_from(["true", "no", "[]", "{}", "[a, b]", "''", "~", "nan",
                                     "float16", "cma", "token-mean", "gsm8k", "x" * 300]),
                    st.text(max_size=20))
@@ -120,14 +124,29 @@ def test_fuzzed_overrides_load_or_raise_user_error(pairs, job):
     except UserError as err:
         assert "\n" not in str(err) and str(err)
         return
-    assert cfg.run.max_time_s >= 0 and cfg.lora.rank >= 1
+    assert_in_declared_ranges(cfg)
+
+
+def assert_in_declared_ranges(cfg):
+    """Every number of a loaded config lies in its declared range, and has one."""
+    for section_field in dataclasses.fields(cfg):
+        section = getattr(cfg, section_field.name)
+        for f in dataclasses.fields(section):
+            value, m = getattr(section, f.name), f.metadata
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            key = f"{section_field.name}.{f.name}"
+            assert m["max"] is not None, f"{key} has no upper bound"
+            assert value <= m["max"], key
+            assert m["min"] is None or value >= m["min"], key
+            assert m["above"] is None or value > m["above"], key
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.text(max_size=200))
-def test_fuzzed_yaml_files_load_or_raise_user_error(tmp_path_factory, text):
+@given(st.one_of(st.text(max_size=200).map(str.encode), st.binary(max_size=200)))
+def test_fuzzed_yaml_files_load_or_raise_user_error(tmp_path_factory, data):
     path = tmp_path_factory.mktemp("fuzz") / "c.yaml"
-    path.write_text(text)
+    path.write_bytes(data)
     try:
         load_config(SFTJobConfig, str(path))
     except UserError as err:
@@ -149,3 +168,67 @@ def test_fewer_prompts_than_ranks(tmp_path):
                        "fgrpo.batch_prompts=4", f"run.out={tmp_path / 'run'}"])
     one_line_exit_2(proc, "without a prompt")
     assert not (tmp_path / "run" / "fgrpo.h5").exists()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(st.text(max_size=40), st.sampled_from(
+    ["{method:>99999999999}", "{jobid!r}", "{0}", "{}", "{method.__class__}", "{jobid[0]}",
+     "runs/{method}-{jobid}", "{{literal}}/{method}", "{", "}"])))
+def test_fuzzed_run_out_templates_fill_in_or_raise_user_error(template):
+    try:
+        out = run_folder(template, "essa", "123")
+    except UserError as err:
+        assert "\n" not in str(err) and "run.out" in str(err)
+        return
+    assert len(out) <= len(template) + 8
+
+
+# The probe's tracebacks (issue 17), each now one line and exit 2 on every rank under mpirun,
+# before any run file exists.
+PROBE_OVERRIDES = [
+    (["essa.population=1000000000"], "essa.population"),
+    (["eval.n_samples=1000000000"], "eval.n_samples"),
+    (["fgrpo.num_generations=1000000000"], "fgrpo.num_generations"),
+    (["essa.sigma0=0"], "essa.sigma0"),
+    (["essa.members_per_pass=100000000"], "essa.members_per_pass"),
+    (["task.max_new_tokens=100000000"], "task.max_new_tokens"),
+    (["eval.batch_size=100000000"], "eval.batch_size"),
+    (["run.out={method:>99999999999}"], "run.out"),
+]
+
+
+@pytest.mark.parametrize("overrides, key", PROBE_OVERRIDES, ids=[k for _, k in PROBE_OVERRIDES])
+def test_probe_values_are_one_line_under_mpirun(tmp_path, overrides, key):
+    method = key.split(".")[0] if key.startswith(("essa", "fgrpo")) else "essa"
+    proc = run_mpi(2, ["-m", method, "run.progress=false", "lora.adapter=unused",
+                       f"run.out={tmp_path / 'run'}", *overrides], timeout=120)
+    one_line_exit_2(proc, key)
+    assert not (tmp_path / "run").exists()
+
+
+def test_non_utf8_config_file_under_mpirun(tmp_path):
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes("essa:\n  population: 8  # popula\xe7\xe3o\n".encode("latin-1"))
+    proc = run_mpi(2, ["-m", "essa", str(bad), f"run.out={tmp_path / 'run'}"], timeout=120)
+    one_line_exit_2(proc, "not UTF-8", str(bad))
+
+
+def test_override_after_resume_is_parsed(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("run:\n  progress: false\n")
+    proc = run_mpi(2, ["-m", "essa", str(config), "--resume", "lora.adapter=unused",
+                       f"run.out={tmp_path / 'none'}"], timeout=120)
+    one_line_exit_2(proc, "--resume", "no run folder")  # the overrides were read
+
+
+def test_truncated_adapter_weights(toy_adapter, tmp_path):
+    import shutil
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(toy_adapter, adapter)
+    weights = adapter / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:len(weights.read_bytes()) // 2])
+    proc = run_mpi(2, ["-m", "essa", "model.path=toy", f"lora.adapter={adapter}",
+                       "run.progress=false", f"run.out={tmp_path / 'run'}"], timeout=300)
+    one_line_exit_2(proc, str(adapter))
+    assert not (tmp_path / "run" / "essa.h5").exists()

@@ -1,6 +1,5 @@
 """ESSA optimizers: progress on a sphere, seed determinism, bitwise save/resume."""
 import os
-import pickle
 import subprocess
 import sys
 
@@ -8,6 +7,7 @@ import numpy as np
 import pytest
 
 from essa.optimizers import OPTIMIZERS, CMAES, OpenAIES, centered_ranks, make_optimizer
+from hpc.runtime.checkpoint import load_latest, save_checkpoint
 from hpc.runtime.errors import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,14 +70,18 @@ def test_cma_leaves_the_global_rng_alone():
     assert np.array_equal(np.random.rand(4), expected)
 
 
-def assert_resumes_bitwise(build, n=10, stop=5):
+def through_checkpoint(state: dict, folder) -> dict:
+    """``state`` after a save and load in a checkpoint (safetensors + JSON, no pickle)."""
+    save_checkpoint(str(folder), 1, {"optimizer": state})
+    return load_latest(str(folder))["optimizer"]
+
+
+def assert_resumes_bitwise(build, folder, n=10, stop=5):
     reference = build()
     expected = generations(reference, n)
     first = build()
     generations(first, stop)
-    state = pickle.loads(pickle.dumps(first.state_dict()))
-    allowed = (np.ndarray, bytes, str, int, float, bool)
-    assert all(isinstance(v, allowed) for v in state.values())
+    state = through_checkpoint(first.state_dict(), folder)
     resumed = build()
     resumed.load_state_dict(state)
     for xs, want in zip(generations(resumed, n - stop), expected[stop:]):
@@ -87,17 +91,19 @@ def assert_resumes_bitwise(build, n=10, stop=5):
 
 @pytest.mark.parametrize("popsize", [4, 10])  # popsize < 6: pycma adds mirrored samples
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_resume_is_bitwise(name, popsize):
-    assert_resumes_bitwise(lambda: make_optimizer(name, 10, popsize, 0.5, 11, lr=0.05))
+def test_resume_is_bitwise(name, popsize, tmp_path):
+    assert_resumes_bitwise(lambda: make_optimizer(name, 10, popsize, 0.5, 11, lr=0.05),
+                           tmp_path)
 
 
 RESUME_CHILD = """
-import pickle, sys
+import sys
 import numpy as np
 from essa.optimizers import make_optimizer
-name, state_path, out_path = sys.argv[1:]
+from hpc.runtime.checkpoint import load_latest
+name, state_dir, out_path = sys.argv[1:]
 opt = make_optimizer(name, 10, 6, 0.5, 11)
-opt.load_state_dict(pickle.load(open(state_path, "rb")))
+opt.load_state_dict(load_latest(state_dir)["optimizer"])
 asked = []
 for _ in range(4):
     xs = opt.ask()
@@ -114,9 +120,9 @@ def test_resume_in_another_process_is_bitwise(name, tmp_path):
     expected = generations(reference, 7)
     first = make_optimizer(name, 10, 6, 0.5, 11)
     generations(first, 3)
-    (tmp_path / "state.pkl").write_bytes(pickle.dumps(first.state_dict()))
+    save_checkpoint(str(tmp_path / "state"), 3, {"optimizer": first.state_dict()})
     env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=REPO)
-    subprocess.run([sys.executable, "-c", RESUME_CHILD, name, str(tmp_path / "state.pkl"),
+    subprocess.run([sys.executable, "-c", RESUME_CHILD, name, str(tmp_path / "state"),
                     str(tmp_path / "out.npz")], check=True, env=env, timeout=60)
     got = np.load(tmp_path / "out.npz")
     assert np.array_equal(got["asked"], np.stack(expected[3:]))

@@ -112,7 +112,7 @@ def test_essa_preemption_then_resume_is_bitwise(toy_adapter, tmp_path, sig):
     g = stopped.group("essa")["step"][-1]
     assert 2 <= g < 8
     assert os.path.basename(list_checkpoints(str(part / "checkpoints"))[-1]) == \
-        f"step-{g:08d}.pt"
+        f"step-{g:08d}.safetensors"
     resumed = run_mpi(2, essa_args(toy_adapter, part, 8) + ["--resume"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = RunFile(str(full / "essa.h5")), RunFile(h5)
@@ -169,12 +169,12 @@ def test_damaged_checkpoint_falls_back_to_previous(tmp_path, capsys):
         save_checkpoint(str(tmp_path), step, {"step": step, "x": torch.arange(4) * step},
                         keep=2)
     assert [os.path.basename(p) for p in list_checkpoints(str(tmp_path))] == \
-        ["step-00000002.pt", "step-00000003.pt"]
-    newest = tmp_path / "step-00000003.pt"
+        ["step-00000002.safetensors", "step-00000003.safetensors"]
+    newest = tmp_path / "step-00000003.safetensors"
     newest.write_bytes(newest.read_bytes()[:-20])  # truncated
     assert load_latest(str(tmp_path))["step"] == 2
     assert "truncated or corrupted" in capsys.readouterr().err
-    older = tmp_path / "step-00000002.pt"
+    older = tmp_path / "step-00000002.safetensors"
     data = bytearray(older.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte
     older.write_bytes(bytes(data))
@@ -248,10 +248,20 @@ def test_hung_rank_is_named_and_the_job_aborted(toy_adapter, tmp_path):
     code, _, err = run_and_signal(essa_args(toy_adapter, out, 50, "run.collective_timeout_s=5"),
                                   h5, "essa", 2, signal.SIGSTOP, to_ranks=True, only_rank=1)
     assert code != 0
-    # Rank 1 is almost always stopped while generating, so rank 0 names it at the fitness
-    # exchange; if it was stopped inside a collective, that collective's deadline fires.
-    assert ("rank(s) [1] did not reach 'fitness exchange' within 5 s" in err or
-            "did not complete within 5 s" in err), err[-2000:]
+    # Every collective waits for named arrival first, so rank 0 names rank 1 whichever one it
+    # misses (almost always the fitness exchange, as it is stopped while generating).
+    assert "rank(s) [1] did not reach '" in err and "within 5 s" in err, err[-2000:]
+
+
+def test_hung_rank_is_named_in_fgrpo(toy_adapter, tmp_path):
+    """F-GRPO's token-count all-gather ran before its arrival check: the probe saw the anonymous
+    "collective 'metrics' did not complete" in 2 of 3 runs."""
+    out = tmp_path / "run"
+    h5 = str(out / "fgrpo.h5")
+    code, _, err = run_and_signal(fgrpo_args(toy_adapter, out, 50, "run.collective_timeout_s=5"),
+                                  h5, "metrics", 2, signal.SIGSTOP, to_ranks=True, only_rank=1)
+    assert code != 0
+    assert "rank(s) [1] did not reach '" in err and "within 5 s" in err, err[-2000:]
 
 
 def test_nan_fitness_is_worst_and_counted():

@@ -50,7 +50,7 @@ if "--resume" in args:
 
 def checkpoint_and_stop(signum, frame):
     os.makedirs(os.path.join(out, "checkpoints"), exist_ok=True)
-    open(os.path.join(out, "checkpoints", "step-00000001.pt"), "w").close()
+    open(os.path.join(out, "checkpoints", "step-00000001.safetensors"), "w").close()
     sys.exit(3)
 
 signal.signal(signal.SIGUSR1, checkpoint_and_stop)
@@ -330,8 +330,8 @@ def test_fgrpo_job_preempted_by_usr1_resumes_to_all_steps_without_gap(slurm, toy
     with h5py.File(h5, "r", locking=False) as f:
         assert f.attrs["status"] == "preempted"
         assert list(f["metrics/step"][:]) == list(range(1, n + 1))
-    assert sorted(p.name for p in (run / "checkpoints").glob("step-*.pt")) == \
-        [f"step-{n:08d}.pt"]
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*.safetensors")) == \
+        [f"step-{n:08d}.safetensors"]
 
     # Slurm holds a requeued job for about two minutes before it may start again. Not at once
     # though: slurmd rejects ("Job credential revoked") a credential issued in the same second

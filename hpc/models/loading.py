@@ -12,6 +12,7 @@ import warnings
 import torch
 import transformers
 from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
 
 from hpc.models.toy import build_tokenizer, qwen2_config, toy_model_path
@@ -152,7 +153,7 @@ def load_adapter(model, adapter_dir: str, is_trainable: bool = False,
                         f"({' or '.join(ADAPTER_WEIGHT_FILES)})")
     try:
         peft_model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=is_trainable)
-    except (RuntimeError, ValueError, KeyError) as err:
+    except (RuntimeError, ValueError, KeyError, OSError, SafetensorError) as err:
         lines = [ln.strip() for ln in str(err).splitlines() if "size mismatch" in ln]
         if lines:
             raise UserError(f"adapter {adapter_dir} was made for a model of another shape: "

@@ -21,9 +21,12 @@ import yaml
 from hpc.runtime.errors import UserError
 
 
-def param(default, help: str, *, min=None, max=None, choices=None):
-    """Declare a config field with its default, help text and validation rule."""
-    meta = {"help": help, "min": min, "max": max, "choices": choices}
+def param(default, help: str, *, min=None, max=None, above=None, choices=None):
+    """Declare a config field with its default, help text and validation rule: ``min`` and
+    ``max`` inclusive, ``above`` a strict lower bound (e.g. a step size that must be > 0).
+    Every number has an upper bound too, sized by memory and sense, so a typo such as 1e9
+    ends as one line before anything is allocated."""
+    meta = {"help": help, "min": min, "max": max, "above": above, "choices": choices}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -41,7 +44,7 @@ class ModelConfig:
 @dataclass
 class LoraConfig:
     rank: int = param(8, "LoRA rank r", min=1, max=1024)
-    alpha: float = param(16.0, "LoRA scaling numerator (scale = alpha / rank)", min=0.0)
+    alpha: float = param(16.0, "LoRA scaling numerator (scale = alpha / rank)", min=0.0, max=1e6)
     targets: list = param(["q_proj", "k_proj", "v_proj", "o_proj"], "adapted module names")
     dropout: float = param(0.0, "LoRA dropout during SFT", min=0.0, max=1.0)
     adapter: str = param("", "existing peft adapter folder to start from ('' = fresh LoRA)")
@@ -53,37 +56,40 @@ class TaskConfig:
     train_path: str = param("", "training jsonl (file tasks)")
     eval_path: str = param("", "held-out jsonl (file tasks)")
     n_train: int = param(2000, "training prompts (arith: generated; files: first n, 0 = all)",
-                         min=0)
-    n_eval: int = param(256, "held-out prompts (0 = all)", min=0)
+                         min=0, max=10_000_000)
+    n_eval: int = param(256, "held-out prompts (0 = all)", min=0, max=10_000_000)
     digits: int = param(2, "arith: digits per operand", min=1, max=9)
     ops: str = param("+", "arith: operators to draw from, e.g. '+-*'")
-    seed: int = param(0, "data seed (arith generation, shuffling)", min=0)
-    max_new_tokens: int = param(8, "generated tokens per completion", min=1)
+    seed: int = param(0, "data seed (arith generation, shuffling)", min=0, max=2**32 - 1)
+    max_new_tokens: int = param(8, "generated tokens per completion", min=1, max=32768)
 
 
 @dataclass
 class EvalConfig:
     every: int = param(10, "held-out evaluation every this many steps/generations (0 = end only)",
-                       min=0)
-    n_samples: int = param(8, "sampled completions per prompt for pass@k (k = 1..n)", min=1)
-    temperature: float = param(1.0, "sampling temperature for pass@k", min=0.0)
+                       min=0, max=1_000_000)
+    n_samples: int = param(8, "sampled completions per prompt for pass@k (k = 1..n)",
+                           min=1, max=1024)
+    temperature: float = param(1.0, "sampling temperature for pass@k", min=0.0, max=100.0)
     top_p: float = param(1.0, "nucleus sampling for pass@k", min=0.0, max=1.0)
-    batch_size: int = param(64, "prompts per generation batch", min=1)
+    batch_size: int = param(64, "prompts per generation batch", min=1, max=4096)
 
 
 @dataclass
 class RunConfig:
     out: str = param("runs/{method}-{jobid}", "output folder; {method} and {jobid} are filled in")
-    seed: int = param(0, "training seed", min=0)
-    max_time_s: float = param(0.0, "stop after this wall time in seconds (0 = no limit)", min=0.0)
-    checkpoint_every: int = param(0, "checkpoint every this many steps (0 = end only)", min=0)
+    seed: int = param(0, "training seed", min=0, max=2**32 - 1)
+    max_time_s: float = param(0.0, "stop after this wall time in seconds (0 = no limit)",
+                              min=0.0, max=1e8)
+    checkpoint_every: int = param(0, "checkpoint every this many steps (0 = end only)",
+                                  min=0, max=1_000_000)
     progress: bool = param(True, "progress bar on rank 0")
     min_free_mb: float = param(512.0, "refuse to start when the output folder's disk has less "
                                "free space than this (MiB): checkpoints and logs need room",
-                               min=0.0)
+                               min=0.0, max=1e12)
     collective_timeout_s: float = param(600.0, "a rank that has not reached a step's exchange "
                                         "after this many seconds is named and the job aborted",
-                                        min=1.0)
+                                        min=1.0, max=604800.0)
 
 
 @dataclass
@@ -150,6 +156,8 @@ def _coerce(key: str, value, ftype, meta):
         raise UserError(f"config key '{key}': {out!r} is not one of {meta['choices']}")
     if meta.get("min") is not None and out < meta["min"]:
         raise UserError(f"config key '{key}': {out} is below the minimum {meta['min']}")
+    if meta.get("above") is not None and not out > meta["above"]:
+        raise UserError(f"config key '{key}': {out} must be greater than {meta['above']}")
     if meta.get("max") is not None and out > meta["max"]:
         raise UserError(f"config key '{key}': {out} is above the maximum {meta['max']}")
     return out
@@ -197,11 +205,16 @@ def load_config(job_cls, path: str | None = None, overrides: list[str] = ()):
         if not os.path.isfile(path):
             raise UserError(f"config file not found: {path}")
         try:
-            with open(path) as fh:
+            with open(path, encoding="utf-8") as fh:
                 data = yaml.safe_load(fh) or {}
         except yaml.YAMLError as err:
             raise UserError(f"config file {path} is not valid YAML: "
                             f"{str(err).splitlines()[0]}") from None
+        except UnicodeDecodeError as err:
+            raise UserError(f"config file {path} is not UTF-8 text (byte {err.start}: "
+                            f"{err.reason})") from None
+        except OSError as err:
+            raise UserError(f"cannot read config file {path}: {err.strerror or err}") from None
         if not isinstance(data, dict):
             raise UserError(f"config file {path} must map section names to keys")
         for section_name, values in data.items():
@@ -234,6 +247,7 @@ def reference_markdown(job_cls, sections=None) -> str:
             m = f.metadata
             rule = (f"one of {', '.join(m['choices'])}" if m.get("choices") else
                     " ".join(s for s in (f">= {m['min']}" if m.get("min") is not None else "",
+                                         f"> {m['above']}" if m.get("above") is not None else "",
                                          f"<= {m['max']}" if m.get("max") is not None else "")
                              if s))
             default = getattr(section, f.name)

@@ -61,10 +61,14 @@ def init_process_group(world: World, device: torch.device) -> str:
 
 
 def all_reduce_mean_(tensors: list[torch.Tensor], world: World, tag: str = "allreduce") -> None:
-    """Average ``tensors`` in place across ranks (one flat all-reduce) and count its bytes."""
+    """Average ``tensors`` in place across ranks (one flat all-reduce) and count its bytes.
+
+    Every rank first arrives by name (:meth:`World.arrive`, label ``tag``), so a rank that
+    never gets here is named instead of the all-reduce timing out anonymously."""
     if world.size == 1 or not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
+    world.arrive(tag, world.timeout_s)
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     flat /= world.size
     world.count(tag, flat.numel() * flat.element_size())

@@ -1,6 +1,7 @@
 """User mistakes end a job with one line and exit code 2 on every rank; never a traceback."""
 import functools
 import os
+import signal
 import sys
 import time
 
@@ -55,8 +56,20 @@ def _abort_peers() -> None:
         MPI.COMM_WORLD.Abort(EXIT_USER_ERROR)
 
 
+def _exit_through_sigterm(code: int) -> None:
+    """Exit with ``code``, ignoring SIGTERM from here on.
+
+    Ranks that agreed to stop (user error 2, preempted 3) leave at slightly different moments,
+    and ``srun --kill-on-bad-exit`` SIGTERMs the rest as soon as the first is gone. Python's
+    own SIGTERM handler is removed while the interpreter shuts down (after MPI_Finalize), so a
+    late rank would die of the signal and the step report 143 instead of ``code``."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(code)
+
+
 def user_errors_exit(main):
-    """Decorate a console entry point: a UserError becomes one line and exit code 2."""
+    """Decorate a console entry point: a UserError becomes one line and exit code 2; any
+    agreed non-zero exit (2, 3) survives the launcher's SIGTERM to the slower ranks."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
@@ -66,6 +79,10 @@ def user_errors_exit(main):
             report_user_error(err)
             if err.abort_peers:
                 _abort_peers()
-            sys.exit(EXIT_USER_ERROR)
+            _exit_through_sigterm(EXIT_USER_ERROR)
+        except SystemExit as done:
+            if done.code not in (None, 0):
+                _exit_through_sigterm(done.code)
+            raise
 
     return wrapper

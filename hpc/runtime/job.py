@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import errno
+import fcntl
+import json
 import os
 import shutil
+import socket
 import sys
 from dataclasses import dataclass
 
@@ -54,13 +58,21 @@ def on_all_ranks(world: World, fn):
     return result
 
 
+class _Parser(argparse.ArgumentParser):
+    """A command-line mistake is a UserError (one line from rank 0), not usage on every rank."""
+
+    def error(self, message):
+        raise UserError(f"{self.prog}: {message} (usage: {self.format_usage().strip()[7:]})")
+
+
 def parse_args(prog: str, argv=None, description: str = ""):
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser = _Parser(prog=prog, description=description)
     parser.add_argument("items", nargs="*", metavar="CONFIG.yaml | section.key=value",
                         help="an optional YAML config file, then overrides")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the last checkpoint in run.out")
-    args = parser.parse_args(argv)
+    # Intermixed: overrides may follow --resume (``essa cfg.yaml --resume x.y=1``).
+    args = parser.parse_intermixed_args(argv)
     config_path = None
     overrides = []
     for item in args.items:
@@ -78,6 +90,25 @@ def _job_id(world: World) -> str:
     return world.comm.bcast(stamp, root=0)  # once per job, not a hot path
 
 
+def run_folder(template: str, method: str, job_id: str) -> str:
+    """``run.out`` with ``{method}`` and ``{jobid}`` filled in; only those two plain fields."""
+    import string
+
+    try:
+        fields = list(string.Formatter().parse(template))
+    except ValueError as err:
+        fields, bad = [], err
+    else:
+        bad = next((f"{{{name}{':' + spec if spec else ''}{'!' + conv if conv else ''}}}"
+                    for _, name, spec, conv in fields
+                    if name is not None and (name not in ("method", "jobid") or spec or conv)),
+                   None)
+    if bad is not None:
+        raise UserError(f"config key 'run.out': {template!r} may only use the fields {{method}} "
+                        f"and {{jobid}}, without format specs ({bad})")
+    return template.format(method=method, jobid=job_id)
+
+
 def _check_writable(out_dir: str, min_free_mb: float) -> None:
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -91,6 +122,53 @@ def _check_writable(out_dir: str, min_free_mb: float) -> None:
     if free_mb < min_free_mb:
         raise UserError(f"the disk of {out_dir} has {free_mb:.0f} MiB free, less than "
                         f"run.min_free_mb={min_free_mb:.0f}: free space or write elsewhere")
+
+
+LOCK_FILE = ".lock"
+_held_lock = None  # the open lock file of this process's run folder, held until exit
+
+
+def _lock_run_folder(out_dir: str, job_id: str) -> None:
+    """Make ``out_dir`` this job's alone until the process ends (rank 0 only).
+
+    An exclusive ``flock`` on ``<out_dir>/.lock``, which then records host, pid and job id for
+    the message another job gets. The kernel releases the lock when the process ends however it
+    ends (exit, SIGKILL, MPI_Abort), so a dead holder never blocks a new job; the file stays.
+    On a file system without flock (e.g. Lustre mounted without ``-o flock``) the run goes on
+    unlocked, with a warning.
+    """
+    global _held_lock
+    path = os.path.join(out_dir, LOCK_FILE)
+    fh = open(path, "a+")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            print(f"warning: cannot lock {path} ({err.strerror}): nothing stops a second job "
+                  f"from writing to this run folder", file=sys.stderr, flush=True)
+            fh.close()
+            return
+        fh.seek(0)
+        holder = fh.read().strip() or "unknown"
+        fh.close()
+        raise UserError(f"run folder {out_dir} is in use by another job ({holder}); give this "
+                        f"job another run.out, or wait for that one to end") from None
+    fh.seek(0)
+    fh.truncate()
+    fh.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "job": job_id}))
+    fh.flush()
+    _held_lock = fh
+
+
+def _check_resumable(out_dir: str, method: str) -> None:
+    """``--resume`` needs a run of ``method`` in ``out_dir`` (a run file or checkpoints)."""
+    if not os.path.isdir(out_dir):
+        raise UserError(f"--resume: there is no run folder {out_dir}; check run.out (without "
+                        f"--resume a fresh run starts there)")
+    if not (os.path.exists(os.path.join(out_dir, f"{method}.h5")) or
+            os.path.isdir(os.path.join(out_dir, "checkpoints"))):
+        raise UserError(f"--resume: run folder {out_dir} holds no {method} run ({method}.h5 "
+                        f"or checkpoints/); check run.out")
 
 
 def progress_bar(job: "Job", total: int, desc: str, initial: int = 0):
@@ -126,15 +204,17 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
     if hasattr(cfg, "validate_world"):
         cfg.validate_world(world)
     device = on_all_ranks(world, lambda: select_device(world, cfg.model.device))
-    try:
-        out_dir = cfg.run.out.format(method=method, jobid=_job_id(world))
-    except (KeyError, IndexError, ValueError) as err:
-        raise UserError(f"config key 'run.out': {cfg.run.out!r} may only use the fields "
-                        f"{{method}} and {{jobid}} ({err!r})") from None
-    on_all_ranks(world, lambda: _check_writable(out_dir, cfg.run.min_free_mb)
-                 if world.is_root else None)
-    if resume and not os.path.isdir(out_dir):
-        raise UserError(f"--resume: no run folder {out_dir}")
+    job_id = _job_id(world)
+    out_dir = run_folder(cfg.run.out, method, job_id)
+
+    def claim_folder():
+        if world.is_root:
+            if resume:
+                _check_resumable(out_dir, method)
+            _check_writable(out_dir, cfg.run.min_free_mb)
+            _lock_run_folder(out_dir, job_id)
+
+    on_all_ranks(world, claim_folder)
     return Job(cfg=cfg, world=world, device=device, out_dir=out_dir, resume=resume,
                config_text=config_to_yaml(cfg), method=method, signals=signals)
 

@@ -10,6 +10,12 @@ per-tag counter, so a run can log exactly what crossed the network:
 
 These are payload bytes per rank, not wire bytes; the scaling model turns them into wire time
 with an algorithm (ring, tree) and a network model.
+
+Every collective (these, and the torch.distributed all-reduce) first waits for every rank's
+named arrival (:meth:`World.arrive`, labelled with the collective's tag) with the deadline
+``timeout_s``, so a hung, stopped or dead rank is named by rank 0 whichever collective it
+misses; the collective itself then has the same deadline. The arrival costs 1 byte per rank
+(tag ``control``) and one round trip to rank 0.
 """
 from __future__ import annotations
 
@@ -62,6 +68,7 @@ class World:
 
     def bcast(self, buf: np.ndarray, root: int = 0, tag: str = "bcast") -> np.ndarray:
         """Broadcast ``buf`` (any shape, contiguous) in place from ``root``; returns it."""
+        self.arrive(tag, self.timeout_s)
         self._complete(self.comm.Ibcast(buf, root=root), tag)
         self.count(tag, buf.nbytes)
         return buf
@@ -70,6 +77,7 @@ class World:
         """Gather equal-sized ``send`` arrays (shape S) from all ranks: result (size, *S)."""
         send = np.ascontiguousarray(send)
         recv = np.empty((self.size,) + send.shape, dtype=send.dtype)
+        self.arrive(tag, self.timeout_s)
         self._complete(self.comm.Iallgather(send, recv), tag)
         self.count(tag, recv.nbytes)
         return recv
@@ -83,12 +91,14 @@ class World:
         recv = np.empty(int(sum(counts)), dtype=send.dtype)
         displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int)
         mpi_type = _mpi()._typedict[send.dtype.char]
+        self.arrive(tag, self.timeout_s)
         self._complete(self.comm.Iallgatherv(send, [recv, list(counts), list(displs), mpi_type]),
                        tag)
         self.count(tag, recv.nbytes)
         return recv
 
     def barrier(self) -> None:
+        self.arrive("barrier", self.timeout_s)
         self._complete(self.comm.Ibarrier(), "barrier")
 
     def _complete(self, request, label: str, poll_s: float = 0.0005) -> None:

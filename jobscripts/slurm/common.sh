@@ -57,8 +57,10 @@ run_job() {
 
   local args=("$@" "run.out=$out")
   # SFT, ESSA and F-GRPO write checkpoints; a requeue that came before the first one (or any
-  # eval requeue) simply starts again in the same folder.
-  if compgen -G "$out/checkpoints/step-*.pt" >/dev/null; then
+  # eval requeue) simply starts again in the same folder. Checkpoints of an earlier version
+  # (step-*.pt) resume too, so that the job stops with the line saying it cannot use them.
+  if compgen -G "$out/checkpoints/step-*.safetensors" >/dev/null ||
+     compgen -G "$out/checkpoints/step-*.pt" >/dev/null; then
     args+=(--resume)
   fi
 

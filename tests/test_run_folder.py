@@ -1,0 +1,115 @@
+"""Run folders and checkpoints under real mpirun: no code from a checkpoint, one job per folder,
+no silent fresh start on a mistyped --resume."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import MPI_ENV, REPO, mpirun_path, our_lines, require, run_mpi
+from hpc.runtime.checkpoint import list_checkpoints, load_latest, save_checkpoint
+from hpc.runtime.errors import UserError
+from hpc.runtime.runstore import RunFile
+from test_faults import _rows, essa_args
+
+
+class RunsCode:
+    """Unpickling this creates the folder ``marker``: what a planted checkpoint could do."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def plant_pickle(path, marker):
+    """A checkpoint of the earlier (torch.save) format whose loading runs code, with its hash."""
+    torch.save({"generation": 1, "optimizer": RunsCode(str(marker))}, path)
+    digest = subprocess.run(["sha256sum", path], capture_output=True, text=True).stdout.split()[0]
+    with open(str(path)[:-len(os.path.splitext(str(path))[1])] + ".sha256", "w") as fh:
+        fh.write(digest)
+
+
+def one_error_line(proc, *words):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    lines = our_lines(proc.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error"), lines
+    assert "Traceback" not in proc.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+def test_a_planted_pickle_checkpoint_runs_no_code(toy_adapter, tmp_path):
+    out = tmp_path / "run"
+    assert run_mpi(2, essa_args(toy_adapter, out, 1)).returncode == 0
+    ckpts = out / "checkpoints"
+    for path in list_checkpoints(str(ckpts)):
+        os.remove(path)
+    marker = tmp_path / "code-ran"
+    plant_pickle(ckpts / "step-00000001.pt", marker)
+    proc = run_mpi(2, essa_args(toy_adapter, out, 2) + ["--resume"])
+    one_error_line(proc, "earlier version", "cannot resume")
+    assert not marker.exists()
+    assert RunFile(str(out / "essa.h5")).group("essa")["step"].tolist() == [1]
+
+
+def test_a_pickle_under_the_new_name_is_refused(tmp_path):
+    marker = tmp_path / "code-ran"
+    plant_pickle(tmp_path / "step-00000001.safetensors", marker)
+    with pytest.raises(UserError, match="not one this program wrote"):
+        load_latest(str(tmp_path))
+    assert not marker.exists()
+
+
+def test_a_checkpoint_with_missing_keys_is_one_line(toy_adapter, tmp_path):
+    out = tmp_path / "run"
+    assert run_mpi(2, essa_args(toy_adapter, out, 1)).returncode == 0
+    ckpts = str(out / "checkpoints")
+    for path in list_checkpoints(ckpts):
+        os.remove(path)
+    save_checkpoint(ckpts, 1, {"generation": 1, "elapsed_s": 0.0})
+    proc = run_mpi(2, essa_args(toy_adapter, out, 2) + ["--resume"])
+    one_error_line(proc, "has no entry 'optimizer'")
+
+
+def test_resume_of_a_missing_run_is_an_error(toy_adapter, tmp_path):
+    out = tmp_path / "typo"
+    proc = run_mpi(2, essa_args(toy_adapter, out, 1) + ["--resume"])
+    one_error_line(proc, "--resume", "no run folder")
+    assert not out.exists()
+    out.mkdir()
+    proc = run_mpi(2, essa_args(toy_adapter, out, 1) + ["--resume"])
+    one_error_line(proc, "--resume", "holds no essa run")
+    assert os.listdir(out) == []
+
+
+def test_a_second_job_on_the_same_folder_stops_before_touching_it(toy_adapter, tmp_path):
+    mpirun = mpirun_path()
+    require(mpirun is not None, "mpirun")
+    out = tmp_path / "run"
+    h5 = str(out / "essa.h5")
+    first = subprocess.Popen([mpirun, "-n", "2", "--oversubscribe", sys.executable] +
+                             essa_args(toy_adapter, out, 500), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True,
+                             env=dict(os.environ, **MPI_ENV), cwd=REPO)
+    deadline = time.time() + 300
+    while _rows(h5, "essa") < 1 and first.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    second = run_mpi(2, essa_args(toy_adapter, out, 500))
+    assert first.poll() is None, "the first job ended before the second was refused"
+    one_error_line(second, "is in use by another job", '"pid"')
+    first.send_signal(signal.SIGUSR1)  # mpirun forwards it: checkpoint and stop
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 3, err[-3000:]
+    run = RunFile(h5)
+    assert run.attrs["status"] == "preempted"
+    steps = run.group("essa")["step"].tolist()
+    assert steps == list(range(1, len(steps) + 1))
+    # The lock went with its holder: the next job may use the folder.
+    resumed = run_mpi(2, essa_args(toy_adapter, out, len(steps) + 1) + ["--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
