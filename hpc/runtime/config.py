@@ -68,7 +68,7 @@ class EvalConfig:
     n_samples: int = param(8, "sampled completions per prompt for pass@k (k = 1..n)", min=1)
     temperature: float = param(1.0, "sampling temperature for pass@k", min=0.0)
     top_p: float = param(1.0, "nucleus sampling for pass@k", min=0.0, max=1.0)
-    batch_size: int = param(64, "prompts per generation batch", min=1)
+    batch_size: int = param(64, "prompts per decoding batch", min=1)
 
 
 @dataclass
