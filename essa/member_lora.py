@@ -19,10 +19,10 @@ Two arithmetics:
   in fp32 every row then gets the same bits as one-at-a-time evaluation whenever the matmuls
   have >= 12 rows per member (MKL's sgemm; see :mod:`essa.batched`).
 * **fused** (the CUDA default): built for decoding, where a GPU at small batch waits on the host
-  issuing kernels (a Qwen2.5-1.5B step at 32 rows is ~1,600 host-side ops, about 18 ms on an
-  H200), so host ops per layer are what costs. Factors are cast once to the base weight's dtype
-  and ``scaling`` is folded into B'. Layers that read the same input tensor (``q/k/v_proj``,
-  ``gate/up_proj``: :data:`SHARED_INPUT`) share one ``bmm`` by the A's stacked along the rank
+  issuing kernels (measured: README, "Speed"), so host ops per layer are what costs. Factors
+  are cast once to the base weight's dtype and ``scaling`` is folded into B'. Layers that read
+  the same input tensor (``q/k/v_proj``, ``gate/up_proj``: :data:`SHARED_INPUT`) share one
+  ``bmm`` by the A's stacked along the rank
   (each B' is zero-padded to that width), and each layer adds its delta in place on the base
   output (``baddbmm_``). Per decoding step of a q/k/v/o adapter that is 12 host ops per
   transformer layer above plain generation, against 20 when every layer runs its own two

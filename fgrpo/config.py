@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hpc.runtime.config import JobConfig, param, require_per_rank
+from hpc.runtime.config import JobConfig, param
 from fgrpo.loss import LOSS_TYPES
 
 
@@ -38,7 +38,5 @@ class FGRPOConfig:
 
 @dataclass
 class FGRPOJobConfig(JobConfig):
+    per_rank_key = "fgrpo.batch_prompts"
     fgrpo: FGRPOConfig = field(default_factory=FGRPOConfig)
-
-    def validate_world(self, world):
-        require_per_rank("fgrpo.batch_prompts", self.fgrpo.batch_prompts, world)

@@ -19,12 +19,11 @@ from fgrpo.metrics import METRICS, local_sums, step_metrics
 from fgrpo.policy import build_model, frozen_logprobs, reference_model
 from fgrpo.rollout import sample_rollouts
 from hpc.data.tasks import load_task
-from hpc.evaluate import evaluate
-from hpc.models.loading import save_adapter
+from hpc.gradient_method import GradientMethod
 from hpc.runtime.dist import all_reduce_mean_, init_process_group
 from hpc.runtime.errors import UserError, user_errors_exit
 from hpc.runtime.job import finish, on_all_ranks, start_job
-from hpc.runtime.loop import Method, run_loop
+from hpc.runtime.loop import run_loop
 from hpc.runtime.world import my_slice
 
 PHASES = {"generate": "rollout", "reward": "rollout", "forward_backward": "train",
@@ -36,7 +35,7 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return int(np.random.default_rng([seed, step, rank]).integers(2 ** 31))
 
 
-class FGRPO(Method):
+class FGRPO(GradientMethod):
     """GRPO with focal-weighted group advantages, gradients all-reduced over ranks."""
 
     name, phases, metrics = "fgrpo", PHASES, METRICS
@@ -104,29 +103,15 @@ class FGRPO(Method):
         return step_metrics(world, local_sums(rollouts, adv, sums), adv.focal_weight,
                             self.skipped)
 
-    def evaluate(self, sampled: bool):
-        cfg = self.job.cfg
-        self.model.eval()
-        return evaluate(self.model, self.tok, self.task, self.task.eval, cfg.eval,
-                        cfg.task.max_new_tokens, self.job.world, seed=cfg.run.seed,
-                        sampled=sampled)
-
-    def heldout(self) -> dict:
-        return {"accuracy": self.evaluate(sampled=False).accuracy}
-
     def export(self, out_dir: str, step: int) -> None:
-        if not self.f.full_finetune:
-            save_adapter(self.model, f"{out_dir}/adapter")
+        if not self.f.full_finetune:  # a fully fine-tuned model has no adapter to export
+            super().export(out_dir, step)
 
     def state_dict(self) -> dict:
-        return {"params": [p.detach().cpu() for p in self.params],
-                "optimizer": self.opt.state_dict(), "skipped": self.skipped}
+        return dict(super().state_dict(), skipped=self.skipped)
 
     def load_state_dict(self, state: dict) -> None:
-        with torch.no_grad():
-            for p, saved in zip(self.params, state["params"]):
-                p.copy_(saved)
-        self.opt.load_state_dict(state["optimizer"])
+        super().load_state_dict(state)
         self.skipped = state["skipped"]
 
 

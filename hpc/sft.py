@@ -16,13 +16,13 @@ import numpy as np
 import torch
 
 from hpc.data.tasks import load_task
-from hpc.evaluate import evaluate
-from hpc.models.loading import attach_lora, load_model, save_adapter
-from hpc.runtime.config import JobConfig, param, require_per_rank
+from hpc.gradient_method import GradientMethod
+from hpc.models.loading import attach_lora, load_model
+from hpc.runtime.config import JobConfig, param
 from hpc.runtime.dist import all_reduce_mean_, init_process_group
 from hpc.runtime.errors import UserError, user_errors_exit
 from hpc.runtime.job import finish, on_all_ranks, start_job
-from hpc.runtime.loop import Method, run_loop
+from hpc.runtime.loop import run_loop
 from hpc.runtime.world import my_slice
 
 PHASES = {"forward_backward": "train", "allreduce": "communication", "optimizer": "update"}
@@ -40,10 +40,8 @@ class SFTConfig:
 
 @dataclass
 class SFTJobConfig(JobConfig):
+    per_rank_key = "sft.batch_size"
     sft: SFTConfig = field(default_factory=SFTConfig)
-
-    def validate_world(self, world):
-        require_per_rank("sft.batch_size", self.sft.batch_size, world)
 
 
 def completion_batch(tokenizer, prompts: list, completions: list, device):
@@ -71,7 +69,7 @@ def completion_batch(tokenizer, prompts: list, completions: list, device):
     return ids.to(device), mask.to(device), lab.to(device)
 
 
-class SFT(Method):
+class SFT(GradientMethod):
     """Completion-only cross-entropy on ``task.train`` solutions, a fresh LoRA trained."""
 
     name, phases, metrics = "sft", PHASES, ("loss",)
@@ -116,35 +114,17 @@ class SFT(Method):
             self.opt.step()
         return {"loss": float(world.allgather(np.array([loss.item()]), tag="metrics").mean())}
 
-    def evaluate(self, sampled: bool):
-        cfg = self.job.cfg
-        self.model.eval()
-        return evaluate(self.model, self.tok, self.task, self.task.eval, cfg.eval,
-                        cfg.task.max_new_tokens, self.job.world, seed=cfg.run.seed,
-                        sampled=sampled)
-
-    def heldout(self) -> dict:
-        return {"accuracy": self.evaluate(sampled=False).accuracy}
-
-    def export(self, out_dir: str, step: int) -> None:
-        save_adapter(self.model, f"{out_dir}/adapter")
-
     def state_dict(self) -> dict:
         """LoRA weights, AdamW state, the data position (the batch generator's state) and
         torch's RNG (LoRA dropout draws from it)."""
-        state = {"params": [p.detach().cpu() for p in self.params],
-                 "optimizer": self.opt.state_dict(),
-                 "data_rng": self.data_rng.bit_generator.state,
-                 "torch_rng": torch.get_rng_state()}
+        state = dict(super().state_dict(), data_rng=self.data_rng.bit_generator.state,
+                     torch_rng=torch.get_rng_state())
         if self.job.device.type == "cuda":
             state["cuda_rng"] = torch.cuda.get_rng_state(self.job.device)
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        with torch.no_grad():
-            for p, saved in zip(self.params, state["params"]):
-                p.copy_(saved)
-        self.opt.load_state_dict(state["optimizer"])
+        super().load_state_dict(state)
         self.data_rng.bit_generator.state = state["data_rng"]
         torch.set_rng_state(state["torch_rng"])
         if "cuda_rng" in state:

@@ -6,7 +6,8 @@ import sys
 import numpy as np
 import pytest
 
-from essa.optimizers import OPTIMIZERS, CMAES, OpenAIES, centered_ranks, make_optimizer
+from essa.optimizers import (OPTIMIZERS, CMAES, OpenAIES, Tracked, centered_ranks,
+                             make_optimizer)
 from hpc.runtime.checkpoint import load_latest, save_checkpoint
 from hpc.runtime.errors import UserError
 
@@ -177,3 +178,16 @@ def test_bad_settings_are_user_errors():
     with pytest.raises(ValueError, match="NaN"):
         opt = CMAES(10, 6, 0.5, seed=0)
         opt.tell(opt.ask(), np.full(6, np.nan))
+
+
+def test_tracked_optimizer_ranks_nan_worst_and_keeps_the_best_member():
+    tracked = Tracked(make_optimizer("sep-cma", 3, 4, 0.5, seed=0))
+    X = tracked.ask()
+    told = tracked.tell(X, np.array([0.2, np.nan, 0.9, 0.1]))
+    assert tracked.bad_fitness == 1 and told.tolist() == [0.2, -0.9, 0.9, 0.1]
+    assert tracked.best_fitness == 0.9 and np.array_equal(tracked.best_x, X[2])
+    tracked.tell(tracked.ask(), np.full(4, 0.5))  # worse: the best stays
+    assert tracked.bad_fitness == 0 and np.array_equal(tracked.best_x, X[2])
+    again = Tracked(make_optimizer("sep-cma", 3, 4, 0.5, seed=0))
+    again.load_state_dict(tracked.state_dict())
+    assert np.array_equal(again.ask(), tracked.ask()) and again.best_fitness == 0.9

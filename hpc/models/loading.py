@@ -44,18 +44,23 @@ def _resolve_device(device) -> torch.device:
     return torch.device(device)
 
 
+def _check_folder(path: str, what: str, needs: list) -> None:
+    """UserError unless ``path`` is a folder holding, for each ``(description, file names)`` of
+    ``needs``, one of those files; the message names the first that is missing."""
+    if not os.path.isdir(path):
+        raise UserError(f"{what} folder not found: {path}")
+    files = set(os.listdir(path))
+    for description, names in needs:
+        if not files.intersection(names):
+            raise UserError(f"{what} folder {path} has no {description}")
+
+
 def check_model_folder(path: str) -> None:
     """Raise UserError unless ``path`` holds config.json, weights and tokenizer files."""
-    if not os.path.isdir(path):
-        raise UserError(f"model folder not found: {path}")
-    files = set(os.listdir(path))
-    if "config.json" not in files:
-        raise UserError(f"model folder {path} has no config.json")
-    if not files.intersection(WEIGHT_FILES):
-        raise UserError(f"model folder {path} has no weights ({' or '.join(WEIGHT_FILES[::2])})")
-    if not files.intersection(TOKENIZER_FILES):
-        raise UserError(f"model folder {path} has no tokenizer files "
-                        f"({', '.join(TOKENIZER_FILES)})")
+    _check_folder(path, "model", [
+        ("config.json", ("config.json",)),
+        (f"weights ({' or '.join(WEIGHT_FILES[::2])})", WEIGHT_FILES),
+        (f"tokenizer files ({', '.join(TOKENIZER_FILES)})", TOKENIZER_FILES)])
 
 
 def load_model(path: str, dtype: str = "float32", device="cpu"):
@@ -143,14 +148,9 @@ def load_adapter(model, adapter_dir: str, is_trainable: bool = False,
     ``targets`` (when given). On error the base model may already hold injected (empty)
     adapter layers; load it again before reuse.
     """
-    if not os.path.isdir(adapter_dir):
-        raise UserError(f"adapter folder not found: {adapter_dir}")
-    files = set(os.listdir(adapter_dir))
-    if "adapter_config.json" not in files:
-        raise UserError(f"adapter folder {adapter_dir} has no adapter_config.json")
-    if not files.intersection(ADAPTER_WEIGHT_FILES):
-        raise UserError(f"adapter folder {adapter_dir} has no adapter weights "
-                        f"({' or '.join(ADAPTER_WEIGHT_FILES)})")
+    _check_folder(adapter_dir, "adapter", [
+        ("adapter_config.json", ("adapter_config.json",)),
+        (f"adapter weights ({' or '.join(ADAPTER_WEIGHT_FILES)})", ADAPTER_WEIGHT_FILES)])
     try:
         peft_model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=is_trainable)
     except (RuntimeError, ValueError, KeyError, OSError, SafetensorError) as err:

@@ -72,7 +72,7 @@ class EvalConfig:
                            min=1, max=1024)
     temperature: float = param(1.0, "sampling temperature for pass@k", min=0.0, max=100.0)
     top_p: float = param(1.0, "nucleus sampling for pass@k", min=0.0, max=1.0)
-    batch_size: int = param(64, "prompts per generation batch", min=1, max=4096)
+    batch_size: int = param(64, "prompts per decoding batch", min=1, max=4096)
 
 
 @dataclass
@@ -101,6 +101,14 @@ class JobConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    # "section.key" of a count every rank needs at least one of ("" = none): a method sets it
+    per_rank_key: typing.ClassVar[str] = ""
+
+    def validate_world(self, world) -> None:
+        """The checks that need the world (run on every rank before any loading)."""
+        if self.per_rank_key:
+            section, key = self.per_rank_key.split(".")
+            require_per_rank(self.per_rank_key, getattr(getattr(self, section), key), world)
 
 # One experiment file may configure every method (a sweep submits it to each): a job skips the
 # sections of the other methods, and still rejects any other unknown section.

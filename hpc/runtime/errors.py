@@ -46,7 +46,7 @@ def _abort_peers() -> None:
     """A rank-local error mid-run: the other ranks are busy in the job and would wait for this
     one (and MPI_Finalize would wait for them), so end the whole job with exit code 2. The
     pause first lets mpirun/srun forward the error line, which the abort would otherwise race
-    (without it a test lost the line in 2 of 4 runs)."""
+    (how often it did without: README, "Faults")."""
     if "mpi4py.MPI" not in sys.modules:
         return
     from mpi4py import MPI  # already loaded (checked above): importing it here starts nothing

@@ -201,8 +201,7 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
     cfg = load_config(job_cls, config_path, overrides)
     world = get_world()
     world.timeout_s = cfg.run.collective_timeout_s
-    if hasattr(cfg, "validate_world"):
-        cfg.validate_world(world)
+    cfg.validate_world(world)
     device = on_all_ranks(world, lambda: select_device(world, cfg.model.device))
     job_id = _job_id(world)
     out_dir = run_folder(cfg.run.out, method, job_id)

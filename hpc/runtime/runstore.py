@@ -18,12 +18,11 @@ job killed with SIGKILL leaves a file that h5py and ``h5dump`` read, holding eve
 Readers open files with locking disabled, so they work on files of jobs still running.
 
 A failed write (disk full, quota) is different: HDF5 may have written part of a metadata flush,
-and then the file can no longer be opened (8 of 40 tries that filled a tmpfs; 2 of the 6 in
-tests/test_runstore.py). So the trainers put the file's bytes (:meth:`RunStore.snapshot`) in
-every checkpoint, and a resumed run starts from that copy (``backup``), which also brings back
-a missing or damaged file. At a failed write the store ends with one line (a
-:class:`UserError`) and sends every later write of the library to ``/dev/null``, so nothing
-half-written is added at exit.
+and then the file can no longer be opened (how often: README, "Faults"). So the job loop puts
+the file's bytes (:meth:`RunStore.snapshot`) in every checkpoint, and a resumed run starts
+from that copy (``backup``), which also brings back a missing or damaged file. At a failed
+write the store ends with one line (a :class:`UserError`) and sends every later write of the
+library to ``/dev/null``, so nothing half-written is added at exit.
 """
 from __future__ import annotations
 

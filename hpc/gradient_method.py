@@ -1,0 +1,38 @@
+"""What the methods that train weights by gradient (SFT, F-GRPO) share as job-loop methods:
+evaluating their model, exporting its adapter, and checkpointing the trained weights with the
+optimizer state."""
+from __future__ import annotations
+
+import torch
+
+from hpc.evaluate import evaluate
+from hpc.models.loading import save_adapter
+from hpc.runtime.loop import Method
+
+
+class GradientMethod(Method):
+    """A :class:`hpc.runtime.loop.Method` whose subclass sets ``model`` (peft or plain), ``tok``,
+    ``task``, ``params`` (the trained tensors) and ``opt`` (a torch optimizer over them)."""
+
+    def evaluate(self, sampled: bool):
+        cfg = self.job.cfg
+        self.model.eval()
+        return evaluate(self.model, self.tok, self.task, self.task.eval, cfg.eval,
+                        cfg.task.max_new_tokens, self.job.world, seed=cfg.run.seed,
+                        sampled=sampled)
+
+    def heldout(self) -> dict:
+        return {"accuracy": self.evaluate(sampled=False).accuracy}
+
+    def export(self, out_dir: str, step: int) -> None:
+        save_adapter(self.model, f"{out_dir}/adapter")
+
+    def state_dict(self) -> dict:
+        return {"params": [p.detach().cpu() for p in self.params],
+                "optimizer": self.opt.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            for p, saved in zip(self.params, state["params"]):
+                p.copy_(saved)
+        self.opt.load_state_dict(state["optimizer"])
