@@ -62,6 +62,7 @@ def es_state(es) -> dict:
             elif _is_data(value):
                 if isinstance(value, np.ndarray):
                     seen_arrays[id(value)] = path
+                    value = value.copy()  # a snapshot: pycma updates its arrays in place
                 values[path] = value
 
     walk(es, "")
@@ -74,6 +75,8 @@ def _plain(value):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(_plain(v) for v in value)
+    if isinstance(value, np.ndarray):
+        return value.copy()  # the strategy must not share arrays with the state it came from
     return value
 
 
