@@ -8,35 +8,15 @@ averaged with one flat all-reduce per step. Writes ``<run.out>/adapter`` (peft f
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from hpc.runtime.config import JobConfig, param
 from hpc.runtime.errors import UserError, user_errors_exit
 from hpc.runtime.world import my_slice
+from hpc.sft_config import SFTJobConfig
 
 PHASES = ["forward_backward", "allreduce", "optimizer"]
-
-
-@dataclass
-class SFTConfig:
-    steps: int = param(40, "optimizer steps", min=1)
-    batch_size: int = param(32, "global batch (prompts per step, split over ranks)", min=1)
-    lr: float = param(3e-3, "AdamW learning rate", min=0.0)
-    weight_decay: float = param(0.0, "AdamW weight decay", min=0.0)
-    grad_clip: float = param(1.0, "max gradient norm (0 = off)", min=0.0)
-
-
-@dataclass
-class SFTJobConfig(JobConfig):
-    sft: SFTConfig = field(default_factory=SFTConfig)
-
-    def validate_world(self, world):
-        if self.sft.batch_size < world.size:
-            raise UserError(f"sft.batch_size={self.sft.batch_size} is smaller than the "
-                            f"{world.size} ranks")
 
 
 def completion_batch(tokenizer, prompts: list, completions: list, device):

@@ -13,7 +13,7 @@ from essa.config import ESSAJobConfig
 from fgrpo.config import FGRPOJobConfig
 from hpc.runtime.config import load_config
 from hpc.runtime.errors import UserError
-from hpc.sft import SFTJobConfig
+from hpc.sft_config import SFTJobConfig
 
 
 def one_line_exit_2(proc, *words):

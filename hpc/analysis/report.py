@@ -18,6 +18,7 @@ import os
 import numpy as np
 import yaml
 
+from hpc.runtime.cli import EXIT_CODES_HELP
 from hpc.runtime.errors import UserError, user_errors_exit
 from hpc.evaluate import EvalResult, format_table
 from hpc.runtime.runstore import RunFile
@@ -355,7 +356,8 @@ def timeline(plt, t: dict, colour: dict, n_steps: int, path: str, title: str) ->
 @user_errors_exit
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="hpc-report", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=EXIT_CODES_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     cmp_parser = sub.add_parser("compare", help="start vs end of runs, side by side")
     cmp_parser.add_argument("files", nargs="+")

@@ -87,6 +87,15 @@ class RunConfig:
 
 
 @dataclass
+class PlanConfig:
+    gpu_memory_gib: float = param(80.0, "GPU memory per rank that the pre-flight memory plan "
+                                  "assumes (GiB; hpc-plan, and job start on CUDA with a model "
+                                  "folder); 0 = no check at job start", min=0.0)
+    max_prompt_tokens: int = param(512, "longest prompt (tokens) the memory plan assumes; "
+                                   "hpc-data check counts the prompts longer than this", min=1)
+
+
+@dataclass
 class JobConfig:
     """The sections every job has; a method's job config subclasses it and adds its own."""
 
@@ -95,6 +104,7 @@ class JobConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 # One experiment file may configure every method (a sweep submits it to each): a job skips the
 # sections of the other methods, and still rejects any other unknown section.
@@ -214,6 +224,14 @@ def config_to_yaml(cfg) -> str:
     return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
 
 
+def rule_text(meta: dict) -> str:
+    """The allowed values of a key as text: 'one of a, b', '>= 1 <= 9' or ''."""
+    if meta.get("choices"):
+        return f"one of {', '.join(meta['choices'])}"
+    return " ".join(s for s in (f">= {meta['min']}" if meta.get("min") is not None else "",
+                                f"<= {meta['max']}" if meta.get("max") is not None else "") if s)
+
+
 def reference_markdown(job_cls, sections=None) -> str:
     """A markdown table of the keys of ``job_cls`` (of ``sections`` only, if given): default,
     rule and help."""
@@ -224,11 +242,7 @@ def reference_markdown(job_cls, sections=None) -> str:
             continue
         section = getattr(cfg, sf.name)
         for f in dataclasses.fields(section):
-            m = f.metadata
-            rule = (f"one of {', '.join(m['choices'])}" if m.get("choices") else
-                    " ".join(s for s in (f">= {m['min']}" if m.get("min") is not None else "",
-                                         f"<= {m['max']}" if m.get("max") is not None else "")
-                             if s))
             default = getattr(section, f.name)
-            rows.append(f"| `{sf.name}.{f.name}` | `{default!r}` | {rule} | {m['help']} |")
+            rows.append(f"| `{sf.name}.{f.name}` | `{default!r}` | {rule_text(f.metadata)} "
+                        f"| {f.metadata['help']} |")
     return "\n".join(rows)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hpc.models.memory_plan import check_job_memory
 from hpc.runtime.config import config_to_yaml, load_config
 from hpc.runtime.errors import EXIT_USER_ERROR, UserError
 from hpc.runtime.world import World, get_world, select_device
@@ -127,6 +128,7 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
     if hasattr(cfg, "validate_world"):
         cfg.validate_world(world)
     device = on_all_ranks(world, lambda: select_device(world, cfg.model.device))
+    on_all_ranks(world, lambda: check_job_memory(cfg, method, world.size, device.type))
     try:
         out_dir = cfg.run.out.format(method=method, jobid=_job_id(world))
     except (KeyError, IndexError, ValueError) as err:
