@@ -24,7 +24,7 @@ demo: $(STAMP)
 	bash jobscripts/demo.sh
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -rs tests  # -rs: why each skipped test was skipped
 
 clean:
 	rm -rf $(VENV) runs .cache

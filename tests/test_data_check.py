@@ -2,7 +2,6 @@
 import json
 import os
 
-
 from hpc.data.check import main
 from hpc.models.toy import toy_model_path
 

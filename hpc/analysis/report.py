@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import textwrap
 
 import numpy as np
 import yaml
@@ -258,9 +259,21 @@ def scaling_points(rows: list) -> dict:
     return out
 
 
+def empty_plots(rows: list) -> dict:
+    """The plots of :data:`PLOTS` that cannot show anything for ``rows``, with the reason."""
+    notes = {}
+    rank_counts = sorted({r["ranks"] for r in rows})
+    if len(rank_counts) < 2:
+        notes["scaling.png"] = (f"every run has {rank_counts[0]} rank(s), so there is no speed-up "
+                                f"to show: it needs runs of one method at several rank counts "
+                                f"(jobscripts/local-scaling.sh, jobscripts/sweep.sh)")
+    return notes
+
+
 def draw_plots(rows: list, paths: list, out_dir: str, timeline_steps: int = 5,
                target: float | None = None) -> list:
-    """Write the four PNGs of :data:`PLOTS` into ``out_dir``; returns their paths."""
+    """Write the four PNGs of :data:`PLOTS` into ``out_dir``; returns their paths. A plot that
+    cannot show anything (:func:`empty_plots`) says why on its face."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -293,6 +306,9 @@ def draw_plots(rows: list, paths: list, out_dir: str, timeline_steps: int = 5,
     plt.close(fig)
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    if "scaling.png" in empty_plots(rows):
+        fig.text(0.5, 0.5, textwrap.fill(empty_plots(rows)["scaling.png"], 60), ha="center",
+                 va="center", fontsize=10, bbox={"facecolor": "white", "alpha": 0.9})
     points = scaling_points(rows)
     for method, (ranks, speedup, eff, basis) in points.items():
         ax1.plot(ranks, speedup, marker="o", label=f"{method} ({basis})")
@@ -382,8 +398,10 @@ def main(argv=None):
         write_csv(rows, args.csv)
         print(f"csv: {args.csv}")
     if args.plots:
+        notes = empty_plots(rows)
         for path in draw_plots(rows, args.files, args.plots, args.timeline_steps, args.target):
-            print(f"plot: {path}")
+            note = notes.get(os.path.basename(path))
+            print(f"plot: {path}" + (f" (shows nothing: {note})" if note else ""))
 
 
 if __name__ == "__main__":
