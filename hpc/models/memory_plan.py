@@ -23,10 +23,14 @@ fragmentation):
   parameter; full: gradient and two AdamW moments in the model dtype, 3*e bytes a parameter)
   + the larger of the rollout phase (``min(eval.batch_size, prompts per rank) * G`` rows, as
   ESSA's pass) and the training phase: ``fgrpo.micro_batch`` sequences whose activations are
-  kept for backward, per token and layer (9*h + 3*g*d + 4*I) values (two RMSNorms with their
-  fp32 upcast, q/k/v and rotary outputs, attention output, the four SwiGLU tensors; memory-
-  efficient attention keeps no attention matrix; no activation checkpointing), plus per token
-  the logits and their fp32 copy (V*(e + 4) bytes).
+  kept for backward (no activation checkpointing), per token and layer (5*h + 2*g*d + 3*I)
+  values in fp32, (6*h + 2*g*d + 3*I) in 16-bit dtypes (the RMSNorms upcast), plus the input
+  of every LoRA target in fp32 under a 16-bit model (peft casts it to the adapter's dtype),
+  or with full fine-tuning (3*h + I) values more, (4*h + I) in 16 bits (the inputs of the
+  trained linear layers),
+  plus per token the logits and their fp32 copy (V*(e + 4) bytes). These coefficients were
+  measured with autograd's saved-tensor hooks on Qwen2 layers with SDPA attention and are
+  checked that way by tests/test_memory_plan.py.
 
 ``hpc-plan [CONFIG.yaml] [section.key=value ...] [--ranks N]`` prints the plan of both methods;
 :func:`check_job_memory` is called by every job at start.
@@ -120,10 +124,22 @@ class ModelShape:
         return (2 * self.layers * self.kv_heads * self.head_dim + 4 * self.hidden
                 + 3 * self.intermediate) * elem
 
-    def training_token_bytes(self, elem: int) -> int:
+    def training_layer_bytes(self, elem: int, lora_targets: list = (), full: bool = False) -> int:
+        """Activations one decoder layer keeps for backward, per token (see the module doc);
+        ``full``: every weight trains, so the inputs of the linear layers are kept too."""
+        h_coef = 5 if elem == 4 else 6  # the RMSNorms' fp32 upcasts cost one more h in 16 bits
+        kv = self.kv_heads * self.head_dim
+        values = h_coef * self.hidden + 2 * kv + 3 * self.intermediate
+        if full:  # measured: (3*h + I) more in fp32, (4*h + I) in 16 bits
+            values += (h_coef - 2) * self.hidden + self.intermediate
+        shapes = self.module_shapes()
+        upcast = sum(shapes[t][0] for t in lora_targets if t in shapes) * 4 if elem < 4 else 0
+        return values * elem + upcast
+
+    def training_token_bytes(self, elem: int, lora_targets: list = (), full: bool = False) -> int:
         """Activations kept for backward over all layers + the logits, per token."""
-        per_layer = 9 * self.hidden + 3 * self.kv_heads * self.head_dim + 4 * self.intermediate
-        return self.layers * per_layer * elem + self.vocab * (elem + 4)
+        return (self.layers * self.training_layer_bytes(elem, lora_targets, full)
+                + self.vocab * (elem + 4))
 
 
 def gib(nbytes: float) -> str:
@@ -213,7 +229,8 @@ def fgrpo_plan(shape: ModelShape, cfg, fgrpo, ranks: int) -> MethodPlan:
     prompts = min(cfg.eval.batch_size, math.ceil(fgrpo.batch_prompts / ranks))
     rollout_rows = prompts * fgrpo.num_generations
     rollout_row = seq * shape.inference_token_bytes(elem) + 4 * shape.vocab
-    train_row = seq * shape.training_token_bytes(elem)
+    lora_targets = () if fgrpo.full_finetune else cfg.lora.targets
+    train_row = seq * shape.training_token_bytes(elem, lora_targets, fgrpo.full_finetune)
     rollout, train = rollout_rows * rollout_row, fgrpo.micro_batch * train_row
     parts.append((f"rollout: {prompts} prompts x G={fgrpo.num_generations} rows x {seq} tokens"
                   if rollout >= train else
