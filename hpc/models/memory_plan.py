@@ -339,3 +339,7 @@ def main(argv=None):
     if not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
         raise UserError(f"model.path={cfg.model.path!r} is not a folder with a config.json")
     print(plan_text(cfg, args.ranks))
+
+
+if __name__ == "__main__":
+    main()
