@@ -30,11 +30,13 @@ setup(
         "console_scripts": [
             "essa=essa.__main__:main",
             "fgrpo=fgrpo.__main__:main",
-            "hpc-sft=hpc.sft:main",
-            "hpc-eval=hpc.evaluate:main",
-            "hpc-toy=hpc.models.toy:main",
+            "hpc-sft=hpc.runtime.cli:sft",
+            "hpc-eval=hpc.runtime.cli:evaluate",
+            "hpc-toy=hpc.runtime.cli:toy",
             "hpc-report=hpc.analysis.report:main",
             "hpc-scaling=hpc.analysis.scaling:main",
+            "hpc-plan=hpc.models.memory_plan:main",
+            "hpc-data=hpc.data.check:main",
         ],
     },
 )

@@ -1,5 +1,10 @@
-"""``python -m essa``: the ESSA trainer (see essa.trainer)."""
-from essa.trainer import main
+"""``essa`` / ``python -m essa``: the ESSA trainer (see essa.trainer). ``--help`` is answered
+from essa.config alone (:mod:`hpc.runtime.cli`), without importing torch."""
+from hpc.runtime.cli import job_command
+
+main = job_command("essa", "essa.config:ESSAJobConfig", "essa.trainer:main",
+                   "ESSA: CMA-ES over the singular values of an SFT LoRA adapter (lora.adapter); "
+                   "writes essa.h5, adapter-mean, adapter-best and checkpoints/.")
 
 if __name__ == "__main__":
     main()

@@ -1,5 +1,10 @@
-"""``python -m fgrpo``: the F-GRPO trainer (see fgrpo.trainer)."""
-from fgrpo.trainer import main
+"""``fgrpo`` / ``python -m fgrpo``: the F-GRPO trainer (see fgrpo.trainer). ``--help`` is
+answered from fgrpo.config alone (:mod:`hpc.runtime.cli`), without importing torch."""
+from hpc.runtime.cli import job_command
+
+main = job_command("fgrpo", "fgrpo.config:FGRPOJobConfig", "fgrpo.trainer:main",
+                   "F-GRPO: GRPO with focal-weighted group advantages, LoRA or full fine-tuning, "
+                   "data parallel; writes fgrpo.h5, adapter and checkpoints/.")
 
 if __name__ == "__main__":
     main()

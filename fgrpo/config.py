@@ -4,7 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hpc.runtime.config import JobConfig, param
-from fgrpo.loss import LOSS_TYPES
+from hpc.runtime.errors import UserError
+
+# Aggregations of the policy loss (implemented in fgrpo.loss; declared here so that the config,
+# and with it `fgrpo --help`, needs no torch).
+LOSS_TYPES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 @dataclass

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-LOSS_TYPES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+from fgrpo.config import LOSS_TYPES
 
 
 def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, loss_type: str,

@@ -10,7 +10,6 @@ checkpoints of the LoRA weights, optimizer and data position) is
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -18,30 +17,14 @@ import torch
 from hpc.data.tasks import load_task
 from hpc.gradient_method import GradientMethod
 from hpc.models.loading import attach_lora, load_model
-from hpc.runtime.config import JobConfig, param
 from hpc.runtime.dist import all_reduce_mean_, init_process_group
 from hpc.runtime.errors import UserError, user_errors_exit
 from hpc.runtime.job import finish, on_all_ranks, start_job
 from hpc.runtime.loop import run_loop
 from hpc.runtime.world import my_slice
+from hpc.sft_config import SFTJobConfig
 
 PHASES = {"forward_backward": "train", "allreduce": "communication", "optimizer": "update"}
-
-
-@dataclass
-class SFTConfig:
-    steps: int = param(40, "optimizer steps", min=1, max=1_000_000)
-    batch_size: int = param(32, "global batch (prompts per step, split over ranks)",
-                            min=1, max=1_000_000)
-    lr: float = param(3e-3, "AdamW learning rate", min=0.0, max=10.0)
-    weight_decay: float = param(0.0, "AdamW weight decay", min=0.0, max=10.0)
-    grad_clip: float = param(1.0, "max gradient norm (0 = off)", min=0.0, max=1e6)
-
-
-@dataclass
-class SFTJobConfig(JobConfig):
-    per_rank_key = "sft.batch_size"
-    sft: SFTConfig = field(default_factory=SFTConfig)
 
 
 def completion_batch(tokenizer, prompts: list, completions: list, device):

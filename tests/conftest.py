@@ -32,7 +32,8 @@ def require(condition: bool, what: str):
     if not condition:
         if STRICT:
             pytest.fail(f"{what} is required in CI (HPC_TEST_STRICT=1) but is missing")
-        pytest.skip(f"{what} not available")
+        pytest.skip(f"{what} not available on this machine, so this was not tested "
+                    f"(HPC_TEST_STRICT=1 makes it a failure)")
 
 
 def mpirun_path():

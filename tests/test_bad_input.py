@@ -15,7 +15,7 @@ from fgrpo.config import FGRPOJobConfig
 from hpc.runtime.config import load_config
 from hpc.runtime.errors import UserError
 from hpc.runtime.job import run_folder
-from hpc.sft import SFTJobConfig
+from hpc.sft_config import SFTJobConfig
 
 
 def one_line_exit_2(proc, *words):

@@ -7,7 +7,7 @@ from conftest import REPO
 from essa.config import ESSAJobConfig
 from fgrpo.config import FGRPOJobConfig
 from hpc.runtime.config import reference_markdown
-from hpc.sft import SFTJobConfig
+from hpc.sft_config import SFTJobConfig
 
 
 @pytest.mark.parametrize("job", [SFTJobConfig, ESSAJobConfig, FGRPOJobConfig])

@@ -168,10 +168,18 @@ def test_cli_table_csv_and_plots(tmp_path, capsys):
     assert float(table[5]["comm_share"]) == pytest.approx(0.5 / 2.5)
     assert float(table[5]["time_to_target_s"]) == pytest.approx(5.0)  # second step
     assert table[0]["phase_allreduce_s"] == ""  # ESSA has no such phase
+    assert "shows nothing" not in text
     for name in ("accuracy_vs_wall.png", "scaling.png", "phases.png", "timeline.png"):
         with open(plots / name, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
         assert os.path.getsize(plots / name) > 5000
+
+
+def test_scaling_plot_of_one_rank_count_says_why_it_is_empty(tmp_path, capsys):
+    files = [scaled_run(tmp_path / f"{m}2.h5", m, 2) for m in ("essa", "fgrpo")]
+    main(["summary", *files, "--plots", str(tmp_path / "plots")])
+    line = next(l for l in capsys.readouterr().out.splitlines() if "scaling.png" in l)
+    assert "shows nothing: every run has 2 rank(s)" in line and "several rank counts" in line
 
 
 def test_compare_still_works_and_user_errors(tmp_path, capsys):

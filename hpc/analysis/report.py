@@ -20,10 +20,12 @@ import argparse
 import csv
 import json
 import os
+import textwrap
 
 import numpy as np
 import yaml
 
+from hpc.runtime.cli import EXIT_CODES_HELP
 from hpc.runtime.errors import UserError, user_errors_exit
 from hpc.runtime.results import EvalResult, format_table
 from hpc.runtime.runstore import RunFile
@@ -282,9 +284,21 @@ def scaling_points(rows: list) -> dict:
     return out
 
 
+def empty_plots(rows: list) -> dict:
+    """The plots of :data:`PLOTS` that cannot show anything for ``rows``, with the reason."""
+    notes = {}
+    rank_counts = sorted({r["ranks"] for r in rows})
+    if len(rank_counts) < 2:
+        notes["scaling.png"] = (f"every run has {rank_counts[0]} rank(s), so there is no speed-up "
+                                f"to show: it needs runs of one method at several rank counts "
+                                f"(jobscripts/local-scaling.sh, jobscripts/sweep.sh)")
+    return notes
+
+
 def draw_plots(rows: list, paths: list, out_dir: str, timeline_steps: int = 5,
                target: float | None = None) -> list:
-    """Write the four PNGs of :data:`PLOTS` into ``out_dir``; returns their paths."""
+    """Write the four PNGs of :data:`PLOTS` into ``out_dir``; returns their paths. A plot that
+    cannot show anything (:func:`empty_plots`) says why on its face."""
     import matplotlib  # here: only the plots need it, and the backend is chosen before pyplot
 
     matplotlib.use("Agg")
@@ -317,6 +331,9 @@ def draw_plots(rows: list, paths: list, out_dir: str, timeline_steps: int = 5,
     plt.close(fig)
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    if "scaling.png" in empty_plots(rows):
+        fig.text(0.5, 0.5, textwrap.fill(empty_plots(rows)["scaling.png"], 60), ha="center",
+                 va="center", fontsize=10, bbox={"facecolor": "white", "alpha": 0.9})
     points = scaling_points(rows)
     for method, (ranks, speedup, eff, basis) in points.items():
         ax1.plot(ranks, speedup, marker="o", label=f"{method} ({basis})")
@@ -380,7 +397,8 @@ def timeline(plt, t: dict, colour: dict, n_steps: int, path: str, title: str) ->
 @user_errors_exit
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="hpc-report", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=EXIT_CODES_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     cmp_parser = sub.add_parser("compare", help="start vs end of runs, side by side")
     cmp_parser.add_argument("files", nargs="+")
@@ -405,8 +423,10 @@ def main(argv=None):
         write_csv(rows, args.csv)
         print(f"csv: {args.csv}")
     if args.plots:
+        notes = empty_plots(rows)
         for path in draw_plots(rows, args.files, args.plots, args.timeline_steps, args.target):
-            print(f"plot: {path}")
+            note = notes.get(os.path.basename(path))
+            print(f"plot: {path}" + (f" (shows nothing: {note})" if note else ""))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import numpy as np
 import yaml
 
 from hpc.analysis.report import open_run, phase_kinds, step_timings
+from hpc.runtime.cli import EXIT_CODES_HELP
 from hpc.runtime.errors import UserError, user_errors_exit
 
 
@@ -444,7 +445,8 @@ def paper_comparison(rows: list, w: Workload, cost, net: Network) -> list:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hpc-scaling", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=EXIT_CODES_HELP)
     p.add_argument("--paper", action="store_true",
                    help="print the paper's figures beside the prediction (the defaults are "
                    "the paper's setting)")

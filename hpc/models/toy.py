@@ -13,7 +13,6 @@ accuracy on the probe reaches ``TARGET_ACCURACY``, so the model stays far from p
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -203,19 +202,22 @@ def toy_info(path: str | None = None) -> dict:
 
 
 @user_errors_exit
-def main(argv=None) -> None:
-    """``hpc-toy``: build the toy model if needed; print its folder and held-out accuracy."""
-    parser = argparse.ArgumentParser(prog="hpc-toy", description=__doc__.splitlines()[0])
-    parser.add_argument("--rebuild", action="store_true", help="delete the cached model first")
-    args = parser.parse_args(argv)
-    if args.rebuild:
+def show(rebuild: bool = False) -> None:
+    """Build the toy model if needed (``rebuild``: delete the cached one first); print its folder,
+    held-out accuracy, and whether it was built now or loaded from the cache.
+    ``hpc-toy`` (:func:`hpc.runtime.cli.toy`) parses the command line."""
+    if rebuild:
         shutil.rmtree(cache_dir(), ignore_errors=True)
+    cached = os.path.isfile(os.path.join(cache_dir(), INFO_FILE))
     path = toy_model_path()
     info = toy_info(path)
+    how = (f"loaded from the cache (built once, in {info['build_seconds']} s)" if cached else
+           f"built in {info['build_seconds']} s and cached")
     print(f"{path}\nheld-out greedy accuracy {info['heldout_accuracy']:.3f} "
-          f"({info['parameters']} parameters, {info['steps']} steps, "
-          f"{info['build_seconds']} s to build)")
+          f"({info['parameters']} parameters, {info['steps']} steps); {how}")
 
 
 if __name__ == "__main__":
-    main()
+    from hpc.runtime.cli import toy
+
+    toy()

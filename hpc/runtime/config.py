@@ -93,6 +93,17 @@ class RunConfig:
 
 
 @dataclass
+class PlanConfig:
+    gpu_memory_gib: float = param(80.0, "GPU memory per rank that the pre-flight memory plan "
+                                  "assumes (GiB; hpc-plan, and job start on CUDA with a model "
+                                  "folder); 0 = no check at job start", min=0.0,
+                                  max=1_000_000.0)
+    max_prompt_tokens: int = param(512, "longest prompt (tokens) the memory plan assumes; "
+                                   "hpc-data check counts the prompts longer than this", min=1,
+                                   max=1_000_000)
+
+
+@dataclass
 class JobConfig:
     """The sections every job has; a method's job config subclasses it and adds its own."""
 
@@ -101,6 +112,7 @@ class JobConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     # "section.key" of a count every rank needs at least one of ("" = none): a method sets it
     per_rank_key: typing.ClassVar[str] = ""
 
@@ -242,6 +254,15 @@ def config_to_yaml(cfg) -> str:
     return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
 
 
+def rule_text(meta: dict) -> str:
+    """The allowed values of a key as text: 'one of a, b', '>= 1 <= 9' or ''."""
+    if meta.get("choices"):
+        return f"one of {', '.join(meta['choices'])}"
+    return " ".join(s for s in (f">= {meta['min']}" if meta.get("min") is not None else "",
+                                f"> {meta['above']}" if meta.get("above") is not None else "",
+                                f"<= {meta['max']}" if meta.get("max") is not None else "") if s)
+
+
 def reference_markdown(job_cls, sections=None) -> str:
     """A markdown table of the keys of ``job_cls`` (of ``sections`` only, if given): default,
     rule and help."""
@@ -252,12 +273,7 @@ def reference_markdown(job_cls, sections=None) -> str:
             continue
         section = getattr(cfg, sf.name)
         for f in dataclasses.fields(section):
-            m = f.metadata
-            rule = (f"one of {', '.join(m['choices'])}" if m.get("choices") else
-                    " ".join(s for s in (f">= {m['min']}" if m.get("min") is not None else "",
-                                         f"> {m['above']}" if m.get("above") is not None else "",
-                                         f"<= {m['max']}" if m.get("max") is not None else "")
-                             if s))
             default = getattr(section, f.name)
-            rows.append(f"| `{sf.name}.{f.name}` | `{default!r}` | {rule} | {m['help']} |")
+            rows.append(f"| `{sf.name}.{f.name}` | `{default!r}` | {rule_text(f.metadata)} "
+                        f"| {f.metadata['help']} |")
     return "\n".join(rows)

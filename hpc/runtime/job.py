@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
+from hpc.models.memory_plan import check_job_memory
 from hpc.runtime.config import config_to_yaml, load_config
 from hpc.runtime.errors import EXIT_USER_ERROR, UserError
 from hpc.runtime.preempt import EXIT_PREEMPTED, StopSignals
@@ -203,6 +204,7 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
     world.timeout_s = cfg.run.collective_timeout_s
     cfg.validate_world(world)
     device = on_all_ranks(world, lambda: select_device(world, cfg.model.device))
+    on_all_ranks(world, lambda: check_job_memory(cfg, method, world.size, device.type))
     job_id = _job_id(world)
     out_dir = run_folder(cfg.run.out, method, job_id)
 

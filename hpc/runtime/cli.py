@@ -1,0 +1,86 @@
+"""Console entry points that answer ``--help`` at once.
+
+A job's ``--help`` is generated from its config dataclasses (torch-free modules) and lists every
+section and key with its default and allowed values, then the exit codes. The job module itself
+imports torch and transformers, which takes seconds, so it is imported only once the command
+line is not a help request: that is the reason for the lazy imports in this module.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import sys
+import textwrap
+
+from hpc.runtime.config import rule_text
+from hpc.runtime.errors import EXIT_USER_ERROR
+from hpc.runtime.preempt import EXIT_PREEMPTED
+
+EXIT_CODES_HELP = (f"exit codes: 0 done; {EXIT_USER_ERROR} user error (one line on stderr naming "
+                   f"the problem)")
+JOB_EXIT_CODES_HELP = (f"exit codes: 0 done; {EXIT_USER_ERROR} user error (one line on stderr "
+                       f"naming the problem, before any model is loaded); {EXIT_PREEMPTED} "
+                       f"preempted (checkpoint written; rerun with --resume, as the Slurm "
+                       f"scripts do when they requeue)")
+HELP_FLAGS = ("-h", "--help")
+
+
+def _load(ref: str):
+    """The object named by ``'module:attribute'`` (imported now, not at start-up)."""
+    module, name = ref.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def job_help(prog: str, about: str, job_cls) -> str:
+    """``--help`` text of a job: usage, every config key by section, exit codes."""
+    lines = [f"usage: {prog} [CONFIG.yaml] [section.key=value ...] [--resume]", "", about, "",
+             "CONFIG.yaml holds sections of keys; each section.key=value after it overrides one.",
+             "--resume continues from the last checkpoint in run.out.", "",
+             "config keys (default; allowed values; meaning):"]
+    cfg = job_cls()
+    for section_field in dataclasses.fields(cfg):
+        section = getattr(cfg, section_field.name)
+        lines.append(f"  [{section_field.name}]")
+        for f in dataclasses.fields(section):
+            rule = rule_text(f.metadata)
+            lines.append(f"    {section_field.name}.{f.name} = {getattr(section, f.name)!r}"
+                         f"{'  (' + rule + ')' if rule else ''}")
+            lines.append(textwrap.fill(f.metadata["help"], 96, initial_indent=" " * 8,
+                                       subsequent_indent=" " * 8))
+    lines += ["", "The README's 'Config reference' has the same keys as tables.",
+              textwrap.fill(JOB_EXIT_CODES_HELP, 96, subsequent_indent="  ")]
+    return "\n".join(lines)
+
+
+def job_command(prog: str, config_ref: str, run_ref: str, about: str):
+    """A console entry point: ``--help`` from the config class at ``config_ref``; anything else
+    runs ``run_ref`` (``'module:function'``, called with the argument list)."""
+
+    def main(argv=None):
+        argv = sys.argv[1:] if argv is None else list(argv)
+        if any(arg in HELP_FLAGS for arg in argv):
+            print(job_help(prog, about, _load(config_ref)))
+            return 0
+        return _load(run_ref)(argv)
+
+    main.__doc__ = f"``{prog}``: {about}"
+    return main
+
+
+sft = job_command("hpc-sft", "hpc.sft_config:SFTJobConfig", "hpc.sft:main",
+                  "LoRA SFT stage: writes <run.out>/adapter (peft format) and sft.h5.")
+evaluate = job_command("hpc-eval", "hpc.runtime.config:JobConfig", "hpc.evaluate:main",
+                       "Greedy accuracy and pass@k of model.path (+ lora.adapter) on the "
+                       "task's held-out split: writes eval.h5.")
+
+
+def toy(argv=None):
+    """``hpc-toy``: build the toy model if needed; print its folder and held-out accuracy."""
+    parser = argparse.ArgumentParser(
+        prog="hpc-toy", epilog=EXIT_CODES_HELP,
+        description="Build (about 1.5 minutes, once) or load the cached toy model (Qwen2 shape, "
+                    "character tokenizer, 2-digit additions) and print its folder.")
+    parser.add_argument("--rebuild", action="store_true", help="delete the cached model first")
+    args = parser.parse_args(argv)
+    return _load("hpc.models.toy:show")(rebuild=args.rebuild)

@@ -1,0 +1,58 @@
+"""Every console command answers --help without importing torch (what makes it answer at once),
+and a job's help lists its config keys and the exit codes."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+with open(os.path.join(REPO, "setup.py")) as fh:
+    ENTRY_POINTS = re.findall(r'"([\w-]+)=([\w.]+):(\w+)"', fh.read())
+
+# Calls the entry point as the console script would, then reports what it imported.
+PROBE = """
+import sys
+from {module} import {function} as main
+sys.argv = ["{name}", "--help"]
+try:
+    code = main()
+except SystemExit as stop:
+    code = stop.code
+print("EXIT", code or 0, "TORCH", "torch" in sys.modules,
+      "TRANSFORMERS", "transformers" in sys.modules)
+"""
+
+
+def test_every_console_command_is_probed():
+    names = {name for name, _, _ in ENTRY_POINTS}
+    assert {"essa", "fgrpo", "hpc-sft", "hpc-eval", "hpc-toy", "hpc-report", "hpc-scaling",
+            "hpc-plan", "hpc-data"} <= names
+
+
+@pytest.mark.parametrize("name,module,function", ENTRY_POINTS)
+def test_help_without_torch(name, module, function):
+    proc = subprocess.run([sys.executable, "-c", PROBE.format(**locals())], cwd=REPO,
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.rstrip().endswith("EXIT 0 TORCH False TRANSFORMERS False"), proc.stdout
+    assert "exit codes: 0 done; 2 user error" in proc.stdout.replace("\n", " ")
+
+
+@pytest.mark.parametrize("name,keys", [
+    ("essa", ["essa.population = 96", "lora.adapter = ''", "plan.gpu_memory_gib = 80.0"]),
+    ("fgrpo", ["fgrpo.micro_batch = 64", "fgrpo.loss_type = 'token-mean'"]),
+    ("hpc-sft", ["sft.steps = 40", "task.max_new_tokens = 8"]),
+    ("hpc-eval", ["eval.n_samples = 8", "model.path = 'toy'"]),
+])
+def test_job_help_lists_config_keys_and_preemption_code(name, keys):
+    module, function = next((m, f) for n, m, f in ENTRY_POINTS if n == name)
+    proc = subprocess.run([sys.executable, "-c", PROBE.format(**locals())], cwd=REPO,
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=REPO))
+    for key in keys:
+        assert key in proc.stdout
+    assert "3 preempted" in proc.stdout

@@ -1,0 +1,55 @@
+"""hpc-data check: rows, rejected rows, unreadable golds and over-long prompts of a data file."""
+import json
+import os
+
+from hpc.data.check import main
+from hpc.models.toy import toy_model_path
+
+
+def run(capsys, *args):
+    try:
+        code = main(list(args))
+    except SystemExit as stop:
+        code = stop.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_gsm8k_test_file_is_clean(shared_data, capsys):
+    path = os.path.join(shared_data, "gsm8k", "test.jsonl")
+    code, out, _ = run(capsys, "check", path, "task.name=gsm8k", f"model.path={toy_model_path()}",
+                       "plan.max_prompt_tokens=4096")
+    assert code == 0
+    for line in ["rows: 1319", "rows the loader rejects: 0", "golds the grader cannot read: 0",
+                 "over plan.max_prompt_tokens=4096: 0"]:
+        assert line in out
+
+
+def test_problems_are_counted_with_their_lines(tmp_path, capsys):
+    rows = [{"question": "1+1?", "answer": "1+1=2\n#### 2"},
+            {"question": "2+2?", "answer": "no final line"},
+            {"question": "3+3?", "answer": "#### six"},
+            {"question": "What is " + "very " * 40 + "big?", "answer": "#### 7"}]
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, out, err = run(capsys, "check", str(path), "task.name=gsm8k",
+                         f"model.path={toy_model_path()}", "plan.max_prompt_tokens=100")
+    assert code == 2 and err.startswith("error: ") and len(err.splitlines()) == 1
+    assert "rows: 4" in out
+    assert "rows the loader rejects: 1 (lines 2); first: " in out and "'#### <number>'" in out
+    assert "golds the grader cannot read: 1 (lines 3)" in out
+    assert "over plan.max_prompt_tokens=100: 1 (lines 4)" in out
+
+
+def test_without_tokenizer_lengths_are_not_checked(tmp_path, capsys):
+    path = tmp_path / "ok.jsonl"
+    path.write_text(json.dumps({"problem": "x?", "solution": "so \\boxed{\\frac{1}{2}}"}) + "\n")
+    code, out, _ = run(capsys, "check", str(path), "task.name=math")
+    assert code == 0 and "token lengths: not checked" in out
+
+
+def test_arith_is_not_a_file_task(tmp_path, capsys):
+    path = tmp_path / "ok.jsonl"
+    path.write_text("{}\n")
+    code, _, err = run(capsys, "check", str(path))
+    assert code == 2 and "'arith' is not a file task" in err
