@@ -172,19 +172,38 @@ def test_sweep_dry_run_prints_one_sbatch_line_per_size_and_method(tmp_path):
     assert len(lines) == 8
     seen = []
     for line in lines:
-        argv = shlex.split(line)
+        env_word, *argv = shlex.split(line)
+        assert env_word == "RUN_ROOT=runs/sweep-test"
         assert argv[0] == "sbatch"
         at = next(i for i, a in enumerate(argv) if a.endswith(".sbatch"))
         opts = dict(a[2:].split("=", 1) for a in argv[1:at])
         gpus = int(opts["ntasks"])
         assert opts["nodes"] == str(gpus // 8)
         assert opts["ntasks-per-node"] == opts["gpus-per-node"] == "8"
-        assert opts["export"] == "ALL,RUN_ROOT=runs/sweep-test"
+        assert opts["export"] == "ALL"
         assert argv[at + 1:] == ["configs/exp.yaml", "task.ops=+-*", "run.seed=3"]
         method = re.fullmatch(r"jobscripts/slurm/(\w+)\.sbatch", argv[at]).group(1)
         assert opts["job-name"] == f"{method}-{gpus}g"
         seen.append((method, gpus))
     assert sorted(seen) == [(m, g) for m in ("essa", "fgrpo") for g in (16, 32, 64, 128)]
+
+
+def test_sweep_passes_run_root_with_a_comma_through_the_environment(tmp_path):
+    """Inside --export=ALL,RUN_ROOT=... a comma ended the value and injected a variable."""
+    fake = tmp_path / "bin" / "sbatch"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\nprintf "%s|%s|%s\\n" "$RUN_ROOT" "${{EVIL:-unset}}" "$*" '
+                    f'>> {tmp_path}/sbatch-calls\necho 42\n')
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in SWEEP_VARS}
+    env.update(PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}", GPU_COUNTS="8",
+               METHODS="essa", RUN_ROOT="runs/a,EVIL=1")
+    proc = subprocess.run(["bash", SWEEP], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    run_root, evil, args = (tmp_path / "sbatch-calls").read_text().strip().split("|")
+    assert (run_root, evil) == ("runs/a,EVIL=1", "unset")
+    assert "--export=ALL " in args + " " and "EVIL" not in args
 
 
 def test_sweep_rejects_a_partial_node_before_printing_anything(tmp_path):
