@@ -58,12 +58,15 @@ for method in "${methods[@]}"; do
   for i in "${!counts[@]}"; do
     gpus=${counts[i]} n=${nodes[i]} per=${tasks_per_node[i]}
     opts=(--job-name="$method-${gpus}g" --nodes="$n" --ntasks="$gpus" --ntasks-per-node="$per"
-          --gpus-per-node="$per" --export=ALL,RUN_ROOT="$run_root" "${extra[@]}")
+          --gpus-per-node="$per" --export=ALL "${extra[@]}")
     job=("jobscripts/slurm/$method.sbatch" "$@")
+    # RUN_ROOT goes through the environment (--export=ALL): inside --export=ALL,RUN_ROOT=...
+    # a comma in the value would end it and start another variable.
     if ((dry_run)); then
-      quote sbatch "${opts[@]}" "${job[@]}"
+      echo "RUN_ROOT=$(quote "$run_root") $(quote sbatch "${opts[@]}" "${job[@]}")"
     else
-      echo "$method at $gpus GPUs on $n node(s): job $(sbatch --parsable "${opts[@]}" "${job[@]}")"
+      echo "$method at $gpus GPUs on $n node(s): job $(RUN_ROOT=$run_root sbatch --parsable \
+        "${opts[@]}" "${job[@]}")"
     fi
   done
 done

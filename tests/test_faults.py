@@ -164,6 +164,27 @@ def test_sft_preemption_then_resume_is_bitwise(tmp_path):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_sigterm_to_mpirun_loses_only_the_step_in_flight(toy_adapter, tmp_path):
+    """Open MPI 5's mpirun (PRRTE) passes SIGTERM to the ranks and SIGKILLs them 0.25 s later
+    (fixed in PRRTE): no step can finish. What is kept: a readable run file (status
+    ``running``) and the last checkpoint, from which the resumed run equals an uninterrupted
+    one. The job scripts therefore pass SIGTERM on as SIGUSR1 (tests/test_slurm.py)."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert run_mpi(2, essa_args(toy_adapter, full, 6)).returncode == 0
+    h5 = str(part / "essa.h5")
+    code, _, err = run_and_signal(essa_args(toy_adapter, part, 6), h5, "essa", 2,
+                                  signal.SIGTERM)
+    assert code not in (0, 3), err[-3000:]
+    stopped = RunFile(h5)
+    assert stopped.attrs["status"] == "running"
+    assert list_checkpoints(str(part / "checkpoints"))
+    resumed = run_mpi(2, essa_args(toy_adapter, part, 6) + ["--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = RunFile(str(full / "essa.h5")), RunFile(h5)
+    assert b.group("essa")["step"].tolist() == list(range(1, 7))
+    assert np.array_equal(a.group("essa")["fitness"], b.group("essa")["fitness"])
+
+
 def test_damaged_checkpoint_falls_back_to_previous(tmp_path, capsys):
     for step in (1, 2, 3):
         save_checkpoint(str(tmp_path), step, {"step": step, "x": torch.arange(4) * step},
@@ -250,7 +271,7 @@ def test_hung_rank_is_named_and_the_job_aborted(toy_adapter, tmp_path):
     assert code != 0
     # Every collective waits for named arrival first, so rank 0 names rank 1 whichever one it
     # misses (almost always the fitness exchange, as it is stopped while generating).
-    assert "rank(s) [1] did not reach '" in err and "within 5 s" in err, err[-2000:]
+    assert "rank(s) [1] did not " in err and "within 5 s" in err, err[-2000:]
 
 
 def test_hung_rank_is_named_in_fgrpo(toy_adapter, tmp_path):
@@ -261,7 +282,7 @@ def test_hung_rank_is_named_in_fgrpo(toy_adapter, tmp_path):
     code, _, err = run_and_signal(fgrpo_args(toy_adapter, out, 50, "run.collective_timeout_s=5"),
                                   h5, "metrics", 2, signal.SIGSTOP, to_ranks=True, only_rank=1)
     assert code != 0
-    assert "rank(s) [1] did not reach '" in err and "within 5 s" in err, err[-2000:]
+    assert "rank(s) [1] did not " in err and "within 5 s" in err, err[-2000:]
 
 
 def test_nan_fitness_is_worst_and_counted():

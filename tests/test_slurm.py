@@ -9,6 +9,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ import time
 import h5py
 import pytest
 
-from conftest import MPI_ENV, REPO, require
+from conftest import MPI_ENV, REPO, mpirun_path, require
 from hpc.runtime.runstore import RunFile
 
 START = os.path.join(REPO, "jobscripts", "local-slurm", "start.sh")
@@ -49,6 +50,7 @@ if "--resume" in args:
     sys.exit(0)
 
 def checkpoint_and_stop(signum, frame):
+    time.sleep(1.5)  # the step in flight ends first
     os.makedirs(os.path.join(out, "checkpoints"), exist_ok=True)
     open(os.path.join(out, "checkpoints", "step-00000001.safetensors"), "w").close()
     sys.exit(3)
@@ -172,19 +174,38 @@ def test_sweep_dry_run_prints_one_sbatch_line_per_size_and_method(tmp_path):
     assert len(lines) == 8
     seen = []
     for line in lines:
-        argv = shlex.split(line)
+        env_word, *argv = shlex.split(line)
+        assert env_word == "RUN_ROOT=runs/sweep-test"
         assert argv[0] == "sbatch"
         at = next(i for i, a in enumerate(argv) if a.endswith(".sbatch"))
         opts = dict(a[2:].split("=", 1) for a in argv[1:at])
         gpus = int(opts["ntasks"])
         assert opts["nodes"] == str(gpus // 8)
         assert opts["ntasks-per-node"] == opts["gpus-per-node"] == "8"
-        assert opts["export"] == "ALL,RUN_ROOT=runs/sweep-test"
+        assert opts["export"] == "ALL"
         assert argv[at + 1:] == ["configs/exp.yaml", "task.ops=+-*", "run.seed=3"]
         method = re.fullmatch(r"jobscripts/slurm/(\w+)\.sbatch", argv[at]).group(1)
         assert opts["job-name"] == f"{method}-{gpus}g"
         seen.append((method, gpus))
     assert sorted(seen) == [(m, g) for m in ("essa", "fgrpo") for g in (16, 32, 64, 128)]
+
+
+def test_sweep_passes_run_root_with_a_comma_through_the_environment(tmp_path):
+    """Inside --export=ALL,RUN_ROOT=... a comma ended the value and injected a variable."""
+    fake = tmp_path / "bin" / "sbatch"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\nprintf "%s|%s|%s\\n" "$RUN_ROOT" "${{EVIL:-unset}}" "$*" '
+                    f'>> {tmp_path}/sbatch-calls\necho 42\n')
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in SWEEP_VARS}
+    env.update(PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}", GPU_COUNTS="8",
+               METHODS="essa", RUN_ROOT="runs/a,EVIL=1")
+    proc = subprocess.run(["bash", SWEEP], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    run_root, evil, args = (tmp_path / "sbatch-calls").read_text().strip().split("|")
+    assert (run_root, evil) == ("runs/a,EVIL=1", "unset")
+    assert "--export=ALL " in args + " " and "EVIL" not in args
 
 
 def test_sweep_rejects_a_partial_node_before_printing_anything(tmp_path):
@@ -286,6 +307,63 @@ def test_cancelled_job_stays_cancelled_despite_checkpoint_exit(slurm, tmp_path):
     assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), log
     assert "stopped by SIGTERM" in log
     assert [s[1] for s in _starts(run)] == ["fresh", "fresh"]
+
+
+def test_term_trap_passes_sigusr1_to_mpirun_so_the_step_finishes(tmp_path):
+    """run_job (common.sh) outside Slurm, with the real mpirun: SIGTERM to the batch shell must
+    reach the ranks as SIGUSR1. The trap used to pass SIGTERM on, and PRRTE's mpirun SIGKILLs
+    its ranks 0.25 s after forwarding SIGTERM, so the stand-in (1.5 s to finish its step) died
+    without a checkpoint."""
+    require(mpirun_path() is not None, "mpirun")
+    trainer = tmp_path / "trainer"
+    trainer.write_text(f"#!{sys.executable}\n{STAND_IN}")
+    trainer.chmod(0o755)
+    script = tmp_path / "job.sh"
+    script.write_text('source jobscripts/slurm/common.sh\nrun_job fgrpo fgrpo "fgrpo.steps=5"\n')
+    env = dict(os.environ, **MPI_ENV)
+    env.update(SLURM_JOB_ID="42", SLURM_NTASKS="2", LAUNCHER="mpirun", PYTHON=str(trainer),
+               RUN_ROOT=str(tmp_path / "runs"), OMPI_MCA_ras="^slurm", OMPI_MCA_plm="^slurm",
+               OMPI_MCA_rmaps_base_oversubscribe="1")
+    run = tmp_path / "runs" / "fgrpo-42"
+    proc = subprocess.Popen(["bash", str(script)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: all((run / f"ready-{r}").exists() for r in (0, 1)) or
+                 proc.poll() is not None, 120, "both ranks")
+        proc.send_signal(signal.SIGTERM)  # to the batch shell alone, as scancel --batch does
+        log, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 3, log
+    assert "stopped by SIGTERM with a checkpoint" in log
+    assert (run / "checkpoints" / "step-00000001.safetensors").exists()
+
+
+def test_sigterm_to_the_batch_shell_lets_mpirun_ranks_finish_the_step(slurm, tmp_path):
+    """The TERM trap used to pass SIGTERM to mpirun, which (PRRTE) SIGKILLs its ranks 0.25 s
+    after SIGTERM: the step in flight was lost. It now sends SIGUSR1."""
+    jobid, run, runs = _start_stand_in(slurm, tmp_path, "mpirun")
+    subprocess.run(["scancel", "--signal=TERM", "--batch", jobid], env=slurm, check=True)
+    wait_for(lambda: job_info(slurm, jobid)["JobState"] in ENDED, 120, "the job to end")
+    time.sleep(5)  # time enough for a wrong `scontrol requeue` to have brought it back
+    info = job_info(slurm, jobid)
+    log = job_log(runs, "fgrpo", jobid)
+    assert (info["Restarts"], info["ExitCode"]) == ("0", "3:0"), log
+    assert "stopped by SIGTERM with a checkpoint" in log
+    assert (run / "checkpoints" / "step-00000001.safetensors").exists()
+
+
+def test_user_error_after_mpi_start_under_srun_exits_2(slurm, toy_model, tmp_path):
+    """srun --kill-on-bad-exit SIGTERMs the slower ranks of an agreed exit: 143 instead of 2."""
+    require(srun_pmix_works(slurm), "srun --mpi=pmix (Debian: apt-get install libpmix-dev)")
+    rc, jobid = sbatch(slurm, "essa", ["model.path=toy", f"lora.adapter={tmp_path}/missing",
+                                       "run.progress=false"], tmp_path, LAUNCHER="srun")
+    log = job_log(tmp_path, "essa", jobid)
+    assert rc == 2, log[-4000:]
+    assert "adapter folder not found" in log and "Traceback" not in log
+    info = job_info(slurm, jobid)
+    assert (info["JobState"], info["Restarts"], info["ExitCode"]) == ("FAILED", "0", "2:0")
 
 
 def _metric_steps(path) -> list:

@@ -31,7 +31,8 @@ import numpy as np
 from hpc.runtime.errors import UserError
 
 _LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
-_ARRIVE_TAG, _RELEASE_TAG = 7301, 7302
+_ARRIVE_TAG, _RELEASE_TAG, _PING_TAG, _PONG_TAG = 7301, 7302, 7303, 7304
+_PROBE_S = 10.0  # longest wait for the answers to rank 0's "who is still here?" probe
 
 
 def _mpi():
@@ -102,14 +103,55 @@ class World:
         self._complete(self.comm.Ibarrier(), "barrier")
 
     def _complete(self, request, label: str, poll_s: float = 0.0005) -> None:
-        """Wait for a non-blocking collective, aborting the job after ``timeout_s``."""
+        """Wait for a non-blocking collective with the deadline ``timeout_s``.
+
+        Every rank has arrived (see :meth:`arrive`), but one may stop or die right after. So
+        while waiting, ranks other than 0 answer rank 0's 1-byte ping; at the deadline rank 0
+        pings every rank and aborts the job naming those that do not answer within
+        ``_PROBE_S``. A rank whose rank 0 never pings gives up one ``timeout_s`` later and
+        names rank 0.
+        """
         deadline = time.monotonic() + self.timeout_s
+        if self.size == 1 or self.is_root:
+            while not request.Test():
+                if time.monotonic() > deadline:
+                    self._abort(self._unanswered(label))
+                time.sleep(poll_s)
+            return
+        ping_buf = np.zeros(1, dtype=np.uint8)
+        ping = self.comm.Irecv(ping_buf, source=0, tag=_PING_TAG)
         while not request.Test():
-            if time.monotonic() > deadline:
+            if ping.Test():
+                self.comm.Isend(ping_buf, dest=0, tag=_PONG_TAG).Wait()
+                ping = self.comm.Irecv(ping_buf, source=0, tag=_PING_TAG)
+            if time.monotonic() > deadline + self.timeout_s:
                 self._abort(f"collective '{label}' did not complete within "
-                            f"{self.timeout_s:.0f} s: a rank is hung, stopped or dead; "
-                            f"aborting the job")
+                            f"{2 * self.timeout_s:.0f} s and rank 0 did not probe the ranks: "
+                            f"rank 0 is hung, stopped or dead; aborting the job")
             time.sleep(poll_s)
+        ping.Cancel()
+        ping.Wait()
+
+    def _unanswered(self, label: str, poll_s: float = 0.001) -> str:
+        """Rank 0, at a collective's deadline: ping every rank, name those that stay silent."""
+        MPI = _mpi()
+        token = np.zeros(1, dtype=np.uint8)
+        bufs = [np.zeros(1, dtype=np.uint8) for _ in range(1, self.size)]
+        pongs = [self.comm.Irecv(buf, source=r, tag=_PONG_TAG)
+                 for r, buf in zip(range(1, self.size), bufs)]
+        for r in range(1, self.size):
+            self.comm.Isend(token, dest=r, tag=_PING_TAG)
+        probe_s = min(_PROBE_S, self.timeout_s)
+        until = time.monotonic() + probe_s
+        while not MPI.Request.Testall(pongs) and time.monotonic() < until:
+            time.sleep(poll_s)
+        silent = [r for r, req in zip(range(1, self.size), pongs) if not req.Test()]
+        if silent:
+            return (f"rank(s) {silent} did not finish '{label}' within {self.timeout_s:.0f} s "
+                    f"nor answer within {probe_s:.0f} s (hung, stopped or dead); aborting "
+                    f"the job")
+        return (f"collective '{label}' did not complete within {self.timeout_s:.0f} s though "
+                f"every rank answers: MPI itself is stuck; aborting the job")
 
     def arrive(self, label: str, timeout_s: float, poll_s: float = 0.001) -> None:
         """A barrier with a deadline that names the ranks that did not arrive.

@@ -27,9 +27,14 @@
 #     requeued run (same job id, same run folder) continues with --resume.
 # Before the time limit Slurm sends SIGUSR1 to this batch shell only (#SBATCH --signal=B:USR1@T);
 # it is forwarded to the launcher, which forwards it to every rank (srun and mpirun both pass
-# SIGUSR1 on). SIGTERM (scancel, preemption, the time limit itself) is forwarded likewise but
-# never leads to a requeue here: a cancelled job must stay cancelled, and Slurm requeues
-# preempted jobs itself.
+# SIGUSR1 on). SIGTERM to this shell is passed on as SIGUSR1 too, never as SIGTERM: Open MPI 5's
+# mpirun (PRRTE) answers SIGTERM by killing its ranks, SIGTERM then SIGKILL 0.25 s apart (fixed
+# in PRRTE's odls), so the step in flight would be lost; with SIGUSR1 the ranks finish the step,
+# checkpoint and exit 3. A job stopped that way is never requeued here: a cancelled job must
+# stay cancelled, and Slurm requeues preempted jobs itself. (Where Slurm signals every process
+# of the job, e.g. plain scancel, mpirun gets SIGTERM directly and the above applies: the run
+# resumes from its last checkpoint, run.checkpoint_every. srun forwards SIGTERM to the ranks,
+# which checkpoint within Slurm's KillWait.)
 
 EXIT_USER_ERROR=2
 EXIT_PREEMPTED=3
@@ -92,7 +97,9 @@ run_job() {
   pid=$!
   trap 'signalled=1; echo "SIGUSR1: asking the ranks to checkpoint and stop"
         kill -USR1 $pid 2>/dev/null' USR1
-  trap 'signalled=1; cancelled=1; kill -TERM $pid 2>/dev/null' TERM
+  trap 'signalled=1; cancelled=1
+        echo "SIGTERM: asking the ranks to checkpoint and stop (not requeued)"
+        kill -USR1 $pid 2>/dev/null' TERM
   while true; do
     signalled=0
     wait $pid
