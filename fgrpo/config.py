@@ -16,12 +16,21 @@ class FGRPOConfig:
                                  "group advantages need G >= 2", min=2)
     gamma: float = param(1.0, "focal exponent: advantages scaled by (1 - p)^gamma; 0 = plain "
                          "GRPO", min=0.0)
+    success_threshold: float = param(1.0, "a completion with reward >= this is a success: p in "
+                                     "the focal weight is the group's share of successes, and "
+                                     "the logged success_rate counts the same")
     scale_rewards: str = param("group", "advantage std scaling (TRL scale_rewards); none = "
                                "Dr. GRPO", choices=["group", "batch", "none"])
+    advantage_epsilon: float = param(1e-4, "added to the reward std in the advantage "
+                                     "denominator (TRL's 1e-4; verl uses 1e-6)", min=0.0)
     loss_type: str = param("token-mean", "aggregation: token-mean (DAPO), seq-mean-token-mean "
-                           "(GRPO), seq-mean-token-sum-norm (Dr. GRPO)", choices=list(LOSS_TYPES))
+                           "(GRPO), seq-mean-token-sum (verl), seq-mean-token-sum-norm "
+                           "(Dr. GRPO)", choices=list(LOSS_TYPES))
     epsilon: float = param(0.2, "lower clip of the importance ratio", min=0.0)
     epsilon_high: float = param(0.28, "upper clip (clip-higher as in DAPO)", min=0.0)
+    clip_ratio_c: float = param(0.0, "dual-clip PPO (verl clip_ratio_c, 3 there): the loss of "
+                                "a negative-advantage token A < 0 is capped at "
+                                "-clip_ratio_c * A; 0 = off (as TRL), else > 1", min=0.0)
     beta: float = param(0.0, "KL penalty to the reference (k3); under LoRA the reference is the "
                         "base model with the adapter disabled", min=0.0)
     num_iterations: int = param(1, "mu: optimizer passes over the same rollouts", min=1)
@@ -39,6 +48,11 @@ class FGRPOConfig:
 @dataclass
 class FGRPOJobConfig(JobConfig):
     fgrpo: FGRPOConfig = field(default_factory=FGRPOConfig)
+
+    def validate(self):
+        if 0.0 < self.fgrpo.clip_ratio_c <= 1.0:
+            raise UserError(f"config key 'fgrpo.clip_ratio_c': {self.fgrpo.clip_ratio_c} must "
+                            f"be 0 (dual clip off) or > 1")
 
     def validate_world(self, world):
         if self.fgrpo.batch_prompts < world.size:

@@ -77,7 +77,8 @@ def accumulate_gradients(model, rollouts, advantages: torch.Tensor, cfg, world,
         ref = None if ref_logp is None else ref_logp[start:stop]
         loss, stats = policy_loss(logp, old, advantages[start:stop], cm[:, 1:], f.loss_type,
                                   f.epsilon, f.epsilon_high, f.beta, ref,
-                                  max_completion_length=max_new_tokens, normalizer=normalizer)
+                                  max_completion_length=max_new_tokens, normalizer=normalizer,
+                                  clip_ratio_c=f.clip_ratio_c)
         loss.backward()
         n = stats["valid_tokens"]
         totals["tokens"] += n
@@ -178,7 +179,9 @@ def run(job) -> dict:
         if f.scale_rewards == "batch":
             batch_std = std_from_moments(world.allgather(
                 batch_moments(rollouts.rewards).numpy(), tag="metrics"))
-        adv = group_advantages(rollouts.rewards, f.scale_rewards, f.gamma, batch_std=batch_std)
+        adv = group_advantages(rollouts.rewards, f.scale_rewards, f.gamma,
+                               eps=f.advantage_epsilon, batch_std=batch_std,
+                               success_threshold=f.success_threshold)
         row_adv = adv.advantages.reshape(-1).to(job.device)
         with timer.phase("forward_backward"):
             old_logp = frozen_logprobs(model, rollouts, f.micro_batch) \
@@ -205,7 +208,8 @@ def run(job) -> dict:
                 break
         skipped += 0 if finite else 1
         step += 1
-        local = np.array([rollouts.rewards.sum().item(), (rollouts.rewards >= 1).sum().item(),
+        local = np.array([rollouts.rewards.sum().item(),
+                          (rollouts.rewards >= f.success_threshold).sum().item(),
                           rollouts.rewards.numel(), adv.focal_weight.sum().item(),
                           float(adv.focal_weight.min()), float(adv.focal_weight.max()),
                           adv.zero_spread.sum().item(), adv.zero_spread.numel(),
