@@ -102,6 +102,8 @@ def test_subset_counts_and_order(tmp_path):
     ("gsm8k", '{"question": "q", "answer": "#### 1e400"}\n', "line 1: the gold answer '1e400' is "
      "not a finite number"),
     ("gsm8k", '{"question": 5, "answer": "#### 1"}\n', "line 1: field 'question' must be a string"),
+    ("gsm8k", '{"question": {"text": "q"}, "answer": "#### 1"}\n',
+     "line 1: field 'question' must be a string, got dict"),
     ("gsm8k", '{"question": "q", "answer": ["#### 1"]}\n',
      "line 1: field 'answer' must be a string"),
     ("math", '{"question": ["q"], "answer": "\\\\boxed{1}"}\n',
