@@ -2,16 +2,20 @@
 
     python benchmarks/communication.py [--ranks 2 4] [--population 96] [--repeats 30]
 
+(``--ranks 1 2 --population 4 --repeats 2`` is the smoke size tests/test_benchmarks.py runs.)
+
 Launches itself under ``mpirun -n N`` for each N (CPU, gloo for torch.distributed) and prints
 one table. Per rank and generation, ESSA sends what ``essa.trainer`` sends: the fitness
-Allgatherv (``gather_fitness``: 8 bytes a member), the phase timings Allgather and the 1-byte
-stop flag. Per rank and step, F-GRPO all-reduces the LoRA gradients (``hpc.runtime.dist.
-all_reduce_mean_``, fp32) and gathers two small metric vectors. Bytes are the payload counted
-by :class:`hpc.runtime.world.World`; times are the slowest rank's per round (each after a barrier),
-min and median over ``--repeats`` rounds; ratios use the minimum, the least disturbed by other
-processes on a shared machine. Gradients come from the benchmark model's adapter (toy model,
-LoRA r=8 on q/k/v/o) and, without building the models, from rank-8 q/k/v/o adapters of
-Qwen2.5-1.5B and -7B shapes (fp32 gradient tensors of those shapes).
+exchange (``gather_fitness``: a deadline barrier of 1 byte a rank, with the default
+``run.collective_timeout_s``, then the Allgatherv of 8 bytes a member), the phase timings
+Allgather and the 1-byte stop flag. Per rank and step, F-GRPO all-reduces the LoRA gradients
+(``hpc.runtime.dist.all_reduce_mean_``, fp32; nothing at 1 rank) and gathers two small metric
+vectors. Bytes are the payload counted by :class:`hpc.runtime.world.World`; times are the
+slowest rank's per round (each after a barrier), min and median over ``--repeats`` rounds;
+ratios use the minimum, the least disturbed by other processes on a shared machine. Gradients
+come from the benchmark model's adapter (toy model, LoRA r=8 on q/k/v/o) and, without building
+the models, from rank-8 q/k/v/o adapters of Qwen2.5-1.5B and -7B shapes (fp32 gradient tensors
+of those shapes).
 """
 from __future__ import annotations
 
@@ -49,6 +53,7 @@ def worker(out_path: str, population: int, repeats: int) -> None:
 
     from common import lora_model, model_path
     from essa.trainer import PHASES, gather_fitness
+    from hpc.runtime.config import RunConfig
     from hpc.runtime.dist import all_reduce_mean_, init_process_group
     from hpc.runtime.timing import PhaseTimer, gather_timings
     from hpc.runtime.world import get_world, split_evenly
@@ -62,11 +67,12 @@ def worker(out_path: str, population: int, repeats: int) -> None:
     adapters.update({f"{name} shape, LoRA r=8 on q/k/v/o": lora_grad_shapes(*dims)
                      for name, dims in QWEN_SHAPES.items()})
     timer = PhaseTimer(PHASES)
+    timeout_s = RunConfig().collective_timeout_s  # as essa.trainer with the default config
     mine = np.random.default_rng(world.rank).random(split_evenly(population, world.size)
                                                     [world.rank])
 
     def essa_generation():
-        gather_fitness(world, mine, population, timer)
+        gather_fitness(world, mine, population, timer, timeout_s)
         gather_timings(world, timer)
         world.bcast(np.zeros(1, dtype=np.int8), tag="control")
 
@@ -147,8 +153,9 @@ def print_table(args, scratch: str) -> None:
         for name, f in rep["fgrpo"].items():
             ar_s, ar_b = f["allreduce"]
             step_s, step_b = f["step"]
-            print(f"  {name:<58} {f['parameters']:>9} {ar_b['grad_allreduce']:>13} "
-                  f"{_ms(ar_s):>15} {ar_b['grad_allreduce'] / essa_total:>9.0f} "
+            reduced = ar_b.get("grad_allreduce", 0)  # one rank: nothing to all-reduce
+            print(f"  {name:<58} {f['parameters']:>9} {reduced:>13} "
+                  f"{_ms(ar_s):>15} {reduced / max(essa_total, 1):>9.0f} "
                   f"{ar_s[0] / essa_s[0]:>10.0f} {sum(step_b.values()):>10} "
                   f"{_ms(step_s):>15}")
 

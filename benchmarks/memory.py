@@ -1,16 +1,18 @@
 """Peak memory per rank: one ESSA generation (k = 1 and batched) vs one F-GRPO step.
 
-    python benchmarks/memory.py [--ranks 2] [--ks 1 8] [--device cpu|cuda]
+    python benchmarks/memory.py [--ranks 2] [--ks 1 8] [--device cpu|cuda] [--population 96]
+        [--minibatch 100] [--prompts 32] [--num-generations 8]
 
 Every measurement is a fresh ``mpirun -n RANKS`` launch of this file, so each process's
 high-water marks belong to one method. Each rank loads the benchmark model (toy model, fp32,
 fresh rank-8 LoRA on q/k/v/o with random B), notes its resident set (VmHWM), then runs
 
-* ESSA: scoring its share of a population of 96 (``essa`` defaults: minibatch 100 prompts,
-  8 new tokens, chunks of 64 prompts) with ``essa.population.score_members`` at k;
-* F-GRPO: one step as ``fgrpo.trainer`` runs it with its defaults (32 prompts over all ranks,
-  G = 8 sampled completions, micro-batches of 64 rows): rollouts, advantages, forward and
-  backward, gradient all-reduce, AdamW;
+* ESSA: scoring its share of a population of ``--population`` (``essa`` defaults: 96,
+  minibatch 100 prompts, 8 new tokens, chunks of 64 prompts) with
+  ``essa.population.score_members`` at k;
+* F-GRPO: one step as ``fgrpo.trainer`` runs it with its defaults (``--prompts`` 32 prompts
+  over all ranks, G = ``--num-generations`` 8 sampled completions, micro-batches of 64 rows):
+  rollouts, advantages, forward and backward, gradient all-reduce, AdamW;
 
 and reports peak resident memory (VmHWM, MiB) and, on CUDA, ``torch.cuda.max_memory_allocated``
 since the model was loaded.
@@ -26,9 +28,6 @@ import numpy as np
 
 from common import cpu_model, launch_mpi
 
-POPULATION = 96
-ESSA_MINIBATCH = 100
-
 
 def _vm_hwm_mib() -> float:
     """This process's peak resident set size (VmHWM), MiB."""
@@ -39,21 +38,21 @@ def _vm_hwm_mib() -> float:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def _essa_generation(model, tok, task, world, k: int) -> None:
+def _essa_generation(model, tok, task, world, k: int, population: int, minibatch: int) -> None:
     from essa.population import owners, score_members
     from essa.space import SingularValueSpace
     from essa.trainer import PHASES
     from hpc.runtime.timing import PhaseTimer
 
     space = SingularValueSpace.from_peft(model)
-    members = np.random.default_rng(0).normal(0.0, 0.1, (POPULATION, space.dim))
-    mine = members[owners(POPULATION, world.size) == world.rank]
-    prompts = task.train.prompts[:ESSA_MINIBATCH]
-    score_members(model, tok, space, mine, task, prompts, task.train.answers[:ESSA_MINIBATCH],
+    members = np.random.default_rng(0).normal(0.0, 0.1, (population, space.dim))
+    mine = members[owners(population, world.size) == world.rank]
+    prompts = task.train.prompts[:minibatch]
+    score_members(model, tok, space, mine, task, prompts, task.train.answers[:minibatch],
                   8, 64, PhaseTimer(PHASES), k)
 
 
-def _fgrpo_step(model, tok, task, world, device) -> None:
+def _fgrpo_step(model, tok, task, world, device, prompts: int, num_generations: int) -> None:
     import torch
 
     from fgrpo.advantages import group_advantages
@@ -67,6 +66,7 @@ def _fgrpo_step(model, tok, task, world, device) -> None:
 
     init_process_group(world, device)
     cfg = FGRPOJobConfig()
+    cfg.fgrpo.batch_prompts, cfg.fgrpo.num_generations = prompts, num_generations
     f = cfg.fgrpo
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=f.learning_rate, weight_decay=f.weight_decay)
@@ -84,7 +84,7 @@ def _fgrpo_step(model, tok, task, world, device) -> None:
     opt.step()
 
 
-def worker(out_path: str, method: str, k: int, device_name: str) -> None:
+def worker(out_path: str, method: str, k: int, args) -> None:
     """Under mpirun: load, run ``method`` once, gather peaks; rank 0 writes JSON."""
     import torch
 
@@ -93,17 +93,17 @@ def worker(out_path: str, method: str, k: int, device_name: str) -> None:
     from hpc.runtime.world import get_world, select_device
 
     world = get_world()
-    device = select_device(world, device_name)
+    device = select_device(world, args.device)
     with tempfile.TemporaryDirectory(prefix="memory-") as scratch:
         model, tok, _ = lora_model(model_path(scratch)[0], device)
-    task = arith_task(max(ESSA_MINIBATCH, 64), 1)
+    task = arith_task(max(args.minibatch, args.prompts, 64), 1)
     loaded = _vm_hwm_mib()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     if method == "essa":
-        _essa_generation(model, tok, task, world, k)
+        _essa_generation(model, tok, task, world, k, args.population, args.minibatch)
     else:
-        _fgrpo_step(model, tok, task, world, device)
+        _fgrpo_step(model, tok, task, world, device, args.prompts, args.num_generations)
     row = {"rank": world.rank, "loaded_mib": loaded, "peak_mib": _vm_hwm_mib(),
            "cuda_peak_mib": (torch.cuda.max_memory_allocated(device) / 2 ** 20
                              if device.type == "cuda" else None)}
@@ -118,11 +118,15 @@ def main(argv=None) -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--population", type=int, default=96, help="ESSA members")
+    parser.add_argument("--minibatch", type=int, default=100, help="ESSA prompts per member")
+    parser.add_argument("--prompts", type=int, default=32, help="F-GRPO prompts per step")
+    parser.add_argument("--num-generations", type=int, default=8, help="F-GRPO G")
     parser.add_argument("--worker", nargs=3, metavar=("OUT_JSON", "METHOD", "K"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker[0], args.worker[1], int(args.worker[2]), args.device)
+        worker(args.worker[0], args.worker[1], int(args.worker[2]), args)
         return
     with tempfile.TemporaryDirectory(prefix="memory-") as scratch:
         print_table(args, scratch)
@@ -137,12 +141,15 @@ def print_table(args, scratch: str) -> None:
           f"each; MiB per rank (rank 0 / rank 1 / ...)")
     print(f"{'method':<42} {'RSS after load':>18} {'peak RSS':>18} {'peak - load':>14}"
           + (f" {'CUDA peak':>18}" if args.device == "cuda" else ""))
-    runs = [("essa", k, f"ESSA generation, k={k} (P={POPULATION}, M={ESSA_MINIBATCH})")
-            for k in args.ks] + [("fgrpo", 1, "F-GRPO step (32 prompts x G=8, micro 64)")]
+    runs = [("essa", k, f"ESSA generation, k={k} (P={args.population}, M={args.minibatch})")
+            for k in args.ks] + [("fgrpo", 1, f"F-GRPO step ({args.prompts} prompts x "
+                                             f"G={args.num_generations}, micro 64)")]
     for method, k, label in runs:
         out = os.path.join(scratch, f"{method}-{k}.json")
         launch_mpi(args.ranks, [os.path.abspath(__file__), "--worker", out, method, k,
-                                "--device", args.device])
+                                "--device", args.device, "--population", args.population,
+                                "--minibatch", args.minibatch, "--prompts", args.prompts,
+                                "--num-generations", args.num_generations])
         with open(out) as fh:
             rows = json.load(fh)
 

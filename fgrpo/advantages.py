@@ -3,7 +3,8 @@
 Rewards are laid out as ``(n_groups, G)``: row i holds the G = ``num_generations`` completions of
 prompt i. The advantage of completion j of group i is
 
-    A_ij = g_i * (r_ij - mean_i) / (s + eps),   g_i = (1 - p_i)^gamma,   p_i = clamp(mean_i, 0, 1)
+    A_ij = g_i * (r_ij - mean_i) / (s + eps),   g_i = (1 - p_i)^gamma,
+    p_i  = (1/G) * #{j : r_ij >= success_threshold}      (the group's success rate)
 
 where s is chosen by ``scale_rewards`` (TRL's convention, unbiased std, ``torch.std``):
 
@@ -12,9 +13,14 @@ where s is chosen by ``scale_rewards`` (TRL's convention, unbiased std, ``torch.
 * ``"none"``:  no division at all (Dr. GRPO), A_ij = g_i * (r_ij - mean_i).
 
 Groups whose rewards are all equal (``zero_spread``) get advantage exactly 0.0 (TRL leaves the
-rounding noise of ``r - mean`` there). For 0/1 rewards p_i is the group's success rate; groups
-the policy always solves (p = 1) get weight 0 when gamma > 0. gamma = 0 gives g = 1.0 exactly,
-and multiplying by 1.0 is exact, so the result is bitwise plain GRPO.
+rounding noise of ``r - mean`` there). p_i is the share of the group's rewards at or above
+``success_threshold`` (default 1.0), the same count the trainer logs as ``success_rate``; for
+0/1 rewards it equals the group mean. With rewards in {-1, 1}, 6 of 8 correct gives p = 0.75
+and g = 0.25 at gamma = 1 (a clamped mean would give p = 0.5). Groups the policy always solves
+(p = 1) get weight 0 when gamma > 0. gamma = 0 gives g = 1.0 exactly, and multiplying by 1.0 is
+exact, so the result is bitwise plain GRPO.
+
+``eps`` is TRL's 1e-4 by default (``fgrpo.advantage_epsilon``); verl's GRPO uses 1e-6.
 
 Distributed use: each rank holds whole groups, so group statistics are local. For ``"batch"``
 the std must be global: every rank calls :func:`batch_moments` on its rewards, the trainer sums
@@ -38,7 +44,7 @@ class Advantages:
 
     advantages:   (n_groups, G) float32, focal-weighted, scaled, group-centred rewards.
     focal_weight: (n_groups,) float32, g = (1 - p)^gamma, in [0, 1].
-    success_rate: (n_groups,) float32, p = group mean reward clipped to [0, 1].
+    success_rate: (n_groups,) float32, p = share of the group's rewards >= the threshold.
     zero_spread:  (n_groups,) bool, True where every reward of the group is equal.
     """
 
@@ -64,17 +70,21 @@ def std_from_moments(moments) -> float:
 
 
 def group_advantages(rewards: Tensor, scale_rewards: str, gamma: float, eps: float = 1e-4,
-                     batch_std: float | None = None) -> Advantages:
+                     batch_std: float | None = None,
+                     success_threshold: float = 1.0) -> Advantages:
     """F-GRPO advantages of ``rewards`` (n_groups, G), see the module docstring.
 
-    ``eps`` is added to the std (TRL's 1e-4). ``batch_std`` is the global unbiased std for
-    ``scale_rewards="batch"`` (from :func:`std_from_moments`); ignored by the other modes.
-    Raises ValueError for gamma < 0, G < 2, a non-2-D ``rewards`` or an unknown ``scale_rewards``.
+    ``eps`` is added to the std (TRL's 1e-4; verl's 1e-6). ``batch_std`` is the global unbiased
+    std for ``scale_rewards="batch"`` (from :func:`std_from_moments`); ignored by the other
+    modes. A reward >= ``success_threshold`` counts as a success in p. Raises ValueError for
+    gamma < 0, eps < 0, G < 2, a non-2-D ``rewards`` or an unknown ``scale_rewards``.
     """
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
     if gamma < 0:
         raise ValueError(f"focal gamma must be >= 0, got {gamma}")
+    if eps < 0:
+        raise ValueError(f"the advantage epsilon must be >= 0, got {eps}")
     if rewards.dim() != 2 or rewards.shape[1] < 2:
         raise ValueError(f"rewards must be (n_groups, G) with G >= 2, got {tuple(rewards.shape)}")
     r = rewards.detach().to(torch.float32)
@@ -87,6 +97,6 @@ def group_advantages(rewards: Tensor, scale_rewards: str, gamma: float, eps: flo
         adv = adv / (std + eps)
     zero_spread = r.amax(dim=1) == r.amin(dim=1)
     adv = torch.where(zero_spread[:, None], torch.zeros_like(adv), adv)
-    p = mean.squeeze(1).clamp(0.0, 1.0)
+    p = (r >= success_threshold).to(torch.float32).mean(dim=1)
     weight = torch.pow(1.0 - p, float(gamma))  # pow(x, 0) == 1 exactly, even for x = 0
     return Advantages(adv * weight[:, None], weight, p, zero_spread)

@@ -8,7 +8,8 @@ from hpc.runtime.errors import UserError
 
 # Aggregations of the policy loss (implemented in fgrpo.loss; declared here so that the config,
 # and with it `fgrpo --help`, needs no torch).
-LOSS_TYPES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_TYPES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+              "seq-mean-token-sum-norm")
 
 
 @dataclass
@@ -20,12 +21,24 @@ class FGRPOConfig:
                                  "group advantages need G >= 2", min=2, max=1024)
     gamma: float = param(1.0, "focal exponent: advantages scaled by (1 - p)^gamma; 0 = plain "
                          "GRPO", min=0.0, max=100.0)
+    success_threshold: float = param(1.0, "a completion with reward >= this is a success: p in "
+                                     "the focal weight is the group's share of successes, and "
+                                     "the logged success_rate counts the same",
+                                     min=-1e6, max=1e6)
     scale_rewards: str = param("group", "advantage std scaling (TRL scale_rewards); none = "
                                "Dr. GRPO", choices=["group", "batch", "none"])
+    advantage_epsilon: float = param(1e-4, "added to the reward std in the advantage "
+                                     "denominator (TRL's 1e-4; verl uses 1e-6)", min=0.0,
+                                     max=1.0)
     loss_type: str = param("token-mean", "aggregation: token-mean (DAPO), seq-mean-token-mean "
-                           "(GRPO), seq-mean-token-sum-norm (Dr. GRPO)", choices=list(LOSS_TYPES))
+                           "(GRPO), seq-mean-token-sum (verl), seq-mean-token-sum-norm "
+                           "(Dr. GRPO)", choices=list(LOSS_TYPES))
     epsilon: float = param(0.2, "lower clip of the importance ratio", min=0.0, max=10.0)
     epsilon_high: float = param(0.28, "upper clip (clip-higher as in DAPO)", min=0.0, max=10.0)
+    clip_ratio_c: float = param(0.0, "dual-clip PPO (verl clip_ratio_c, 3 there): the loss of "
+                                "a negative-advantage token A < 0 is capped at "
+                                "-clip_ratio_c * A; 0 = off (as TRL), else > 1", min=0.0,
+                                max=1000.0)
     beta: float = param(0.0, "KL penalty to the reference (k3); under LoRA the reference is the "
                         "base model with the adapter disabled", min=0.0, max=1000.0)
     num_iterations: int = param(1, "mu: optimizer passes over the same rollouts", min=1, max=1000)
@@ -44,3 +57,8 @@ class FGRPOConfig:
 class FGRPOJobConfig(JobConfig):
     per_rank_key = "fgrpo.batch_prompts"
     fgrpo: FGRPOConfig = field(default_factory=FGRPOConfig)
+
+    def validate(self):
+        if 0.0 < self.fgrpo.clip_ratio_c <= 1.0:
+            raise UserError(f"config key 'fgrpo.clip_ratio_c': {self.fgrpo.clip_ratio_c} must "
+                            f"be 0 (dual clip off) or > 1")

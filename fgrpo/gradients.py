@@ -38,7 +38,8 @@ def accumulate_gradients(model, rollouts, advantages: torch.Tensor, cfg, world,
         ref = None if ref_logp is None else ref_logp[start:stop]
         loss, stats = policy_loss(logp, old, advantages[start:stop], cm[:, 1:], f.loss_type,
                                   f.epsilon, f.epsilon_high, f.beta, ref,
-                                  max_completion_length=max_new_tokens, normalizer=normalizer)
+                                  max_completion_length=max_new_tokens, normalizer=normalizer,
+                                  clip_ratio_c=f.clip_ratio_c)
         loss.backward()
         n = stats["valid_tokens"]
         sums["tokens"] += n

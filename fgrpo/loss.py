@@ -2,18 +2,25 @@
 
 Per valid token (b, t), with ratio rho = exp(logp - old_logp) and advantage A_b:
 
-    loss_bt = -min(rho * A_b, clip(rho, 1 - epsilon, 1 + epsilon_high) * A_b) + beta * k3_bt
+    pg_bt   = -min(rho * A_b, clip(rho, 1 - epsilon, 1 + epsilon_high) * A_b)
+    loss_bt = pg_bt + beta * k3_bt
     k3_bt   = exp(ref - logp) - (ref - logp) - 1         (Schulman's k3 estimator, as in TRL)
+
+Dual-clip PPO (Ye et al. 2020, arXiv 1912.09729; verl's ``clip_ratio_c``, 3.0 there), off by
+default as in TRL: with ``clip_ratio_c = c > 1``, tokens with A_b < 0 use
+``min(pg_bt, -c * A_b)``, so a large ratio on a negative-advantage token cannot make its loss
+(and gradient) unbounded; tokens with A_b >= 0 are unchanged. The KL term is added after.
 
 Aggregations (``loss_type``), with m the (B, T) mask and L = ``max_completion_length``:
 
 * ``token-mean`` (DAPO):             sum_bt m*loss / sum_bt m
 * ``seq-mean-token-mean`` (GRPO):    (1/B) sum_b [sum_t m*loss / max(sum_t m, 1)]
+* ``seq-mean-token-sum`` (verl):     (1/B) sum_b [sum_t m*loss]
 * ``seq-mean-token-sum-norm`` (Dr. GRPO): (1/B) sum_b [sum_t m*loss / L]
 
 Data parallel + gradient accumulation (the ``normalizer`` contract). Every aggregation is
 ``numerator / D``: a sum over this call's tokens or sequences divided by a denominator D that
-is the batch's valid-token count (token-mean) or sequence count (both seq modes). When one
+is the batch's valid-token count (token-mean) or sequence count (the seq modes). When one
 optimizer step's batch is split over micro-batches and ranks, the trainer must
 
 1. compute D over the WHOLE step: the valid tokens (token-mean) or sequences (seq modes) of
@@ -40,19 +47,24 @@ from fgrpo.config import LOSS_TYPES
 def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, loss_type: str,
                 epsilon: float, epsilon_high: float, beta: float = 0.0,
                 ref_logp: Tensor | None = None, max_completion_length: int | None = None,
-                normalizer: float | None = None) -> tuple[Tensor, dict[str, float]]:
+                normalizer: float | None = None,
+                clip_ratio_c: float = 0.0) -> tuple[Tensor, dict[str, float]]:
     """Clipped surrogate loss, see the module docstring.
 
     logp, old_logp, ref_logp, mask: (B, T), log-probabilities in nats of the sampled tokens
     under the current / sampling / reference policy; mask is bool or 0/1 float (1 = valid).
     advantages: (B,). ``normalizer`` overrides the denominator D (see the module docstring).
-    Returns (scalar loss with grad through ``logp``, stats) where stats are floats over this
-    call's valid tokens: ``clip_fraction`` (tokens where the clip changed the objective),
-    ``kl`` (mean k3, 0.0 without KL), ``ratio_mean``, ``loss_mean`` (mean per-token loss) and
-    ``valid_tokens`` (their count, to weight stats across micro-batches).
+    ``clip_ratio_c``: dual-clip bound, 0 = off, else > 1. Returns (scalar loss with grad through
+    ``logp``, stats) where stats are floats over this call's valid tokens: ``clip_fraction``
+    (tokens where the clip changed the objective), ``dual_clip_fraction`` (tokens where the
+    dual clip lowered the loss, verl's ``pg_clipfrac_lower``), ``kl`` (mean k3, 0.0 without
+    KL), ``ratio_mean``, ``loss_mean`` (mean per-token loss) and ``valid_tokens`` (their count,
+    to weight stats across micro-batches).
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    if clip_ratio_c != 0.0 and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c must be 0 (off) or > 1, got {clip_ratio_c}")
     valid = mask.bool()
     m = valid.to(logp.dtype)
     # Zero the log-ratios at padding so garbage there cannot turn into inf/nan (forward or grad).
@@ -62,6 +74,12 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon_high) * adv
     per_token = -torch.minimum(unclipped, clipped)
+    if clip_ratio_c:
+        bound = -clip_ratio_c * adv  # > 0 where A < 0
+        dual = (adv < 0) & (per_token > bound)
+        per_token = torch.where(adv < 0, torch.minimum(per_token, bound), per_token)
+    else:
+        dual = torch.zeros_like(valid)
     use_kl = beta != 0.0 and ref_logp is not None
     if use_kl:
         ref_gap = torch.where(valid, ref_logp.detach() - logp, torch.zeros_like(logp))
@@ -74,6 +92,8 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     else:
         if loss_type == "seq-mean-token-mean":
             per_seq = masked.sum(dim=1) / m.sum(dim=1).clamp(min=1.0)
+        elif loss_type == "seq-mean-token-sum":
+            per_seq = masked.sum(dim=1)
         else:
             per_seq = masked.sum(dim=1) / float(max_completion_length or logp.shape[1])
         denom = float(logp.shape[0] if normalizer is None else normalizer)
@@ -83,6 +103,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
         n_safe = n.clamp(min=1.0)
         stats = {
             "clip_fraction": ((clipped < unclipped).to(m.dtype) * m).sum() / n_safe,
+            "dual_clip_fraction": (dual.to(m.dtype) * m).sum() / n_safe,
             "kl": (kl * m).sum() / n_safe if use_kl else n.new_zeros(()),
             "ratio_mean": (ratio * m).sum() / n_safe,
             "loss_mean": (masked.sum() / n_safe),

@@ -15,12 +15,13 @@ METRICS = ("reward_mean", "success_rate", "focal_weight_mean", "focal_weight_min
            "entropy", "completion_length", "loss", "skipped_steps")
 
 
-def local_sums(rollouts, adv, gradient_sums: dict) -> dict:
+def local_sums(rollouts, adv, gradient_sums: dict, success_threshold: float = 1.0) -> dict:
     """This rank's {name: float} of :data:`SUMMED`: its rollouts (rewards (n, G)), their
     advantages (:class:`fgrpo.advantages.Advantages`) and the sums of
-    :func:`fgrpo.gradients.accumulate_gradients` (over its last pass)."""
+    :func:`fgrpo.gradients.accumulate_gradients` (over its last pass). A success is a reward
+    >= ``success_threshold`` (the p of the focal weight counts the same)."""
     return dict(gradient_sums, reward=rollouts.rewards.sum().item(),
-                successes=(rollouts.rewards >= 1).sum().item(),
+                successes=(rollouts.rewards >= success_threshold).sum().item(),
                 completions=rollouts.rewards.numel(), focal_weight=adv.focal_weight.sum().item(),
                 groups=adv.zero_spread.numel(), zero_spread_groups=adv.zero_spread.sum().item(),
                 completion_tokens=rollouts.completion_lengths.float().sum().item())

@@ -76,7 +76,9 @@ class FGRPO(GradientMethod):
         if f.scale_rewards == "batch":
             batch_std = std_from_moments(world.allgather(
                 batch_moments(rollouts.rewards).numpy(), tag="metrics"))
-        adv = group_advantages(rollouts.rewards, f.scale_rewards, f.gamma, batch_std=batch_std)
+        adv = group_advantages(rollouts.rewards, f.scale_rewards, f.gamma,
+                               eps=f.advantage_epsilon, batch_std=batch_std,
+                               success_threshold=f.success_threshold)
         row_adv = adv.advantages.reshape(-1).to(self.job.device)
         with timer.phase("forward_backward"):
             old_logp = frozen_logprobs(self.model, rollouts, f.micro_batch) \
@@ -100,7 +102,7 @@ class FGRPO(GradientMethod):
             if not finite:
                 self.skipped += 1
                 break
-        return step_metrics(world, local_sums(rollouts, adv, sums), adv.focal_weight,
+        return step_metrics(world, local_sums(rollouts, adv, sums, f.success_threshold), adv.focal_weight,
                             self.skipped)
 
     def export(self, out_dir: str, step: int) -> None:

@@ -59,6 +59,9 @@ def test_model_folder_with_missing_files(tmp_path):
 @pytest.mark.parametrize("content, words", [
     ("", ["has no rows"]),
     ('{"question": "1+1?", "answer": "#### 2"}\nnot json\n', ["line 2"]),
+    ('{"question": "1+1?", "answer": "1+1=2\\n####"}\n', ["line 1", "gold answer is empty"]),
+    ('{"question": {"text": "1+1?"}, "answer": "#### 2"}\n', ["line 1", "'question' must be"]),
+    ('{"question": "1+1?", "answer": "#### 1e400"}\n', ["line 1", "not a finite number"]),
 ])
 def test_bad_data_files(tmp_path, content, words):
     data = tmp_path / "data.jsonl"

@@ -8,7 +8,7 @@ from hpc.runtime.runstore import RunFile
 
 
 @pytest.mark.parametrize("loss_type", ["token-mean", "seq-mean-token-mean",
-                                       "seq-mean-token-sum-norm"])
+                                       "seq-mean-token-sum", "seq-mean-token-sum-norm"])
 def test_ddp_gradient_equals_single_process(tmp_path, loss_type):
     grads = {}
     for n in (1, 2):
@@ -67,6 +67,7 @@ def test_resume_equals_uninterrupted(toy_adapter, tmp_path):
     ("fgrpo.gamma=-0.5", ["fgrpo.gamma", "minimum"]),
     ("fgrpo.num_generations=1", ["fgrpo.num_generations", "minimum"]),
     ("fgrpo.loss_type=seq-sum", ["fgrpo.loss_type", "not one of"]),
+    ("fgrpo.clip_ratio_c=0.5", ["fgrpo.clip_ratio_c", "or > 1"]),
 ])
 def test_bad_options_exit_2(tmp_path, override, words):
     out = tmp_path / "run"
@@ -81,7 +82,9 @@ def test_bad_options_exit_2(tmp_path, override, words):
 @pytest.mark.parametrize("extra", [["fgrpo.full_finetune=true", "fgrpo.beta=0.1"],
                                    ["fgrpo.beta=0.1", "fgrpo.num_iterations=2",
                                     "fgrpo.scale_rewards=batch",
-                                    "fgrpo.loss_type=seq-mean-token-sum-norm"]],
+                                    "fgrpo.loss_type=seq-mean-token-sum-norm",
+                                    "fgrpo.clip_ratio_c=3", "fgrpo.advantage_epsilon=1e-6",
+                                    "fgrpo.success_threshold=0.5"]],
                          ids=["full-finetune-kl", "lora-kl-mu2-batch-std"])
 def test_variants_run_and_log(tiny_models, tmp_path, extra):
     """Full fine-tuning with a frozen reference copy, and LoRA with the adapter-disabled

@@ -5,7 +5,10 @@ import pytest
 import torch
 
 from fgrpo.advantages import batch_moments, group_advantages, std_from_moments
+from fgrpo.config import FGRPOJobConfig
 from fgrpo.loss import LOSS_TYPES, entropy_from_logits, policy_loss, token_logprobs
+from hpc.runtime.config import load_config
+from hpc.runtime.errors import UserError
 
 EPS_STD = 1e-4
 PAD = 100.0  # garbage log-prob at padding: exp(PAD - old) overflows float32 unless masked first
@@ -19,8 +22,8 @@ REF_GAP = [[0.1, -0.2, 0.05], [0.0, 0.3, -0.1], [0.2, -0.1, None], [-0.3, 0.1, N
 MASK = [[1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 1, 0]]
 
 
-def hand_advantages(rewards, mode, gamma):
-    """Flat list of advantages, plain Python arithmetic."""
+def hand_advantages(rewards, mode, gamma, eps=EPS_STD, threshold=1.0):
+    """Flat list of advantages, plain Python arithmetic; p = share of rewards >= threshold."""
     flat = [r for group in rewards for r in group]
     n = len(flat)
     batch_mean = sum(flat) / n
@@ -30,21 +33,22 @@ def hand_advantages(rewards, mode, gamma):
         g_len = len(group)
         mean = sum(group) / g_len
         std = math.sqrt(sum((r - mean) ** 2 for r in group) / (g_len - 1))
-        p = min(max(mean, 0.0), 1.0)
+        p = sum(r >= threshold for r in group) / g_len
         weight = (1.0 - p) ** gamma
         for r in group:
             centred = r - mean
             if mode == "group":
-                centred = centred / (std + EPS_STD)
+                centred = centred / (std + eps)
             elif mode == "batch":
-                centred = centred / (batch_std + EPS_STD)
+                centred = centred / (batch_std + eps)
             out.append(weight * centred)
     return out
 
 
-def hand_loss(adv, loss_type, eps, eps_high, beta, with_ref, max_len=3):
-    """(loss, clip_fraction, kl mean, ratio mean, per-token loss mean) on the module data."""
-    seq_terms, all_tok, kls, ratios, clipped_count = [], [], [], [], 0
+def hand_loss(adv, loss_type, eps, eps_high, beta, with_ref, max_len=3, clip_ratio_c=0.0):
+    """(loss, clip_fraction, kl mean, ratio mean, per-token loss mean, dual-clip fraction) on
+    the module data."""
+    seq_terms, all_tok, kls, ratios, clipped_count, dual_count = [], [], [], [], 0, 0
     for b in range(4):
         tok = []
         for t in range(3):
@@ -55,6 +59,9 @@ def hand_loss(adv, loss_type, eps, eps_high, beta, with_ref, max_len=3):
             clipped = min(max(ratio, 1.0 - eps), 1.0 + eps_high) * adv[b]
             clipped_count += clipped < unclipped
             value = -min(unclipped, clipped)
+            if clip_ratio_c and adv[b] < 0 and value > -clip_ratio_c * adv[b]:
+                value = -clip_ratio_c * adv[b]  # dual clip: negative advantages only
+                dual_count += 1
             if with_ref and beta != 0.0:
                 gap = REF_GAP[b][t]
                 kl = math.exp(gap) - gap - 1.0
@@ -65,12 +72,14 @@ def hand_loss(adv, loss_type, eps, eps_high, beta, with_ref, max_len=3):
         all_tok.extend(tok)
         if loss_type == "seq-mean-token-mean":
             seq_terms.append(sum(tok) / len(tok))
+        elif loss_type == "seq-mean-token-sum":
+            seq_terms.append(sum(tok))
         else:
             seq_terms.append(sum(tok) / max_len)
     n = len(all_tok)
     loss = sum(all_tok) / n if loss_type == "token-mean" else sum(seq_terms) / len(seq_terms)
     kl_mean = sum(kls) / n if kls else 0.0
-    return loss, clipped_count / n, kl_mean, sum(ratios) / n, sum(all_tok) / n
+    return loss, clipped_count / n, kl_mean, sum(ratios) / n, sum(all_tok) / n, dual_count / n
 
 
 def tensors():
@@ -95,8 +104,8 @@ def test_advantages_match_hand_values(mode, gamma):
     out = group_advantages(torch.tensor(REWARDS), mode, gamma)
     assert out.advantages.dtype == torch.float32 and out.advantages.shape == (2, 2)
     assert out.advantages.reshape(-1).tolist() == approx(hand_advantages(REWARDS, mode, gamma))
-    assert out.success_rate.tolist() == approx([0.5, 0.75])
-    assert out.focal_weight.tolist() == approx([0.5 ** gamma, 0.25 ** gamma])
+    assert out.success_rate.tolist() == approx([0.5, 0.5])  # one reward >= 1 in each group
+    assert out.focal_weight.tolist() == approx([0.5 ** gamma, 0.5 ** gamma])
     assert out.zero_spread.tolist() == [False, False]
 
 
@@ -104,7 +113,7 @@ def test_advantage_literals():
     # group [1, 0]: mean 0.5, unbiased std sqrt(0.5); gamma 2 -> weight (1 - 0.5)^2 = 0.25.
     out = group_advantages(torch.tensor(REWARDS), "group", 2.0)
     a = 0.25 * 0.5 / (0.7071067811865476 + 1e-4)
-    b = 0.0625 * 0.25 / (0.3535533905932738 + 1e-4)  # group [1, 0.5]: p 0.75, std sqrt(0.125)
+    b = 0.25 * 0.25 / (0.3535533905932738 + 1e-4)  # group [1, 0.5]: p 0.5, std sqrt(0.125)
     assert out.advantages.tolist() == [approx([a, -a]), approx([b, -b])]
 
 
@@ -170,8 +179,42 @@ def test_batch_std_from_moments_over_two_ranks_matches_full_batch():
         hand_advantages(r.tolist(), "batch", 1.0))
 
 
+def test_focal_p_is_the_success_rate_for_non_binary_rewards():
+    """Issue 13 fault 8: rewards in {-1, 1}, 6 of 8 correct. p = 6/8 (as the logged success
+    rate counts it), weight (1 - 0.75)^1 = 0.25; a clamped mean reward (0.5) gave 0.5."""
+    r = torch.tensor([[1.0] * 6 + [-1.0] * 2])
+    out = group_advantages(r, "group", 1.0)
+    assert out.success_rate.tolist() == [0.75] and out.focal_weight.tolist() == [0.25]
+    std = math.sqrt((6 * 0.5 ** 2 + 2 * 1.5 ** 2) / 7)  # mean 0.5
+    assert out.advantages[0].tolist() == approx([0.25 * 0.5 / (std + 1e-4)] * 6 +
+                                                [0.25 * -1.5 / (std + 1e-4)] * 2)
+    assert out.advantages.reshape(-1).tolist() == approx(hand_advantages(r.tolist(), "group", 1.0))
+
+
+@pytest.mark.parametrize("threshold, p", [(1.0, 0.25), (0.5, 0.5), (0.0, 1.0), (1.5, 0.0)])
+def test_success_threshold_sets_p(threshold, p):
+    r = torch.tensor([[0.6, 0.4, 1.0, 0.0]])
+    out = group_advantages(r, "none", 2.0, success_threshold=threshold)
+    assert out.success_rate.tolist() == [p] and out.focal_weight.tolist() == approx([(1 - p) ** 2])
+    assert out.advantages.reshape(-1).tolist() == approx(
+        hand_advantages(r.tolist(), "none", 2.0, threshold=threshold))
+    assert out.advantages[0].tolist() == approx([(1 - p) ** 2 * (x - 0.5) for x in r[0].tolist()])
+
+
+@pytest.mark.parametrize("eps", [1e-6, 0.0, 0.5])
+@pytest.mark.parametrize("mode", ["group", "batch"])
+def test_advantage_epsilon_by_hand(eps, mode):
+    # verl's GRPO adds 1e-6; group [1, 0]: A = 0.5 * (+-0.5) / (sqrt(0.5) + eps) at gamma 1
+    out = group_advantages(torch.tensor(REWARDS), mode, 1.0, eps=eps)
+    assert out.advantages.reshape(-1).tolist() == approx(
+        hand_advantages(REWARDS, mode, 1.0, eps=eps))
+    if mode == "group":
+        assert out.advantages[0, 0].item() == approx(0.25 / (0.7071067811865476 + eps))
+
+
 @pytest.mark.parametrize("kwargs", [dict(gamma=-0.5), dict(rewards=torch.ones(3, 1)),
-                                    dict(rewards=torch.ones(4)), dict(scale_rewards="std")])
+                                    dict(rewards=torch.ones(4)), dict(scale_rewards="std"),
+                                    dict(eps=-1e-6)])
 def test_advantage_errors(kwargs):
     args = dict(rewards=torch.ones(3, 2), scale_rewards="group", gamma=1.0) | kwargs
     with pytest.raises(ValueError):
@@ -185,17 +228,22 @@ def test_advantage_errors(kwargs):
 @pytest.mark.parametrize("gamma", [0.0, 1.0, 2.0])
 @pytest.mark.parametrize("beta", [0.0, 0.05])
 @pytest.mark.parametrize("clip", [(0.2, 0.28), (0.9, 10.0)], ids=["clip-active", "no-clip"])
-def test_loss_matches_hand_computation(loss_type, gamma, beta, clip):
+@pytest.mark.parametrize("clip_ratio_c", [0.0, 1.1], ids=["no-dual", "dual-1.1"])
+def test_loss_matches_hand_computation(loss_type, gamma, beta, clip, clip_ratio_c):
     eps, eps_high = clip
     adv_hand = hand_advantages(REWARDS, "group", gamma)
     adv = group_advantages(torch.tensor(REWARDS), "group", gamma).advantages.reshape(-1)
     logp, old, ref, mask = tensors()
     loss, stats = policy_loss(logp, old, adv, mask, loss_type, eps, eps_high, beta=beta,
-                              ref_logp=ref)
-    want, clip_frac, kl, ratio, tok_mean = hand_loss(adv_hand, loss_type, eps, eps_high, beta, True)
+                              ref_logp=ref, clip_ratio_c=clip_ratio_c)
+    want, clip_frac, kl, ratio, tok_mean, dual = hand_loss(adv_hand, loss_type, eps, eps_high,
+                                                           beta, True, clip_ratio_c=clip_ratio_c)
     assert loss.item() == approx(want)
     assert stats["clip_fraction"] == approx(clip_frac)
     assert stats["clip_fraction"] == approx(0.4 if clip == (0.2, 0.28) else 0.0)  # 4 of 10 tokens
+    # dual clip at 1.1 acts on the negative-advantage tokens (1, 0) and (3, 1): ratios e^0.3, e^0.2
+    assert stats["dual_clip_fraction"] == approx(dual)
+    assert dual == approx(0.2 if clip_ratio_c else 0.0)
     assert stats["kl"] == approx(kl) and (stats["kl"] > 0) == (beta > 0)
     assert stats["ratio_mean"] == approx(ratio)
     assert stats["loss_mean"] == approx(tok_mean)
@@ -218,6 +266,63 @@ def test_loss_literal_single_token():
     assert loss_sum.item() == approx(-2.56 / 4)
 
 
+def test_dual_clip_literals():
+    # A = -2: ratio e^1.5 = 4.48 -> PPO loss 2 * 4.48 = 8.96, dual clip c = 3 caps it at 6 (no
+    # gradient); ratio e^0.5 = 1.65 -> 3.30 < 6, unchanged. A = +2 is never dual-clipped.
+    logp = torch.tensor([[1.5, 0.5], [1.5, -1.5]], requires_grad=True)
+    adv, mask = torch.tensor([-2.0, 2.0]), torch.ones(2, 2)
+    loss, stats = policy_loss(logp, torch.zeros(2, 2), adv, mask, "token-mean", 0.2, 0.28,
+                              clip_ratio_c=3.0)
+    rows = [[6.0, 2 * math.exp(0.5)], [-2 * 1.28, -2 * math.exp(-1.5)]]
+    assert loss.item() == approx(sum(rows[0] + rows[1]) / 4)
+    assert stats["dual_clip_fraction"] == 0.25
+    loss.backward()
+    assert logp.grad[0, 0].item() == 0.0 and logp.grad[0, 1].item() == approx(
+        2 * math.exp(0.5) / 4)
+    off, off_stats = policy_loss(logp, torch.zeros(2, 2), adv, mask, "token-mean", 0.2, 0.28)
+    assert off.item() == approx((2 * math.exp(1.5) + sum(rows[0][1:] + rows[1])) / 4)
+    assert off_stats["dual_clip_fraction"] == 0.0
+
+
+def verl_vanilla_loss(logp, old, adv, mask, eps, eps_high, c, agg):
+    """verl's ``compute_policy_loss_vanilla`` + ``agg_loss`` (core_algos.py), written out:
+    the PPO max of the two losses, then min with -A * c where A < 0."""
+    ratio = torch.exp(torch.clamp(logp - old, -20.0, 20.0))
+    a = adv[:, None].expand_as(logp)
+    clip1 = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 1 - eps, 1 + eps_high))
+    losses = torch.where(a < 0, torch.min(-a * c, clip1), clip1)
+    m = mask.float()
+    if agg == "token-mean":
+        return (losses * m).sum() / m.sum()
+    return (losses * m).sum(-1).mean()  # seq-mean-token-sum
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("c", [1.5, 3.0])
+def test_dual_clip_and_token_sum_match_verl(agg, c):
+    logp, old, _, adv, mask = _split_batch()
+    logp = old + 5.0 * (logp - old)  # spread log-ratios (std 2 nats), so the dual clip acts
+    mine, stats = policy_loss(logp, old, adv, mask, agg, 0.2, 0.28, clip_ratio_c=c)
+    assert stats["dual_clip_fraction"] > 0
+    assert mine.item() == approx(verl_vanilla_loss(logp, old, adv, mask, 0.2, 0.28, c, agg).item())
+    plain, _ = policy_loss(logp, old, adv, mask, agg, 0.2, 0.28)
+    assert plain.item() > mine.item()  # the dual clip only ever lowers the loss
+
+
+def test_seq_mean_token_sum_literal():
+    # rows of 3 and 1 valid tokens, ratio 1, A = [1, -2]: per-token losses -1 and +2
+    loss, _ = policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.tensor([1.0, -2.0]),
+                          torch.tensor([[1, 1, 1], [1, 0, 0]]), "seq-mean-token-sum", 0.2, 0.28)
+    assert loss.item() == approx((-3.0 + 2.0) / 2)
+
+
+@pytest.mark.parametrize("c", [0.5, 1.0, -3.0])
+def test_dual_clip_bound_must_exceed_one(c):
+    logp, old, _, mask = tensors()
+    with pytest.raises(ValueError, match="clip_ratio_c must be 0 .off. or > 1"):
+        policy_loss(logp, old, torch.zeros(4), mask, "token-mean", 0.2, 0.28, clip_ratio_c=c)
+
+
 def test_kl_needs_both_beta_and_reference():
     logp, old, ref, mask = tensors()
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
@@ -238,8 +343,8 @@ def test_all_padding_gives_zero_loss_and_finite_grad(loss_type):
                                   normalizer=normalizer)
         loss.backward()
         assert loss.item() == 0.0 and torch.equal(logp.grad, torch.zeros(2, 3))
-        assert stats == {"clip_fraction": 0.0, "kl": 0.0, "ratio_mean": 0.0, "loss_mean": 0.0,
-                         "valid_tokens": 0.0}
+        assert stats == {"clip_fraction": 0.0, "dual_clip_fraction": 0.0, "kl": 0.0,
+                         "ratio_mean": 0.0, "loss_mean": 0.0, "valid_tokens": 0.0}
 
 
 def test_bad_loss_type_lists_allowed():
@@ -333,3 +438,21 @@ def test_entropy_from_logits_by_hand():
     mask = torch.tensor([[1, 1], [1, 0]])
     # uniform over 4: ln 4; uniform over 2 (two -inf): ln 2; one-hot: 0; nan row is padding
     assert entropy_from_logits(logits, mask) == approx((math.log(4) + math.log(2)) / 3)
+
+
+# ---------------------------------------------------------------- config keys
+
+
+def test_config_keys_for_the_new_options():
+    cfg = load_config(FGRPOJobConfig, None, [])
+    assert (cfg.fgrpo.success_threshold, cfg.fgrpo.advantage_epsilon, cfg.fgrpo.clip_ratio_c) \
+        == (1.0, 1e-4, 0.0)  # TRL's epsilon; dual clip off as in TRL
+    cfg = load_config(FGRPOJobConfig, None, ["fgrpo.clip_ratio_c=3", "fgrpo.advantage_epsilon=1e-6",
+                                             "fgrpo.success_threshold=0.5",
+                                             "fgrpo.loss_type=seq-mean-token-sum"])
+    assert (cfg.fgrpo.clip_ratio_c, cfg.fgrpo.advantage_epsilon) == (3.0, 1e-6)
+    for bad, message in (("fgrpo.clip_ratio_c=1", "must be 0 .dual clip off. or > 1"),
+                         ("fgrpo.clip_ratio_c=-2", "below the minimum"),
+                         ("fgrpo.advantage_epsilon=-1e-6", "below the minimum")):
+        with pytest.raises(UserError, match=message):
+            load_config(FGRPOJobConfig, None, [bad])

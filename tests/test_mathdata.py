@@ -102,14 +102,19 @@ def test_subset_counts_and_order(tmp_path):
     ("gsm8k", '{"question": "q", "answer": "#### 1e400"}\n', "line 1: the gold answer '1e400' is "
      "not a finite number"),
     ("gsm8k", '{"question": 5, "answer": "#### 1"}\n', "line 1: field 'question' must be a string"),
-    ("gsm8k", '{"question": "q", "answer": ["#### 1"]}\n', "line 1: field 'answer' must be a string"),
+    ("gsm8k", '{"question": {"text": "q"}, "answer": "#### 1"}\n',
+     "line 1: field 'question' must be a string, got dict"),
+    ("gsm8k", '{"question": "q", "answer": ["#### 1"]}\n',
+     "line 1: field 'answer' must be a string"),
     ("math", '{"question": ["q"], "answer": "\\\\boxed{1}"}\n',
      "line 1: field 'question' must be a string"),
     ("math", '{"question": "q", "answer": "x The answer is: \\\\frac{1}{2"}\n',
      "line 1: the gold answer '\\\\frac{1}{2' is unreadable"),
     ("aime", '{"problem": "p", "answer": 1e400}\n', "line 1: the gold answer inf is not a finite"),
-    ("aime", '{"problem": "p", "answer": "12 or 13"}\n', "line 1: the gold answer '12 or 13' is not"),
-    ("amc", '{"problem": "p", "answer": true}\n', "line 1: the 'answer' must be a number, got bool"),
+    ("aime", '{"problem": "p", "answer": "12 or 13"}\n',
+     "line 1: the gold answer '12 or 13' is not"),
+    ("amc", '{"problem": "p", "answer": true}\n',
+     "line 1: the 'answer' must be a number, got bool"),
     ("amc", '{"problem": "p", "answer": {"v": 1}}\n', "line 1: the 'answer' must be a number"),
 ])
 def test_bad_files_give_one_line_user_errors(tmp_path, name, text, expected):

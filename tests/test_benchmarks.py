@@ -1,0 +1,79 @@
+"""Every script in benchmarks/ runs end to end at a tiny size, as a user starts it.
+
+``communication.py`` and ``memory.py`` start their own ranks with the real mpirun
+(``benchmarks/common.py``'s ``launch_mpi``); the others run as one process. ``gpu_check.py``
+runs its CPU path on the ``tiny`` shape. Figures are not checked (they are machine-dependent
+and live in README/benchmarks/results); the tables must be complete. A hung run is killed with
+its whole process group (mpirun and its ranks) and fails the test.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import MPI_ENV, REPO, mpirun_path, require
+
+BENCHMARKS = os.path.join(REPO, "benchmarks")
+TIMEOUT_S = 600  # a loaded shared machine; a hang fails at this point instead of never
+
+# script: (arguments at smoke size, needs mpirun, lines the output must contain)
+SMOKE = {
+    "communication.py": (["--ranks", "1", "2", "--population", "4", "--repeats", "2"], True,
+                         ["1 ranks. ESSA per generation", "2 ranks. ESSA per generation",
+                          "qwen2.5-7b shape, LoRA r=8 on q/k/v/o"]),
+    "memory.py": (["--ranks", "2", "--ks", "1", "--population", "4", "--minibatch", "2",
+                   "--prompts", "2", "--num-generations", "2"], True,
+                  ["ESSA generation, k=1 (P=4, M=2)", "F-GRPO step (2 prompts x G=2"]),
+    "optimizer_cost.py": (["--dims", "8", "--population", "6", "--generations", "2"], False,
+                          ["population 6, 2 generations", "cma", "openai-es"]),
+    "host_ops.py": (["--model", "qwen2.5-1.5b", "--ks", "1", "--prompts", "1", "--tokens", "2",
+                     "--repeats", "1"], False, ["qwen2.5-1.5b       28   1     1"]),
+    "members_per_second.py": (["--ks", "1", "2", "--minibatches", "2", "--members", "2",
+                               "--repeats", "1", "--population", "4", "--generations", "2"],
+                              False, ["minibatch 2 prompts, 2 members", "OUTSIDE GENERATION"]),
+    "gpu_check.py": (["--model", "tiny", "--device", "cpu", "--ks", "1", "2", "--prompts", "2",
+                      "--minutes", "5"], False, ["F-GRPO step (256 rows)", "wrote "]),
+}
+
+
+def run_script(args: list) -> tuple:
+    """(return code, stdout, stderr) of ``python args...`` in its own process group."""
+    env = dict(os.environ, **MPI_ENV)
+    proc = subprocess.Popen([sys.executable] + args, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the script, mpirun and its ranks
+        out, err = proc.communicate()
+        pytest.fail(f"{args[0]} still running after {TIMEOUT_S} s (hung?):\n{err[-2000:]}")
+    return proc.returncode, out, err
+
+
+def test_every_benchmark_has_a_smoke_test():
+    scripts = {f for f in os.listdir(BENCHMARKS) if f.endswith(".py") and f != "common.py"}
+    assert scripts == set(SMOKE)
+
+
+@pytest.mark.parametrize("script", sorted(SMOKE))
+def test_benchmark_runs_at_smoke_size(script, tmp_path):
+    args, needs_mpi, expected = SMOKE[script]
+    if needs_mpi:
+        require(mpirun_path() is not None, "mpirun")
+    if script == "gpu_check.py":
+        args = [str(tmp_path)] + args
+    code, out, err = run_script([os.path.join(BENCHMARKS, script)] + args)
+    assert code == 0, err[-3000:]
+    assert out.startswith("machine: "), out[:500]
+    for line in expected:
+        assert line in out, f"{line!r} missing from:\n{out}"
+    if script == "gpu_check.py":
+        with open(tmp_path / "gpu_check.json") as fh:
+            result = json.load(fh)["results"][0]
+        assert [r["k"] for r in result["members"]] == [1, 2]
+        assert all(r["lora_fused"]["members_per_s"] > 0 for r in result["members"])
+        assert result["fgrpo_step"]["rows"] == 256
