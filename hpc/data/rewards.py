@@ -39,6 +39,9 @@ _VALUE_RE = re.compile(rf"{_LATEX}|{_PLAIN}")
 _LEADING_RE = re.compile(rf"\s*(?:\\?\$\s*)?({_VALUE_RE.pattern})")  # one \s* run: linear
 _EXPRESSION_NEXT_RE = re.compile(r"[ \t]*[=+\-*/×^%A-Za-z]")
 _MARKER_RE = re.compile(r"answer is\s*:?|####", re.IGNORECASE)
+# "... so our answer is correct." checks an answer given before; it states none
+_VERDICT_RE = re.compile(r"(?:correct|right|wrong|incorrect|indeed|consistent|verified|"
+                         r"confirmed|reasonable|valid)\b", re.IGNORECASE)
 _TEXT_RE = re.compile(r"\\(?:text|textbf|mathrm|mbox)\s*\{[^{}]*\}")
 _LATEX_NOISE_RE = re.compile(r"\\[,;!: ]|\\\$|\$|\\%|%|\\left|\\right|\^\s*\{?\\circ\}?")
 # Trailing units: '9 (apples)', '5 dollars', '18 square feet'; words of 2+ letters, not 'pi'.
@@ -99,15 +102,18 @@ def final_answer(text: str, hashes: bool = True):
     None without a marker.
 
     Markers: ``\\boxed{...}`` (its content), "answer is[:]" and, if ``hashes``, ``####`` (the
-    rest of the line, surrounding '$' and a trailing '.' removed). The one starting last wins.
+    rest of the line, surrounding '$' and a trailing '.' removed). The one starting last wins;
+    an "answer is" followed by a verdict ("correct", "wrong", ...) is a check, not a marker.
     """
     found = _last_box(text)
     for match in reversed(list(_MARKER_RE.finditer(text))):
         if match.group() == "####" and not hashes:
             continue
+        line = text[match.end():].split("\n", 1)[0].lstrip(_EDGE_CHARS)
+        if match.group() != "####" and _VERDICT_RE.match(line):
+            continue
         if found is None or match.start() > found[0]:
-            line = text[match.end():].split("\n", 1)[0]
-            found = match.start(), line.lstrip(_EDGE_CHARS).rstrip(_EDGE_CHARS + ".")
+            found = match.start(), line.rstrip(_EDGE_CHARS + ".")
         break
     return None if found is None else found[1]
 
