@@ -29,6 +29,8 @@ TABLE = [
     (1, "First \\boxed{2}? No: 2 + 1 = 3, the answer is 3.", "3", 1.0, 1.0),
     (1, "the answer is 3, I guess. Then $x = 5$, so \\boxed{5}.", "5", 1.0, 1.0),
     (1, "The answer is \\boxed{7}.", "7", 1.0, 1.0),
+    (1, "so \\boxed{44}. Check: 17 * 44 = 748, so our answer is correct.", "44", 1.0, 1.0),
+    (1, "The answer is 44.\nWe may check it: the answer is indeed right.", "44", 1.0, 1.0),
     # 2: an empty final answer scores 0, whatever numbers the reasoning holds
     (2, "3 + 2 = 5 apples. The answer is .", "5", 0.0, 0.0),
     (2, "3 + 2 = 5 apples. The answer is", "5", 0.0, 0.0),

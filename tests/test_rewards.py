@@ -72,8 +72,11 @@ def test_last_boxed_and_gsm8k_gold():
 
 def test_pathological_input_is_zero():
     """Huge powers, unbalanced LaTeX, 100k characters, None: reward 0, no exception (math-verify's
-    own time limits bound the work; no wall-clock assertion here, the machine is shared)."""
-    for completion in ("\\boxed{9^{9^{9^{9}}}}", "\\boxed{" + "(" * 3000 + "}", "x" * 100000, None):
+    own time limits bound the work; no wall-clock assertion here, the machine is shared). The
+    long runs of spaces, '$ ' and unclosed boxes took the old graders quadratic time (minutes)."""
+    for completion in ("\\boxed{9^{9^{9^{9}}}}", "\\boxed{" + "(" * 3000 + "}", "x" * 100000, None,
+                       " " * 100000 + "x", "$ " * 50000 + "x", "\\boxed{" * 15000,
+                       "The answer is " + "ab " * 30000):
         assert math_reward(completion, "1") == 0.0
         assert numeric_reward(completion, "1") == 0.0
 

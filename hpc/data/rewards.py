@@ -22,8 +22,6 @@ import re
 import threading
 from fractions import Fraction
 
-import sympy
-
 _MINUS = "\u2212"  # Unicode minus sign, read as '-'
 _DIGITS = (r"(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
            r"(?:[eE][-+]?\d{1,3}(?![\w.]))?")  # exponents of at most 3 digits: bounded work
@@ -38,9 +36,12 @@ _LATEX = (rf"(?:{_SIGN}\\[dt]?frac\s*{_FRAC_ARG}\s*{_FRAC_ARG}"  # \frac{1}{2}, 
 _PLAIN_RE = re.compile(_PLAIN)
 _LATEX_RE = re.compile(_LATEX)
 _VALUE_RE = re.compile(rf"{_LATEX}|{_PLAIN}")
-_LEADING_RE = re.compile(rf"\s*\\?\$?\s*({_VALUE_RE.pattern})")
+_LEADING_RE = re.compile(rf"\s*(?:\\?\$\s*)?({_VALUE_RE.pattern})")  # one \s* run: linear
 _EXPRESSION_NEXT_RE = re.compile(r"[ \t]*[=+\-*/×^%A-Za-z]")
 _MARKER_RE = re.compile(r"answer is\s*:?|####", re.IGNORECASE)
+# "... so our answer is correct." checks an answer given before; it states none
+_VERDICT_RE = re.compile(r"(?:correct|right|wrong|incorrect|indeed|consistent|verified|"
+                         r"confirmed|reasonable|valid)\b", re.IGNORECASE)
 _TEXT_RE = re.compile(r"\\(?:text|textbf|mathrm|mbox)\s*\{[^{}]*\}")
 _LATEX_NOISE_RE = re.compile(r"\\[,;!: ]|\\\$|\$|\\%|%|\\left|\\right|\^\s*\{?\\circ\}?")
 # Trailing units: '9 (apples)', '5 dollars', '18 square feet'; words of 2+ letters, not 'pi'.
@@ -49,29 +50,32 @@ _UNITS_RE = re.compile(r"\s*(?:\(\s*(?!pi\b)[A-Za-z]{2,}[A-Za-z .]*\)"
 _SCIENTIFIC_RE = re.compile(r"(?<![\w.\\])(\d+(?:\.\d+)?)[eE]([-+]?\d{1,3})(?![\w.])")
 _BOX_RE = re.compile(r"\\(?:boxed|fbox|framebox)(?![A-Za-z])(\s*)")
 _TIMEOUT_S = 2
+_MAX_NUMBER_CHARS = 400  # longer text is not read as one number (and never reaches a regex
+#                          that could backtrack over it)
+_EDGE_CHARS = " \t\n\r\f\v$"  # stripped around a stated answer, with a trailing '.'
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 
-def _balanced(text: str, start: int):
-    """The content of the ``{...}`` group opening at ``text[start]`` (None if unclosed)."""
-    depth = 0
+def _closing_braces(text: str, start: int) -> dict:
+    """``{i: j}``: the ``'}'`` at j closes the ``'{'`` at i, for every brace from ``start`` on
+    that closes (one pass: unclosed groups cost no rescans)."""
+    opened, pairs = [], {}
     for i in range(start, len(text)):
         if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start + 1:i]
-    return None
+            opened.append(i)
+        elif text[i] == "}" and opened:
+            pairs[opened.pop()] = i
+    return pairs
 
 
 def _last_box(text: str):
     """``(start, content)`` of the last readable ``\\boxed{...}``/``\\fbox{...}``, or None."""
-    for match in reversed(list(_BOX_RE.finditer(text))):
+    boxes = list(_BOX_RE.finditer(text))
+    pairs = _closing_braces(text, boxes[0].end()) if boxes else {}
+    for match in reversed(boxes):
         if text.startswith("{", match.end()):
-            content = _balanced(text, match.end())
-            if content is not None:
-                return match.start(), content
+            if match.end() in pairs:
+                return match.start(), text[match.end() + 1:pairs[match.end()]]
         elif match.group(1):
             token = re.match(r"[^\s$.,]+", text[match.end():])
             if token:
@@ -98,15 +102,18 @@ def final_answer(text: str, hashes: bool = True):
     None without a marker.
 
     Markers: ``\\boxed{...}`` (its content), "answer is[:]" and, if ``hashes``, ``####`` (the
-    rest of the line, surrounding '$' and a trailing '.' removed). The one starting last wins.
+    rest of the line, surrounding '$' and a trailing '.' removed). The one starting last wins;
+    an "answer is" followed by a verdict ("correct", "wrong", ...) is a check, not a marker.
     """
     found = _last_box(text)
     for match in reversed(list(_MARKER_RE.finditer(text))):
         if match.group() == "####" and not hashes:
             continue
+        line = text[match.end():].split("\n", 1)[0].lstrip(_EDGE_CHARS)
+        if match.group() != "####" and _VERDICT_RE.match(line):
+            continue
         if found is None or match.start() > found[0]:
-            line = text[match.end():].split("\n", 1)[0]
-            found = match.start(), re.sub(r"[\s.$]+$", "", re.sub(r"^[\s$]+", "", line))
+            found = match.start(), line.rstrip(_EDGE_CHARS + ".")
         break
     return None if found is None else found[1]
 
@@ -129,6 +136,8 @@ def _limit():
 def _latex_number(latex: str):
     """A LaTeX number (``\\frac12``, ``2^{10}``, ``4.5 \\times 10^{33}``) as a Fraction, read by
     math-verify; None if it is not a rational number."""
+    import sympy  # with math-verify: loaded only when a LaTeX number needs it
+
     parsed = _parsed(latex, _limit())
     if not parsed or not isinstance(parsed[0], sympy.Basic):
         return None
@@ -138,6 +147,8 @@ def _latex_number(latex: str):
 
 def to_number(text: str):
     """``text`` as a Fraction if it is one number (see the module docstring), else None."""
+    if len(str(text)) > _MAX_NUMBER_CHARS:
+        return None
     text = _LATEX_NOISE_RE.sub("", _TEXT_RE.sub("", str(text))).replace(_MINUS, "-")
     text = _UNITS_RE.sub("", text.strip().rstrip("."))
     text = re.sub(r"^-\s+", "-", text.strip())
