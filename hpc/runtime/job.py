@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import socket
+import string
 import sys
 from dataclasses import dataclass
 
@@ -93,8 +94,6 @@ def _job_id(world: World) -> str:
 
 def run_folder(template: str, method: str, job_id: str) -> str:
     """``run.out`` with ``{method}`` and ``{jobid}`` filled in; only those two plain fields."""
-    import string
-
     try:
         fields = list(string.Formatter().parse(template))
     except ValueError as err:
