@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hpc.models.generation import configure as configure_generation
 from hpc.runtime.config import config_to_yaml, load_config
 from hpc.runtime.errors import EXIT_USER_ERROR, UserError
 from hpc.runtime.world import World, get_world, select_device
@@ -122,6 +123,7 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
     signals = StopSignals()
     config_path, overrides, resume = parse_args(prog, argv)
     cfg = load_config(job_cls, config_path, overrides)
+    configure_generation(cfg.model)
     world = get_world()
     world.timeout_s = cfg.run.collective_timeout_s
     if hasattr(cfg, "validate_world"):
