@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TopPLogitsWarper
 
-from conftest import run_mpi
+from conftest import run_cli, run_mpi
 from essa.batched import member_completions
 from essa.population import score_members
 from essa.space import SingularValueSpace
@@ -165,3 +165,28 @@ def test_engine_under_mpirun_and_pass_at_k_independent_of_ranks(tmp_path):
         curves.append(json.loads(out.read_text()))
     assert curves[0]["pass_at_k"][-1] > curves[0]["pass_at_k"][0]
     assert curves[1] == curves[0] and curves[2] == curves[0]
+
+
+def test_gpu_check_engine_smoke_on_cpu(tmp_path):
+    """``gpu_check.py --device cpu --tiny``: engine and HF rows with the bound, JSON written."""
+    proc = run_cli(["benchmarks/gpu_check.py", str(tmp_path), "--device", "cpu", "--tiny"],
+                   timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (result,) = json.loads((tmp_path / "gpu_check.json").read_text())["results"]
+    rows = result["engine"]
+    assert [(r["rows"], r["k"], r["lengths"]) for r in rows] == [
+        (4, 1, "fixed"), (4, 1, "spread"), (8, 1, "fixed"), (8, 1, "spread"), (8, 2, "spread")]
+    for r in rows:
+        for path in ("engine", "hf_eager"):
+            assert r[path]["tokens_per_s"] == pytest.approx(r["useful_tokens"] / r[path]["s"])
+            assert r[path]["of_bound"] == pytest.approx(r["bound"]["s"] / r[path]["s"])
+        assert r["engine_vs_hf"] == pytest.approx(r["hf_eager"]["s"] / r["engine"]["s"])
+    assert rows[0]["useful_tokens"] == 4 * 16 and rows[1]["max_length"] <= 16
+
+
+def test_cpu_engine_benchmark_prints_ratios():
+    proc = run_cli(["benchmarks/engine_cpu.py", "--rows", "4", "--ks", "2"], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.splitlines()[-2:]
+    assert [line.split()[:2] for line in last] == [["2", "fixed"], ["2", "spread"]]
+    assert all(float(line.split()[-1]) > 0 for line in last)

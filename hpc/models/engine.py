@@ -316,6 +316,8 @@ class _Scheduler:
         return self.out
 
     def _pick(self, logits, slots):
+        if self.sampling is None or self.sampling.temperature == 0:
+            return logits.argmax(dim=-1)
         req = [self.req_of.get(int(s)) for s in slots.tolist()]
         done = torch.tensor([len(self.out[r]) if r is not None else 0 for r in req],
                             device=logits.device)
