@@ -49,6 +49,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from common import REPO, TARGETS, machine
 from engine_speed import compare, row_lengths, solution_lengths
+from hpc.models.engine import Request
+from hpc.models.generation import run_requests
+from hpc.models.sampling import Sampling
 
 from essa.batched import members_on_device  # common.py: repo on sys.path
 from essa.member_lora import MemberLora
@@ -286,8 +289,9 @@ def members_section(model, space, device, ks, n_prompts, lengths, budget, save) 
     return rows
 
 
-def fgrpo_step(model, device, lengths) -> dict:
-    """Seconds per phase of one F-GRPO step on one rank (see the module docstring)."""
+def fgrpo_step(model, device, lengths, engine: bool = False) -> dict:
+    """Seconds per phase of one F-GRPO step on one rank (see the module docstring); with
+    ``engine`` the rollouts are sampled by the decoding engine instead of HF generate."""
     from transformers import GenerationConfig
 
     from fgrpo.advantages import group_advantages
@@ -317,6 +321,12 @@ def fgrpo_step(model, device, lengths) -> dict:
 
     def rollout():
         model.eval()
+        if engine:
+            requests = [Request(p, new_tokens, 0, i, j) for i, p in enumerate(prompts.tolist())
+                        for j in range(G)]
+            new = run_requests(model, requests, [], Sampling(1.0, 1.0, SEED), n * G)
+            return torch.cat([prompts.repeat_interleave(G, 0), torch.tensor(new)],
+                             dim=1).to(device)
         with torch.inference_mode():
             out = model.generate(input_ids=prompts.to(device),
                                  attention_mask=torch.ones_like(prompts, device=device),
@@ -409,6 +419,8 @@ def check_model(name: str, device, ks, n_prompts, budget, save, args=None) -> di
     if args is not None and args.engine_only:
         result["engine"] = engine_section(model, space, device, args, lengths, budget,
                                           lambda: save(result))
+        result["fgrpo_step"] = engine_fgrpo_steps(model, device, lengths, budget)
+        save(result)
         return result
     try:
         first = fgrpo_step(model, device, lengths)  # the first step also warms the device up
@@ -427,7 +439,27 @@ def check_model(name: str, device, ks, n_prompts, budget, save, args=None) -> di
     if args is not None and args.engine:
         result["engine"] = engine_section(model, space, device, args, lengths, budget,
                                           lambda: save(result))
+        result["fgrpo_step_engine"] = engine_fgrpo_steps(model, device, lengths,
+                                                         budget)["engine"]
     return result
+
+
+def engine_fgrpo_steps(model, device, lengths, budget) -> dict:
+    """One F-GRPO step with HF generate rollouts and one with engine rollouts (each after a
+    warm-up step), as far as the budget allows: {"hf": ..., "engine": ...}."""
+    out = {}
+    for name, engine in (("hf", False), ("engine", True)):
+        if not budget.fits(60.0):
+            out[name] = {"skipped": f"time budget ({budget.left():.0f} s left)"}
+            continue
+        try:
+            fgrpo_step(model, device, lengths, engine)
+            out[name] = fgrpo_step(model, device, lengths, engine)
+        except torch.OutOfMemoryError:
+            out[name] = {"skipped": "out of memory"}
+            torch.cuda.empty_cache()
+    model.__dict__.pop("_decode_engine", None)
+    return out
 
 
 def engine_summary(result: dict) -> str:
@@ -442,6 +474,12 @@ def engine_summary(result: dict) -> str:
                      f"{r['engine']['tokens_per_s']:>9.0f} {r['hf_eager']['tokens_per_s']:>9.0f}"
                      f" {r['engine_vs_hf']:>6.2f} {r['bound']['tokens_per_s']:>9.0f} "
                      f"{r['engine']['of_bound']:>9.3f} {r['hf_eager']['of_bound']:>9.3f}")
+    steps = result.get("fgrpo_step", {})
+    for name in ("hf", "engine"):
+        step = steps.get(name) if isinstance(steps, dict) else None
+        if step and "phases_s" in step:
+            lines.append(f"F-GRPO step, {name} rollouts: {step['total_s']:.2f} s, generation "
+                         f"{step['shares']['generation']:.0%}")
     return "\n".join(lines)
 
 

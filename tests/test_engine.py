@@ -182,6 +182,10 @@ def test_gpu_check_engine_smoke_on_cpu(tmp_path):
             assert r[path]["of_bound"] == pytest.approx(r["bound"]["s"] / r[path]["s"])
         assert r["engine_vs_hf"] == pytest.approx(r["hf_eager"]["s"] / r["engine"]["s"])
     assert rows[0]["useful_tokens"] == 4 * 16 and rows[1]["max_length"] <= 16
+    for path in ("hf", "engine"):  # one F-GRPO step with each path's rollouts
+        step = result["fgrpo_step"][path]
+        assert step["rows"] == 256 and step["total_s"] == pytest.approx(
+            sum(step["phases_s"].values()))
 
 
 def test_cpu_engine_benchmark_prints_ratios():
