@@ -149,6 +149,12 @@ def test_top_p_filter_is_transformers_rule():
         assert torch.equal(top_p_filter(logits, p), TopPLogitsWarper(p)(None, logits.clone()))
 
 
+def test_no_prompts_no_rows(toy):
+    """A rank whose share of the problems is empty decodes nothing on either path."""
+    for path in ("engine", "hf"):
+        assert generate(*toy, [], MAX_NEW, engine=path, do_sample=True, seed=1) == []
+
+
 def test_buckets_are_powers_of_two_capped():
     assert [bucket(n, 64) for n in (1, 2, 3, 9, 64, 100)] == [1, 2, 4, 16, 64, 64]
 

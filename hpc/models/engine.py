@@ -282,6 +282,8 @@ class _Scheduler:
                  sampling: Sampling | None):
         self.e, self.requests, self.sampling = engine, requests, sampling
         self.eos = set(eos_ids)
+        if any(not r.prompt or r.max_new < 1 for r in requests):
+            raise ValueError("every request needs at least one prompt token and max_new >= 1")
         too_long = [len(r.prompt) + r.max_new for r in requests if
                     len(r.prompt) + r.max_new > engine.cache.max_len]
         if too_long:

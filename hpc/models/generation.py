@@ -122,6 +122,8 @@ def run_requests(model, requests: list, eos: list, sampling, rows: int,
         k = next(iter(factors.values()))[0].shape[0]
     else:
         k = 1 if adapter_ranks(model) else 0
+    if not requests:  # a rank with no share of the problems
+        return []
     max_len = max(len(r.prompt) + r.max_new for r in requests)
     engine = engine_for(model, min(rows, len(requests)), max_len, k, SETTINGS["cuda_graphs"])
     if k:
