@@ -38,7 +38,8 @@ from hpc.models.sampling import Sampling, pick_tokens
 from hpc.runtime.errors import UserError
 
 ADAPTER = "default"
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+LINEARS = ATTENTION + ("gate_proj", "up_proj", "down_proj")
 PREFILL_TOKENS = 8192  # most prompt tokens (padded) per prefill forward
 ADMIT_SHARE = 8  # with live rows, admit once 1/ADMIT_SHARE of the slots are free
 
@@ -125,8 +126,7 @@ class DecodeEngine:
         for layer in base.model.layers:
             sites = {}
             for attr in LINEARS:
-                holder = layer.self_attn if attr.endswith(("q_proj", "k_proj", "v_proj",
-                                                           "o_proj")) else layer.mlp
+                holder = layer.self_attn if attr in ATTENTION else layer.mlp
                 module = getattr(holder, attr)
                 name = names[id(module)]
                 lora = isinstance(module, LoraLayer)
