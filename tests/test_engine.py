@@ -200,3 +200,26 @@ def test_cpu_engine_benchmark_prints_ratios():
     last = proc.stdout.splitlines()[-2:]
     assert [line.split()[:2] for line in last] == [["2", "fixed"], ["2", "spread"]]
     assert all(float(line.split()[-1]) > 0 for line in last)
+
+
+def test_essa_run_equals_reference_path(toy_adapter, tmp_path):
+    """A whole ESSA run (2 ranks, 3 members per pass): fitness of every generation and the final
+    mean are the same on the engine as on HF generate."""
+    from hpc.runtime.runstore import RunFile
+
+    runs = {}
+    for path in ("engine", "hf"):
+        out = tmp_path / path
+        proc = run_mpi(2, ["-m", "essa", "model.path=toy", f"lora.adapter={toy_adapter}",
+                           "task.n_train=200", "task.n_eval=32", "essa.population=6",
+                           "essa.minibatch=32", "essa.generations=3", "essa.sigma0=0.5",
+                           "essa.members_per_pass=3", "eval.every=0", "eval.n_samples=2",
+                           "eval.batch_size=16", "run.progress=false", f"run.out={out}",
+                           f"model.engine={path}"], timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[path] = RunFile(str(out / "essa.h5"))
+    fitness = runs["hf"].group("essa")["fitness"]
+    assert fitness.shape == (3, 6) and fitness.std() > 0
+    assert np.array_equal(runs["engine"].group("essa")["fitness"], fitness)
+    assert np.array_equal(runs["engine"].group("final")["mean"],
+                          runs["hf"].group("final")["mean"])
