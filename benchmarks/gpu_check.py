@@ -1,7 +1,19 @@
-"""GPU check: batched ESSA members against plain batched generation, one F-GRPO step by phase.
+"""GPU check: batched ESSA members against plain batched generation, one F-GRPO step by phase,
+and the decoding engine against HF eager generate.
 
     python benchmarks/gpu_check.py OUTDIR [--model qwen2.5-1.5b|qwen2.5-7b|tiny ...]
         [--minutes 6] [--device cuda|cpu] [--ks 1 2 4 8 16] [--prompts 32]
+        [--engine | --engine-only] [--rows 32 256 1024] [--engine-ks 1 2 4 8 16]
+    python benchmarks/gpu_check.py OUTDIR --device cpu --tiny     # smoke run of the engine part
+
+Engine part (``--engine``: after the rest; ``--engine-only``: alone): for each shape, useful
+tokens/s of the engine and of HF eager ``generate`` on the same rows, each against the bound
+max(weight bytes / bandwidth, FLOPs / peak) (:mod:`engine_speed`): at every ``--rows`` with
+fixed lengths and with the GSM8K / MATH-500 spread (k = 1, the peft adapter), then k members
+per row at the middle row count (spread lengths). The GPU command of the README:
+
+    python benchmarks/gpu_check.py results --model qwen2.5-1.5b qwen2.5-7b --engine-only \
+        --minutes 7
 
 Builds a Qwen2 of a real shape with random weights (bf16 on CUDA, fp32 on CPU; no hub access),
 a rank-8 LoRA on q/k/v/o with random B, and the ESSA search space over it. Prompts are random
@@ -35,7 +47,11 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common import TARGETS, machine
+from common import REPO, TARGETS, machine
+from engine_speed import compare, row_lengths, solution_lengths
+from hpc.models.engine import Request
+from hpc.models.generation import run_requests
+from hpc.models.sampling import Sampling
 
 from essa.batched import members_on_device  # common.py: repo on sys.path
 from essa.member_lora import MemberLora
@@ -273,8 +289,9 @@ def members_section(model, space, device, ks, n_prompts, lengths, budget, save) 
     return rows
 
 
-def fgrpo_step(model, device, lengths) -> dict:
-    """Seconds per phase of one F-GRPO step on one rank (see the module docstring)."""
+def fgrpo_step(model, device, lengths, engine: bool = False) -> dict:
+    """Seconds per phase of one F-GRPO step on one rank (see the module docstring); with
+    ``engine`` the rollouts are sampled by the decoding engine instead of HF generate."""
     from transformers import GenerationConfig
 
     from fgrpo.advantages import group_advantages
@@ -304,6 +321,12 @@ def fgrpo_step(model, device, lengths) -> dict:
 
     def rollout():
         model.eval()
+        if engine:
+            requests = [Request(p, new_tokens, 0, i, j) for i, p in enumerate(prompts.tolist())
+                        for j in range(G)]
+            new = run_requests(model, requests, [], Sampling(1.0, 1.0, SEED), n * G)
+            return torch.cat([prompts.repeat_interleave(G, 0), torch.tensor(new)],
+                             dim=1).to(device)
         with torch.inference_mode():
             out = model.generate(input_ids=prompts.to(device),
                                  attention_mask=torch.ones_like(prompts, device=device),
@@ -338,7 +361,43 @@ def fgrpo_step(model, device, lengths) -> dict:
             "shares": {p: s / total for p, s in phases.items()}, "peak_mib": _peak_mib(device)}
 
 
-def check_model(name: str, device, ks, n_prompts, budget, save) -> dict:
+def engine_section(model, space, device, args, lengths, budget, save) -> list:
+    """Engine vs HF eager rows (:func:`engine_speed.compare`) while the budget lasts."""
+    pool = solution_lengths(args.data)
+    hw = {"bandwidth": args.bandwidth, "peak_flops": args.peak_tflops * 1e12}
+    prompt_len, fixed = lengths[0], args.fixed_tokens or lengths[1]
+    middle = args.rows[len(args.rows) // 2]
+    plan = [(rows, 1, kind) for rows in args.rows for kind in ("fixed", "spread")]
+    plan += [(middle, k, "spread") for k in args.engine_ks if k > 1]
+    gen = torch.Generator().manual_seed(SEED + 2)
+    out, slowest = [], None
+    for rows, k, kind in plan:
+        if slowest is not None and not budget.fits(3 * slowest):
+            out.append({"rows": rows, "k": k, "lengths": kind,
+                        "skipped": f"time budget ({budget.left():.0f} s left)"})
+            continue
+        prompts = torch.randint(2, model.config.vocab_size, (rows, prompt_len),
+                                generator=gen).to(device)
+        row_len = row_lengths(kind, rows, fixed if kind == "fixed" else args.cap, pool)
+        start = time.perf_counter()
+        try:
+            row = compare(model, space, device, rows, k, kind, row_len, prompts, True, hw)
+        except torch.OutOfMemoryError:
+            out.append({"rows": rows, "k": k, "lengths": kind, "skipped": "out of memory"})
+            model.__dict__.pop("_decode_engine", None)
+            torch.cuda.empty_cache()
+            continue
+        slowest = max(slowest or 0.0, time.perf_counter() - start)
+        out.append(row)
+        save()
+        print(f"  engine rows={rows} k={k} {kind}: {row['engine']['tokens_per_s']:.0f} tok/s, "
+              f"{row['engine_vs_hf']:.2f}x HF eager, {row['engine']['of_bound']:.2f} of the "
+              f"bound ({budget.left():.0f} s left)", flush=True)
+    model.__dict__.pop("_decode_engine", None)  # free its cache for the next shape
+    return out
+
+
+def check_model(name: str, device, ks, n_prompts, budget, save, args=None) -> dict:
     """Every measurement for one model shape, into a dict registered with ``save(result)``
     at once and saved again as figures come in."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -357,6 +416,12 @@ def check_model(name: str, device, ks, n_prompts, budget, save) -> dict:
                                   if device.type == "cuda" else None)  # of 96, choose_k's cap
     save(result)
     print(f"{name}: built in {result['build_s']:.0f} s", flush=True)
+    if args is not None and args.engine_only:
+        result["engine"] = engine_section(model, space, device, args, lengths, budget,
+                                          lambda: save(result))
+        result["fgrpo_step"] = engine_fgrpo_steps(model, device, lengths, budget)
+        save(result)
+        return result
     try:
         first = fgrpo_step(model, device, lengths)  # the first step also warms the device up
     except ImportError as err:  # the fgrpo modules are missing a dependency on this machine
@@ -371,7 +436,51 @@ def check_model(name: str, device, ks, n_prompts, budget, save) -> dict:
     save(result)
     result["members"] = members_section(model, space, device, ks, n_prompts, lengths, budget,
                                         lambda: save(result))
+    if args is not None and args.engine:
+        result["engine"] = engine_section(model, space, device, args, lengths, budget,
+                                          lambda: save(result))
+        result["fgrpo_step_engine"] = engine_fgrpo_steps(model, device, lengths,
+                                                         budget)["engine"]
     return result
+
+
+def engine_fgrpo_steps(model, device, lengths, budget) -> dict:
+    """One F-GRPO step with HF generate rollouts and one with engine rollouts (each after a
+    warm-up step), as far as the budget allows: {"hf": ..., "engine": ...}."""
+    out = {}
+    for name, engine in (("hf", False), ("engine", True)):
+        if not budget.fits(60.0):
+            out[name] = {"skipped": f"time budget ({budget.left():.0f} s left)"}
+            continue
+        try:
+            fgrpo_step(model, device, lengths, engine)
+            out[name] = fgrpo_step(model, device, lengths, engine)
+        except torch.OutOfMemoryError:
+            out[name] = {"skipped": "out of memory"}
+            torch.cuda.empty_cache()
+    model.__dict__.pop("_decode_engine", None)
+    return out
+
+
+def engine_summary(result: dict) -> str:
+    lines = [f"{result['model']}: engine vs HF eager generate (useful tokens/s)",
+             f"{'rows':>5} {'k':>3} {'lengths':>7} {'mean len':>8} {'engine':>9} {'HF':>9} "
+             f"{'x HF':>6} {'bound':>9} {'eng/bound':>9} {'HF/bound':>9}"]
+    for r in result.get("engine", []):
+        if "skipped" in r:
+            lines.append(f"{r['rows']:>5} {r['k']:>3} {r['lengths']:>7} skipped: {r['skipped']}")
+            continue
+        lines.append(f"{r['rows']:>5} {r['k']:>3} {r['lengths']:>7} {r['mean_length']:>8.0f} "
+                     f"{r['engine']['tokens_per_s']:>9.0f} {r['hf_eager']['tokens_per_s']:>9.0f}"
+                     f" {r['engine_vs_hf']:>6.2f} {r['bound']['tokens_per_s']:>9.0f} "
+                     f"{r['engine']['of_bound']:>9.3f} {r['hf_eager']['of_bound']:>9.3f}")
+    steps = result.get("fgrpo_step", {})
+    for name in ("hf", "engine"):
+        step = steps.get(name) if isinstance(steps, dict) else None
+        if step and "phases_s" in step:
+            lines.append(f"F-GRPO step, {name} rollouts: {step['total_s']:.2f} s, generation "
+                         f"{step['shares']['generation']:.0%}")
+    return "\n".join(lines)
 
 
 def summary(result: dict) -> str:
@@ -410,7 +519,27 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--prompts", type=int, default=32, help="prompts per member (P)")
+    parser.add_argument("--engine", action="store_true", help="also the engine part")
+    parser.add_argument("--engine-only", action="store_true", help="only the engine part")
+    parser.add_argument("--tiny", action="store_true",
+                        help="smoke run: tiny shape, engine part only, 4 and 8 rows, k 1 and 2")
+    parser.add_argument("--rows", type=int, nargs="+", default=[32, 256, 1024])
+    parser.add_argument("--engine-ks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--cap", type=int, default=512,
+                        help="spread lengths are clipped to this many tokens")
+    parser.add_argument("--fixed-tokens", type=int, default=0,
+                        help="fixed length in tokens (0: the shape's usual 64)")
+    parser.add_argument("--data", default=os.path.join(os.path.dirname(REPO), "shared",
+                                                         "data"),
+                        help="folder with gsm8k/test.jsonl and math500/test.jsonl")
+    parser.add_argument("--bandwidth", type=float, default=4.8e12,
+                        help="memory bandwidth of the bound, bytes/s (H200: 4.8e12)")
+    parser.add_argument("--peak-tflops", type=float, default=989.0,
+                        help="dense bf16 peak of the bound, TFLOP/s (H200: 989)")
     args = parser.parse_args(argv)
+    if args.tiny:
+        args.model, args.engine_only, args.rows, args.engine_ks = ["tiny"], True, [4, 8], [1, 2]
+        args.cap = 16
     budget = Budget(60 * args.minutes)
     device = torch.device(args.device)
     os.makedirs(args.outdir, exist_ok=True)
@@ -430,7 +559,7 @@ def main(argv=None) -> None:
             report["results"].append({"model": name, "skipped": "time budget"})
             continue
         try:
-            result = check_model(name, device, args.ks, args.prompts, budget, save)
+            result = check_model(name, device, args.ks, args.prompts, budget, save, args)
         except torch.OutOfMemoryError as err:
             report["results"][-1]["error"] = f"out of memory: {err}"[:500]
             save()
@@ -439,7 +568,9 @@ def main(argv=None) -> None:
         finally:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        print(summary(result), flush=True)
+        print(engine_summary(result) if args.engine_only else summary(result), flush=True)
+        if args.engine and not args.engine_only:
+            print(engine_summary(result), flush=True)
     save()
     print(f"wrote {path}")
 

@@ -1,6 +1,15 @@
 """Batched population members: k LoRA adapters scored in one batched generation.
 
-Each ``generate`` call holds one chunk of prompts repeated for k members, member-major, under
+Two paths, as :mod:`hpc.models.generation` (``model.engine``):
+
+* ``engine`` (:func:`score_members_engine`): the decoding engine holds k members' factors
+  stacked and tags each row with its member; rows of all k members decode together under
+  continuous batching. Fitness equals the reference path's whenever greedy tokens agree (the
+  arithmetic differs in the last bits, so a near-tied argmax may flip; none on the trained toy,
+  tested).
+* ``hf`` (the reference, :func:`score_members_batched`), described below.
+
+Reference path: each ``generate`` call holds one chunk of prompts repeated for k members, member-major, under
 :class:`essa.member_lora.MemberLora` (shared base weights, each member's factors on its rows).
 
 Exactness (fp32, CPU, greedy, the exact arithmetic): the delta uses the same ops in the same
@@ -22,7 +31,8 @@ import numpy as np
 import torch
 
 from essa.member_lora import MemberLora
-from hpc.models.generation import generate
+from hpc.models.engine import Request
+from hpc.models.generation import eos_ids, generate, run_requests
 
 MEMORY_SHARE = 0.5  # of free CUDA memory that choose_k may plan to fill
 
@@ -83,7 +93,7 @@ def member_completions(model, tokenizer, factors: dict, prompts: list, max_new_t
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start:start + batch_size]
             out = generate(model, tokenizer, chunk * k, max_new_tokens,
-                           batch_size=len(chunk) * k)
+                           batch_size=len(chunk) * k, engine="hf")
             for m in range(k):
                 texts[m].extend(out[m * len(chunk):(m + 1) * len(chunk)])
     return texts
@@ -125,4 +135,49 @@ def score_members_batched(model, tokenizer, space, members: np.ndarray, task, pr
         with timer.phase("reward"):
             for m, completions in enumerate(texts):
                 fitness[g + m] = mean_reward(task, completions, answers, cache)
+    return fitness
+
+
+def _padded_group(factors: dict, start: int, k: int) -> dict:
+    """Members start .. start+k-1 of ``factors``; a short last group is padded with copies of
+    its first member (never decoded), so the engine keeps one shape for every group."""
+    group = {}
+    for name, (a, b) in factors.items():
+        a, b = a[start:start + k], b[start:start + k]
+        pad = k - a.shape[0]
+        group[name] = (torch.cat([a] + [a[:1]] * pad), torch.cat([b] + [b[:1]] * pad))
+    return group
+
+
+def score_members_engine(model, tokenizer, space, members: np.ndarray, task, prompts: list,
+                         answers: list, max_new_tokens: int, batch_size: int, timer,
+                         k: int) -> np.ndarray:
+    """:func:`score_members_batched` on the decoding engine: k members' factors stacked, up to
+    ``batch_size * k`` rows decoding at once, each row tagged with its member. Same phases and
+    result; the model's own adapter weights are not touched."""
+    with timer.phase("rebuild"):
+        k = choose_k(model, tokenizer, k, len(members), prompts, batch_size, max_new_tokens)
+        factors = space.factors_batch(members)
+        prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
+        eos = eos_ids(model, tokenizer)
+    fitness = np.empty(len(members), dtype=np.float64)
+    cache = {}
+    for g in range(0, len(members), k):
+        n_group = min(k, len(members) - g)
+        with timer.phase("rebuild"):
+            group = _padded_group(factors, g, k)
+        requests = [Request(ids, max_new_tokens, m, i, 0)
+                    for m in range(n_group) for i, ids in enumerate(prompt_ids)]
+        with timer.phase("generate"):
+            was_training = model.training
+            model.eval()
+            try:
+                rows = run_requests(model, requests, eos, None, batch_size * k, factors=group)
+            finally:
+                model.train(was_training)
+            texts = tokenizer.batch_decode(rows, skip_special_tokens=True)
+        with timer.phase("reward"):
+            for m in range(n_group):
+                fitness[g + m] = mean_reward(task, texts[m * len(prompts):(m + 1) * len(prompts)],
+                                             answers, cache)
     return fitness

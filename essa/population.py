@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from essa.batched import score_members_batched
-from hpc.models.generation import generate
+from essa.batched import score_members_batched, score_members_engine
+from hpc.models.generation import SETTINGS, generate
 from hpc.runtime.world import split_evenly
 
 
@@ -30,10 +30,15 @@ def score_members(model, tokenizer, space, members: np.ndarray, task, prompts: l
                   k: int = 1) -> np.ndarray:
     """Fitness of each row of ``members`` (n, dim): mean reward in [0, 1], float64 (n,).
 
-    ``k`` > 1 scores k members per batched generation (:mod:`essa.batched`, same fitness).
-    With k = 1 the model's adapter is left holding the last member's weights; callers re-apply
-    what they need next.
+    On the decoding engine (``model.engine=engine``) k members decode together, each row
+    tagged with its member (:func:`essa.batched.score_members_engine`, any k, the model's
+    adapter untouched). On the reference path ``hf``, ``k`` > 1 scores k members per batched
+    generation (:mod:`essa.batched`, same fitness), and with k = 1 the model's adapter is left
+    holding the last member's weights; callers re-apply what they need next.
     """
+    if SETTINGS["engine"] == "engine":
+        return score_members_engine(model, tokenizer, space, members, task, prompts, answers,
+                                    max_new_tokens, batch_size, timer, k)
     if k > 1:
         return score_members_batched(model, tokenizer, space, members, task, prompts, answers,
                                      max_new_tokens, batch_size, timer, k)
@@ -43,7 +48,7 @@ def score_members(model, tokenizer, space, members: np.ndarray, task, prompts: l
             space.apply(model, x)
         with timer.phase("generate"):
             completions = generate(model, tokenizer, prompts, max_new_tokens,
-                                   batch_size=batch_size)
+                                   batch_size=batch_size, engine="hf")
         with timer.phase("reward"):
             fitness[i] = float(np.mean(task.rewards(completions, answers)))
     return fitness

@@ -1,7 +1,8 @@
 """Held-out evaluation: greedy accuracy, pass@k (unbiased estimator) and avg@n, over ranks.
 
-Each rank answers its contiguous share of the problems; per-problem results cross the network
-once (Allgatherv, tag ``eval``). Also the ``hpc-eval`` command (``python -m hpc.evaluate``).
+Each rank answers its contiguous share of the problems; sample j of problem i is drawn with the
+key (run seed, i, j) (:mod:`hpc.models.sampling`), so pass@k does not depend on the number of
+ranks. Per-problem results cross the network once (Allgatherv, tag ``eval``). Also the ``hpc-eval`` command (``python -m hpc.evaluate``).
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def evaluate(model, tokenizer, task, split, eval_cfg: EvalConfig, max_new_tokens
     lo = sum(counts[: world.rank])
     mine = split.subset(range(lo, lo + counts[world.rank]))
     greedy = generate(model, tokenizer, mine.prompts, max_new_tokens,
-                      batch_size=eval_cfg.batch_size)
+                      batch_size=eval_cfg.batch_size, first_index=lo)
     correct = np.array(task.rewards(greedy, mine.answers), dtype=np.float64) >= 1.0
     all_correct = world.allgatherv(correct.astype(np.int8), counts, tag="eval")
     n = eval_cfg.n_samples
@@ -54,7 +55,7 @@ def evaluate(model, tokenizer, task, split, eval_cfg: EvalConfig, max_new_tokens
         samples = generate(model, tokenizer, mine.prompts, max_new_tokens, do_sample=True,
                            temperature=eval_cfg.temperature, top_p=eval_cfg.top_p,
                            num_return_sequences=n, batch_size=eval_cfg.batch_size,
-                           seed=seed + lo)
+                           seed=seed, first_index=lo)
         answers = [a for a in mine.answers for _ in range(n)]
         rewards = np.array(task.rewards(samples, answers), dtype=np.float64).reshape(-1, n)
         c = world.allgatherv((rewards >= 1.0).sum(axis=1).astype(np.int32), counts, tag="eval")

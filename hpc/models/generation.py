@@ -1,4 +1,15 @@
-"""Batched text generation with Hugging Face ``model.generate``: completions only, prompt-major.
+"""Batched text generation: completions only, prompt-major, by one of two paths.
+
+* ``engine`` (the default): :mod:`hpc.models.engine`, static KV cache, continuous batching,
+  CUDA graphs on GPU; each prompt is prefilled unpadded.
+* ``hf``: Hugging Face ``model.generate`` (the reference path), described below.
+
+The path is chosen per process by :func:`configure` (every job calls it with its ``model``
+config section) or per call (``engine=``). Sampling on both paths is keyed
+(:mod:`hpc.models.sampling`): prompt ``first_index + i``'s sample ``j`` depends only on (seed,
+first_index + i, j), not on the batch or the number of ranks.
+
+Reference path:
 
 Prompts are left-padded with an attention mask, so position ids start at 0 on the first real
 token of every row (``generate`` derives them from the mask). Greedy decoding is deterministic.
@@ -8,18 +19,42 @@ prompts of its batch when all prompts tokenise to the same length (no padding; t
 prompts of different lengths the padded rows see a different mask and matmul shape, which can
 change logits in the last bits (about 1e-5 for the toy model) and so, rarely, flip a near-tied
 argmax (none in 200 mixed-length toy prompts); in bf16/fp16 or on GPU flips are more likely.
-Sampling with ``seed`` is reproducible for the same prompts and ``batch_size``, but not across
-different batch compositions.
 """
 from __future__ import annotations
 
 import contextlib
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessorList
+
+from hpc.models.engine import Request, adapter_ranks, engine_for
+from hpc.models.sampling import KeyedGumbelProcessor, Sampling
+from hpc.runtime.config import ModelConfig
+
+PATHS = ("engine", "hf")
+SETTINGS = {"engine": ModelConfig.engine, "cuda_graphs": ModelConfig.cuda_graphs}
+"""This process's generation path and CUDA-graph switch (:func:`configure`)."""
 
 
-def _eos_ids(model, tokenizer) -> list[int]:
+def configure(model_cfg) -> None:
+    """Take ``engine`` and ``cuda_graphs`` from a job's ``model`` config section."""
+    SETTINGS.update(engine=model_cfg.engine, cuda_graphs=model_cfg.cuda_graphs)
+
+
+@contextlib.contextmanager
+def using_path(path: str):
+    """Within the block, calls that do not name a path use ``path`` (``engine`` or ``hf``)."""
+    if path not in PATHS:
+        raise ValueError(f"generation path {path!r} is not one of {PATHS}")
+    before = SETTINGS["engine"]
+    SETTINGS["engine"] = path
+    try:
+        yield
+    finally:
+        SETTINGS["engine"] = before
+
+
+def eos_ids(model, tokenizer) -> list[int]:
     """Token ids that end a completion: the tokenizer's eos plus the model's configured eos."""
     ids = {tokenizer.eos_token_id}
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -33,66 +68,113 @@ def _model_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def _through_eos(ids: torch.Tensor, eos_ids: list[int]) -> list[int]:
+def _through_eos(ids: torch.Tensor, eos: list[int]) -> list[int]:
     """``ids`` (T,) up to and including the first eos token, as a list."""
-    hits = torch.isin(ids, torch.tensor(eos_ids, device=ids.device)).nonzero()
+    hits = torch.isin(ids, torch.tensor(eos, device=ids.device)).nonzero()
     return (ids[: int(hits[0]) + 1] if len(hits) else ids).tolist()
+
+
+def _sampling(do_sample, temperature, top_p, seed) -> Sampling | None:
+    """The keyed sampling of a call, None for greedy; without ``seed`` one is drawn from the
+    global torch RNG."""
+    if not do_sample or temperature == 0:
+        return None
+    if seed is None:
+        seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    return Sampling(float(temperature), float(top_p), int(seed))
 
 
 def generate_tokens(model, tokenizer, prompts: list[str], max_new_tokens: int, *,
                     do_sample=False, temperature=1.0, top_p=1.0, num_return_sequences=1,
-                    batch_size=64, seed=None) -> list[list[int]]:
+                    batch_size=64, seed=None, first_index=0, engine=None) -> list[list[int]]:
     """Like :func:`generate`, but return each completion's token ids, up to and including the
     eos token that ended it (a completion cut by ``max_new_tokens`` has no eos)."""
-    greedy = not do_sample or temperature == 0
-    n_rows = 1 if greedy else num_return_sequences  # greedy samples are all the same text
-    eos_ids = _eos_ids(model, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    sampling = ({} if greedy else
-                {"temperature": float(temperature), "top_p": float(top_p), "top_k": 0})
-    gen_cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=not greedy,
-                               num_return_sequences=n_rows, repetition_penalty=1.0,
-                               pad_token_id=pad_id, eos_token_id=eos_ids, **sampling)
-    device = _model_device(model)
+    sampling = _sampling(do_sample, temperature, top_p, seed)
+    n_rows = 1 if sampling is None else num_return_sequences  # greedy samples are all alike
+    keys = [(first_index + i, j) for i in range(len(prompts)) for j in range(n_rows)]
+    path = engine or SETTINGS["engine"]
+    if path not in PATHS:
+        raise ValueError(f"generation path {path!r} is not one of {PATHS}")
     was_training = model.training
     model.eval()
-    rng = (torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
-           if seed is not None else contextlib.nullcontext())
-    out: list[list[int]] = []
     try:
-        with rng, torch.inference_mode():
-            if seed is not None:
-                torch.manual_seed(seed)
-            for start in range(0, len(prompts), batch_size):
-                batch = tokenizer(prompts[start:start + batch_size], return_tensors="pt",
-                                  padding=True, padding_side="left").to(device)
-                ids = model.generate(input_ids=batch["input_ids"],
-                                     attention_mask=batch["attention_mask"],
-                                     generation_config=gen_cfg)
-                new = ids[:, batch["input_ids"].shape[1]:]
-                for row in new:
-                    out.extend([_through_eos(row, eos_ids)] * (num_return_sequences // n_rows))
+        run = _engine_rows if path == "engine" else _hf_rows
+        rows = run(model, tokenizer, [prompts[p - first_index] for p, _ in keys], keys,
+                   max_new_tokens, sampling, batch_size * n_rows)
     finally:
         model.train(was_training)
+    return [row for row in rows for _ in range(num_return_sequences // n_rows)]
+
+
+def _engine_rows(model, tokenizer, texts, keys, max_new_tokens, sampling, rows) -> list:
+    """Completions of ``texts`` (one per row, keyed by ``keys``) through the engine with at
+    most ``rows`` rows decoding at once; the peft adapter of ``model``, if any, on every row."""
+    ids = [tokenizer(t)["input_ids"] for t in texts]
+    requests = [Request(p, max_new_tokens, 0, pi, si) for p, (pi, si) in zip(ids, keys)]
+    return run_requests(model, requests, eos_ids(model, tokenizer), sampling, rows)
+
+
+def run_requests(model, requests: list, eos: list, sampling, rows: int,
+                 factors: dict | None = None) -> list:
+    """Decode engine :class:`Request` s with ``rows`` slots: k members from ``factors``
+    ({module: (A (k, r, in), B (k, out, r))}), else the model's own adapter (k = 1) or none."""
+    if factors is not None:
+        k = next(iter(factors.values()))[0].shape[0]
+    else:
+        k = 1 if adapter_ranks(model) else 0
+    if not requests:  # a rank with no share of the problems
+        return []
+    max_len = max(len(r.prompt) + r.max_new for r in requests)
+    engine = engine_for(model, min(rows, len(requests)), max_len, k, SETTINGS["cuda_graphs"])
+    if k:
+        engine.set_members(factors)
+    return engine.run(requests, eos, sampling)
+
+
+def _hf_rows(model, tokenizer, texts, keys, max_new_tokens, sampling, rows) -> list:
+    """Completions of ``texts`` through HF ``generate``, ``rows`` per call, greedy; sampled
+    rows get their keyed Gumbel noise from :class:`KeyedGumbelProcessor`."""
+    eos = eos_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    gen_cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False,
+                               repetition_penalty=1.0, pad_token_id=pad_id,
+                               eos_token_id=eos)
+    device = _model_device(model)
+    out: list[list[int]] = []
+    with torch.inference_mode():
+        for start in range(0, len(texts), rows):
+            batch = tokenizer(texts[start:start + rows], return_tensors="pt", padding=True,
+                              padding_side="left").to(device)
+            width = batch["input_ids"].shape[1]
+            processors = LogitsProcessorList()
+            if sampling is not None:
+                key = torch.tensor(keys[start:start + rows], dtype=torch.int64, device=device)
+                processors.append(KeyedGumbelProcessor(sampling, key[:, 0], key[:, 1], width))
+            ids = model.generate(input_ids=batch["input_ids"],
+                                 attention_mask=batch["attention_mask"],
+                                 generation_config=gen_cfg, logits_processor=processors)
+            out.extend(_through_eos(row, eos) for row in ids[:, width:])
     return out
 
 
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, *, do_sample=False,
              temperature=1.0, top_p=1.0, num_return_sequences=1, batch_size=64,
-             seed=None) -> list[str]:
+             seed=None, first_index=0, engine=None) -> list[str]:
     """Complete every prompt; return ``len(prompts) * num_return_sequences`` strings.
 
     Completions are decoded without special tokens and cut at the first eos. Prompt ``i``'s
     samples are at ``i*n .. i*n+n-1`` (``n = num_return_sequences``). Sampling uses only
     ``temperature`` and ``top_p`` (the model's own top_k, repetition penalty and so on are
     switched off); ``do_sample`` with ``temperature == 0`` means greedy, and greedy decoding
-    with ``n > 1`` decodes once and repeats the completion ``n`` times. ``seed`` seeds a
-    forked RNG, so the caller's global torch RNG state is left as it was. ``batch_size``
-    counts prompts per ``generate`` call (each expands to ``n`` rows). The model is put in
-    eval mode for the call and restored afterwards; works with PEFT models.
+    with ``n > 1`` decodes once and repeats the completion ``n`` times. Samples are keyed by
+    (``seed``, ``first_index`` + prompt position, sample index) (module docstring); without
+    ``seed`` one is drawn from the global torch RNG. ``batch_size`` counts prompts decoding at
+    once (each expands to ``n`` rows). ``engine``: ``'engine'`` or ``'hf'`` (default: the
+    process's :func:`configure` setting). The model is put in eval mode for the call and
+    restored afterwards; works with PEFT models (their adapter on every row).
     """
     ids = generate_tokens(model, tokenizer, prompts, max_new_tokens, do_sample=do_sample,
                           temperature=temperature, top_p=top_p,
                           num_return_sequences=num_return_sequences, batch_size=batch_size,
-                          seed=seed)
+                          seed=seed, first_index=first_index, engine=engine)
     return tokenizer.batch_decode(ids, skip_special_tokens=True)

@@ -39,6 +39,12 @@ class ModelConfig:
     dtype: str = param("float32", "weights dtype", choices=["float32", "bfloat16", "float16"])
     device: str = param("auto", "auto: cuda:<local rank> where CUDA is present, else cpu",
                         choices=["auto", "cpu", "cuda"])
+    engine: str = param("engine", "generation path of ESSA fitness, F-GRPO rollouts and "
+                        "evaluation: 'engine' (static KV cache, continuous batching, members "
+                        "per row) or 'hf' (Hugging Face generate, the reference)",
+                        choices=["engine", "hf"])
+    cuda_graphs: bool = param(True, "engine on CUDA: replay each decode step from a CUDA "
+                              "graph (one per batch/context bucket); false runs it eagerly")
 
 
 @dataclass

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
+from hpc.models.generation import configure as configure_generation
 from hpc.models.memory_plan import check_job_memory
 from hpc.runtime.config import config_to_yaml, load_config
 from hpc.runtime.errors import EXIT_USER_ERROR, UserError
@@ -199,6 +200,7 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
     signals = StopSignals()
     config_path, overrides, resume = parse_args(prog, argv)
     cfg = load_config(job_cls, config_path, overrides)
+    configure_generation(cfg.model)
     world = get_world()
     world.timeout_s = cfg.run.collective_timeout_s
     cfg.validate_world(world)

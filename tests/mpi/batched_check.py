@@ -15,7 +15,7 @@ import torch
 from essa.batched import member_completions
 from essa.population import owners, score_members
 from essa.space import SingularValueSpace
-from hpc.models.generation import generate
+from hpc.models.generation import generate, using_path
 from hpc.models.loading import attach_lora, randomize_lora_b, tiny_model
 from hpc.runtime.timing import PhaseTimer
 
@@ -50,8 +50,9 @@ def score(case, members, k: int) -> np.ndarray:
     """Fitness (n,) float64 of ``members`` scored k per generation (score_members)."""
     model, tok, space, _, prompts, answers = case
     timer = PhaseTimer(["rebuild", "generate", "reward"])
-    return score_members(model, tok, space, members, HashTask(), prompts, answers, MAX_NEW,
-                         BATCH, timer, k)
+    with using_path("hf"):  # the reference path's batching, checked here
+        return score_members(model, tok, space, members, HashTask(), prompts, answers,
+                             MAX_NEW, BATCH, timer, k)
 
 
 def completions(case, members, k: int) -> list:
@@ -62,7 +63,7 @@ def completions(case, members, k: int) -> list:
         out = []
         for x in members:
             space.apply(model, x)
-            out.append(generate(model, tok, prompts, MAX_NEW, batch_size=BATCH))
+            out.append(generate(model, tok, prompts, MAX_NEW, batch_size=BATCH, engine="hf"))
         return out
     return [texts for g in range(0, len(members), k)
             for texts in member_completions(model, tok, space.factors_batch(members[g:g + k]),
