@@ -56,7 +56,7 @@ def run(job) -> dict:
     """Train ESSA for ``job`` (a :class:`hpc.runtime.job.Job`); returns a summary on every rank."""
     cfg, world = job.cfg, job.world
     e = cfg.essa
-    task = on_all_ranks(world, lambda: load_task(cfg.task))
+    task = on_all_ranks(world, lambda: load_task(cfg.task, cfg.model.path))
     if len(task.train) == 0 or len(task.eval) == 0:
         raise UserError(f"task {cfg.task.name} has an empty training or held-out split")
     base, tok = on_all_ranks(world, lambda: load_model(cfg.model.path, cfg.model.dtype,

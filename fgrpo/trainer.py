@@ -124,7 +124,7 @@ def run(job) -> dict:
     """Train F-GRPO for ``job``; returns a summary on every rank."""
     cfg, world = job.cfg, job.world
     f = cfg.fgrpo
-    task = on_all_ranks(world, lambda: load_task(cfg.task))
+    task = on_all_ranks(world, lambda: load_task(cfg.task, cfg.model.path))
     if min(f.batch_prompts, len(task.train)) < world.size:
         raise UserError(f"{len(task.train)} training prompts and fgrpo.batch_prompts="
                         f"{f.batch_prompts} leave some of the {world.size} ranks without a prompt")

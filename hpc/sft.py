@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from hpc.data.prompts import completion_batch
 from hpc.runtime.config import JobConfig, param
 from hpc.runtime.errors import UserError, user_errors_exit
 from hpc.runtime.world import my_slice
@@ -39,31 +40,6 @@ class SFTJobConfig(JobConfig):
                             f"{world.size} ranks")
 
 
-def completion_batch(tokenizer, prompts: list, completions: list, device):
-    """Right-padded ``prompt + completion + eos`` token ids with prompt-masked labels.
-
-    Returns input_ids (B, T) int64, attention_mask (B, T) int64 and labels (B, T) int64 with
-    -100 on prompt and padding positions.
-    """
-    rows, labels = [], []
-    for prompt, completion in zip(prompts, completions):
-        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [
-            tokenizer.eos_token_id]
-        rows.append(p + c)
-        labels.append([-100] * len(p) + c)
-    width = max(len(r) for r in rows)
-    pad = tokenizer.pad_token_id
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    lab = torch.full((len(rows), width), -100, dtype=torch.long)
-    for i, (r, l) in enumerate(zip(rows, labels)):
-        ids[i, : len(r)] = torch.tensor(r)
-        mask[i, : len(r)] = 1
-        lab[i, : len(l)] = torch.tensor(l)
-    return ids.to(device), mask.to(device), lab.to(device)
-
-
 def train_sft(model, tokenizer, task, cfg: SFTJobConfig, world, store, timer, progress=None):
     """Run ``cfg.sft.steps`` steps of completion-only cross-entropy on ``task.train``."""
     from hpc.runtime.dist import all_reduce_mean_
@@ -81,7 +57,7 @@ def train_sft(model, tokenizer, task, cfg: SFTJobConfig, world, store, timer, pr
         with timer.phase("forward_backward"):
             ids, mask, labels = completion_batch(
                 tokenizer, [task.train.prompts[i] for i in mine],
-                [task.train.solutions[i] for i in mine], device)
+                [task.train.solutions[i] for i in mine], device, chat=task.chat)
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
             opt.zero_grad(set_to_none=False)
             loss.backward()
@@ -113,7 +89,7 @@ def main(argv=None):
 
     job = start_job(SFTJobConfig, "sft", "hpc-sft", argv)
     cfg, world = job.cfg, job.world
-    task = on_all_ranks(world, lambda: load_task(cfg.task))
+    task = on_all_ranks(world, lambda: load_task(cfg.task, cfg.model.path))
     if len(task.train) < cfg.sft.batch_size:
         raise UserError(f"the training set has {len(task.train)} problems, fewer than "
                         f"sft.batch_size={cfg.sft.batch_size}")

@@ -25,10 +25,9 @@ from fractions import Fraction
 
 from hpc.runtime.errors import UserError
 from hpc.data.rewards import gsm8k_gold, last_boxed, math_reward, numeric_reward
+from hpc.data.prompts import GSM8K_TEMPLATE, MATH_TEMPLATE
 from hpc.data.tasks import Split, Task
 
-GSM8K_TEMPLATE = "Question: {question}\nAnswer: Let's think step by step."
-MATH_TEMPLATE = "Problem: {question}\nSolution:"
 _CALCULATOR_RE = re.compile(r"<<[^<>]*>>")
 _ANSWER_SUFFIX = "The answer is:"
 
@@ -72,7 +71,7 @@ def _gsm8k(row: dict, path: str, number: int):
     body = _CALCULATOR_RE.sub("", text.rsplit("####", 1)[0]).strip()
     solution = f" {body}\nThe answer is {gold}." if body else f" The answer is {gold}."
     question = _field(row, ("question",), path, number)
-    return GSM8K_TEMPLATE.format(question=question), gold, solution
+    return question, GSM8K_TEMPLATE, gold, solution
 
 
 def _math(row: dict, path: str, number: int):
@@ -84,7 +83,7 @@ def _math(row: dict, path: str, number: int):
     if not gold:
         raise UserError(f"{path} line {number}: the solution has no \\boxed{{}} final answer")
     question = _field(row, ("question", "problem"), path, number)
-    return MATH_TEMPLATE.format(question=question), gold, " " + worked.strip()
+    return question, MATH_TEMPLATE, gold, " " + worked.strip()
 
 
 def _number_text(value) -> str:
@@ -103,7 +102,7 @@ def _competition(row: dict, path: str, number: int):
     final = f"The answer is \\boxed{{{gold}}}."
     solution = f" {worked}\n{final}" if worked else f" {final}"
     question = _field(row, ("question", "problem"), path, number)
-    return MATH_TEMPLATE.format(question=question), gold, solution
+    return question, MATH_TEMPLATE, gold, solution
 
 
 _ROW_READERS = {"gsm8k": _gsm8k, "math": _math, "aime": _competition, "amc": _competition}
@@ -117,7 +116,8 @@ def _split(name: str, path: str, n: int, rng: random.Random | None = None) -> Sp
     if rng is not None:
         rng.shuffle(items)
     items = items[:n or None]
-    return Split([p for p, _, _ in items], [a for _, a, _ in items], [s for _, _, s in items])
+    return Split([t.format(question=q) for q, t, _, _ in items], [a for _, _, a, _ in items],
+                 [s for _, _, _, s in items], [q for q, _, _, _ in items])
 
 
 def load_file_task(cfg) -> Task:

@@ -6,7 +6,7 @@ jsonl files (:mod:`hpc.data.mathdata`). Rewards live in :mod:`hpc.data.rewards`.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from hpc.runtime.errors import UserError
@@ -21,13 +21,16 @@ class Split:
     prompts: list  # model inputs, template already applied
     answers: list  # gold final answers, as strings
     solutions: list  # SFT targets: the text a model should write after the prompt
+    questions: list = field(default_factory=list)  # the bare questions (prompt formats)
 
     def __len__(self) -> int:
         return len(self.prompts)
 
     def subset(self, indices) -> "Split":
+        indices = list(indices)
         return Split([self.prompts[i] for i in indices], [self.answers[i] for i in indices],
-                     [self.solutions[i] for i in indices])
+                     [self.solutions[i] for i in indices],
+                     [self.questions[i] for i in indices] if self.questions else [])
 
 
 @dataclass
@@ -36,6 +39,7 @@ class Task:
     train: Split
     eval: Split
     reward_fn: Callable[[str, str], float]  # (completion, gold answer) -> reward in [0, 1]
+    chat: bool = False  # prompts are chat-templated (SFT ends targets with the end-of-turn)
 
     def rewards(self, completions: list, answers: list) -> list:
         """Reward of each completion against its gold answer (floats in [0, 1])."""
@@ -69,19 +73,45 @@ def arith_task(n_train: int, n_eval: int, digits: int = 2, ops: str = "+", seed:
         question, answer = _arith_problem(rng, digits, ops)
         if question not in seen:
             seen.add(question)
-            problems.append((ARITH_TEMPLATE.format(question=question), answer))
+            problems.append((question, answer))
 
     def split(items):
-        return Split([p for p, _ in items], [a for _, a in items], [a for _, a in items])
+        return Split([ARITH_TEMPLATE.format(question=q) for q, _ in items],
+                     [a for _, a in items], [a for _, a in items], [q for q, _ in items])
 
     return Task("arith", train=split(problems[n_eval:]), eval=split(problems[:n_eval]),
                 reward_fn=numeric_reward)
 
 
-def load_task(cfg) -> Task:
-    """Build the task described by a :class:`hpc.runtime.config.TaskConfig` (UserError if unusable)."""
-    if cfg.name == "arith":
-        return arith_task(cfg.n_train, cfg.n_eval, cfg.digits, cfg.ops, cfg.seed)
-    from hpc.data.mathdata import load_file_task
+def wordprob_task(n_train: int, n_eval: int, seed: int = 0) -> Task:
+    """Generated multi-step word problems (:mod:`hpc.data.wordproblems`), graded by
+    :func:`hpc.data.rewards.math_reward`; eval disjoint from train."""
+    from hpc.data.rewards import math_reward
+    from hpc.data.wordproblems import WORDPROB_TEMPLATE, word_problems
 
-    return load_file_task(cfg)
+    problems = word_problems(n_eval + n_train, seed)
+
+    def split(items):
+        return Split([WORDPROB_TEMPLATE.format(question=q) for q, _, _ in items],
+                     [a for _, a, _ in items], [" " + s for _, _, s in items],
+                     [q for q, _, _ in items])
+
+    return Task("wordprob", train=split(problems[n_eval:]), eval=split(problems[:n_eval]),
+                reward_fn=math_reward)
+
+
+def load_task(cfg, model_path: str = "") -> Task:
+    """Build the task described by a :class:`hpc.runtime.config.TaskConfig` with its prompts in
+    ``cfg.prompt_format`` (chat formats read the tokenizer of ``model_path``, the job's
+    ``model.path``). UserError if unusable."""
+    from hpc.data.prompts import apply_prompt_format
+
+    if cfg.name == "arith":
+        task = arith_task(cfg.n_train, cfg.n_eval, cfg.digits, cfg.ops, cfg.seed)
+    elif cfg.name == "wordprob":
+        task = wordprob_task(cfg.n_train, cfg.n_eval, cfg.seed)
+    else:
+        from hpc.data.mathdata import load_file_task
+
+        task = load_file_task(cfg)
+    return apply_prompt_format(task, cfg, model_path)

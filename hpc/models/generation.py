@@ -18,10 +18,13 @@ import contextlib
 import torch
 from transformers import GenerationConfig
 
+from hpc.models.chat import stop_token_ids
+
 
 def _eos_ids(model, tokenizer) -> list[int]:
-    """Token ids that end a completion: the tokenizer's eos plus the model's configured eos."""
-    ids = {tokenizer.eos_token_id}
+    """Token ids that end a completion: :func:`hpc.models.chat.stop_token_ids` (eos and the
+    chat template's end-of-turn token) plus the model's configured eos."""
+    ids = set(stop_token_ids(tokenizer))
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if configured is not None:
         ids.update(configured if isinstance(configured, (list, tuple)) else [configured])
