@@ -10,7 +10,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export OMPI_MCA_rmaps_base_oversubscribe := 1
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: venv demo test clean
+.PHONY: venv demo demo-chat test clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,9 @@ $(STAMP): setup.py constraints.txt
 
 demo: $(STAMP)
 	bash jobscripts/demo.sh
+
+demo-chat: $(STAMP)
+	bash jobscripts/demo-chat.sh
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

@@ -33,6 +33,7 @@ setup(
             "hpc-sft=hpc.sft:main",
             "hpc-eval=hpc.evaluate:main",
             "hpc-toy=hpc.models.toy:main",
+            "hpc-toy-chat=hpc.models.toy_chat:main",
             "hpc-report=hpc.analysis.report:main",
             "hpc-scaling=hpc.analysis.scaling:main",
         ],
