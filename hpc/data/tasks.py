@@ -9,6 +9,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable
 
+from hpc.data.prompts import apply_prompt_format
+from hpc.data.wordproblems import WORDPROB_TEMPLATE, word_problems
 from hpc.runtime.errors import UserError
 
 ARITH_TEMPLATE = "{question}="
@@ -87,7 +89,6 @@ def wordprob_task(n_train: int, n_eval: int, seed: int = 0) -> Task:
     """Generated multi-step word problems (:mod:`hpc.data.wordproblems`), graded by
     :func:`hpc.data.rewards.math_reward`; eval disjoint from train."""
     from hpc.data.rewards import math_reward
-    from hpc.data.wordproblems import WORDPROB_TEMPLATE, word_problems
 
     problems = word_problems(n_eval + n_train, seed)
 
@@ -104,8 +105,6 @@ def load_task(cfg, model_path: str = "") -> Task:
     """Build the task described by a :class:`hpc.runtime.config.TaskConfig` with its prompts in
     ``cfg.prompt_format`` (chat formats read the tokenizer of ``model_path``, the job's
     ``model.path``). UserError if unusable."""
-    from hpc.data.prompts import apply_prompt_format
-
     if cfg.name == "arith":
         task = arith_task(cfg.n_train, cfg.n_eval, cfg.digits, cfg.ops, cfg.seed)
     elif cfg.name == "wordprob":
