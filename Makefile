@@ -10,7 +10,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export OMPI_MCA_rmaps_base_oversubscribe := 1
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: venv demo report test clean
+.PHONY: venv demo demo-chat report test clean
 
 venv: $(STAMP)
 
@@ -28,6 +28,9 @@ report: $(STAMP)
 	@test -d runs/demo || { echo "error: no runs/demo: run make demo first"; exit 2; }
 	$(BIN)/hpc-report compare runs/demo/sft/sft.h5 runs/demo/essa/essa.h5 runs/demo/fgrpo/fgrpo.h5
 	$(BIN)/hpc-report summary runs/demo/*/*.h5 --plots runs/demo/plots
+
+demo-chat: $(STAMP)
+	bash jobscripts/demo-chat.sh
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -rs tests  # -rs: why each skipped test was skipped

@@ -33,6 +33,7 @@ setup(
             "hpc-sft=hpc.runtime.cli:sft",
             "hpc-eval=hpc.runtime.cli:evaluate",
             "hpc-toy=hpc.runtime.cli:toy",
+            "hpc-toy-chat=hpc.runtime.cli:toy_chat",
             "hpc-report=hpc.analysis.report:main",
             "hpc-scaling=hpc.analysis.scaling:main",
             "hpc-plan=hpc.models.memory_plan:main",

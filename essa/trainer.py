@@ -45,7 +45,7 @@ class ESSA(Method):
         super().__init__(job)
         cfg, world = job.cfg, job.world
         e = self.e = cfg.essa
-        self.task = on_all_ranks(world, lambda: load_task(cfg.task))
+        self.task = on_all_ranks(world, lambda: load_task(cfg.task, cfg.model.path))
         if len(self.task.train) == 0 or len(self.task.eval) == 0:
             raise UserError(f"task {cfg.task.name} has an empty training or held-out split")
         base, self.tok = on_all_ranks(world, lambda: load_model(cfg.model.path, cfg.model.dtype,

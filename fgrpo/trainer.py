@@ -44,7 +44,7 @@ class FGRPO(GradientMethod):
         super().__init__(job)
         cfg, world = job.cfg, job.world
         f = self.f = cfg.fgrpo
-        self.task = on_all_ranks(world, lambda: load_task(cfg.task))
+        self.task = on_all_ranks(world, lambda: load_task(cfg.task, cfg.model.path))
         if min(f.batch_prompts, len(self.task.train)) < world.size:
             raise UserError(f"{len(self.task.train)} training prompts and fgrpo.batch_prompts="
                             f"{f.batch_prompts} leave some of the {world.size} ranks without a "

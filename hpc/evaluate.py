@@ -80,7 +80,7 @@ def main(argv=None):
 
     job = start_job(EvalJobConfig, "eval", "hpc-eval", argv)
     cfg, world = job.cfg, job.world
-    task = on_all_ranks(world, lambda: load_task(cfg.task))
+    task = on_all_ranks(world, lambda: load_task(cfg.task, cfg.model.path))
     model, tok = on_all_ranks(world, lambda: load_model(cfg.model.path, cfg.model.dtype,
                                                         job.device))
     if cfg.lora.adapter:

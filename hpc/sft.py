@@ -18,6 +18,7 @@ from hpc.data.tasks import load_task
 from hpc.gradient_method import GradientMethod
 from hpc.models.loading import attach_lora, load_model
 from hpc.runtime.dist import all_reduce_mean_, init_process_group
+from hpc.data.prompts import completion_batch
 from hpc.runtime.errors import UserError, user_errors_exit
 from hpc.runtime.job import finish, on_all_ranks, start_job
 from hpc.runtime.loop import run_loop
@@ -25,31 +26,6 @@ from hpc.runtime.world import my_slice
 from hpc.sft_config import SFTJobConfig
 
 PHASES = {"forward_backward": "train", "allreduce": "communication", "optimizer": "update"}
-
-
-def completion_batch(tokenizer, prompts: list, completions: list, device):
-    """Right-padded ``prompt + completion + eos`` token ids with prompt-masked labels.
-
-    Returns input_ids (B, T) int64, attention_mask (B, T) int64 and labels (B, T) int64 with
-    -100 on prompt and padding positions.
-    """
-    rows, labels = [], []
-    for prompt, completion in zip(prompts, completions):
-        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [
-            tokenizer.eos_token_id]
-        rows.append(p + c)
-        labels.append([-100] * len(p) + c)
-    width = max(len(r) for r in rows)
-    pad = tokenizer.pad_token_id
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    lab = torch.full((len(rows), width), -100, dtype=torch.long)
-    for i, (r, l) in enumerate(zip(rows, labels)):
-        ids[i, : len(r)] = torch.tensor(r)
-        mask[i, : len(r)] = 1
-        lab[i, : len(l)] = torch.tensor(l)
-    return ids.to(device), mask.to(device), lab.to(device)
 
 
 class SFT(GradientMethod):
@@ -60,7 +36,7 @@ class SFT(GradientMethod):
     def __init__(self, job):
         super().__init__(job)
         cfg, world = job.cfg, job.world
-        self.task = on_all_ranks(world, lambda: load_task(cfg.task))
+        self.task = on_all_ranks(world, lambda: load_task(cfg.task, cfg.model.path))
         if len(self.task.train) < cfg.sft.batch_size:
             raise UserError(f"the training set has {len(self.task.train)} problems, fewer than "
                             f"sft.batch_size={cfg.sft.batch_size}")
@@ -85,7 +61,7 @@ class SFT(GradientMethod):
         with timer.phase("forward_backward"):
             ids, mask, labels = completion_batch(self.tok, [train.prompts[j] for j in mine],
                                                  [train.solutions[j] for j in mine],
-                                                 self.job.device)
+                                                 self.job.device, chat=self.task.chat)
             loss = self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
             self.opt.zero_grad(set_to_none=False)
             loss.backward()

@@ -32,9 +32,8 @@ from fractions import Fraction
 from hpc.data.rewards import gsm8k_gold, last_boxed, math_reward, numeric_reward, to_number
 from hpc.data.split import Split, Task
 from hpc.runtime.errors import UserError
+from hpc.data.prompts import GSM8K_TEMPLATE, MATH_TEMPLATE
 
-GSM8K_TEMPLATE = "Question: {question}\nAnswer: Let's think step by step."
-MATH_TEMPLATE = "Problem: {question}\nSolution:"
 _CALCULATOR_RE = re.compile(r"<<[^<>]*>>")
 _ANSWER_SUFFIX = "The answer is:"
 
@@ -118,7 +117,7 @@ def _gsm8k(row: dict, path: str, number: int):
     body = _CALCULATOR_RE.sub("", text.rsplit("####", 1)[0]).strip()
     solution = f" {body}\nThe answer is {gold}." if body else f" The answer is {gold}."
     question = _text(row, ("question",), path, number)
-    return GSM8K_TEMPLATE.format(question=question), gold, solution
+    return question, GSM8K_TEMPLATE, gold, solution
 
 
 def _math(row: dict, path: str, number: int):
@@ -129,9 +128,8 @@ def _math(row: dict, path: str, number: int):
     gold = stated.strip() or last_boxed(worked)
     if not gold:
         raise UserError(f"{path} line {number}: the solution has no \\boxed{{}} final answer")
-    gold = _math_gold(gold, path, number)
     question = _text(row, ("question", "problem"), path, number)
-    return MATH_TEMPLATE.format(question=question), gold, " " + worked.strip()
+    return question, MATH_TEMPLATE, gold, " " + worked.strip()
 
 
 def _number_text(value) -> str:
@@ -156,7 +154,7 @@ def _competition(row: dict, path: str, number: int):
     final = f"The answer is \\boxed{{{gold}}}."
     solution = f" {worked}\n{final}" if worked else f" {final}"
     question = _text(row, ("question", "problem"), path, number)
-    return MATH_TEMPLATE.format(question=question), gold, solution
+    return question, MATH_TEMPLATE, gold, solution
 
 
 _ROW_READERS = {"gsm8k": _gsm8k, "math": _math, "aime": _competition, "amc": _competition}
@@ -170,7 +168,8 @@ def _split(name: str, path: str, n: int, rng: random.Random | None = None) -> Sp
     if rng is not None:
         rng.shuffle(items)
     items = items[:n or None]
-    return Split([p for p, _, _ in items], [a for _, a, _ in items], [s for _, _, s in items])
+    return Split([t.format(question=q) for q, t, _, _ in items], [a for _, _, a, _ in items],
+                 [s for _, _, _, s in items], [q for q, _, _, _ in items])
 
 
 def load_file_task(cfg) -> Task:

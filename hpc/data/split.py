@@ -2,7 +2,7 @@
 solutions, and a :class:`Task` (two splits and a reward function)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 
@@ -13,13 +13,16 @@ class Split:
     prompts: list  # model inputs, template already applied
     answers: list  # gold final answers, as strings
     solutions: list  # SFT targets: the text a model should write after the prompt
+    questions: list = field(default_factory=list)  # the bare questions (prompt formats)
 
     def __len__(self) -> int:
         return len(self.prompts)
 
     def subset(self, indices) -> "Split":
+        indices = list(indices)
         return Split([self.prompts[i] for i in indices], [self.answers[i] for i in indices],
-                     [self.solutions[i] for i in indices])
+                     [self.solutions[i] for i in indices],
+                     [self.questions[i] for i in indices] if self.questions else [])
 
 
 @dataclass
@@ -28,6 +31,7 @@ class Task:
     train: Split
     eval: Split
     reward_fn: Callable[[str, str], float]  # (completion, gold answer) -> reward in [0, 1]
+    chat: bool = False  # prompts are chat-templated (SFT ends targets with the end-of-turn)
 
     def rewards(self, completions: list, answers: list) -> list:
         """Reward of each completion against its gold answer (floats in [0, 1])."""

@@ -9,8 +9,10 @@ from __future__ import annotations
 import random
 
 from hpc.data.mathdata import load_file_task
-from hpc.data.rewards import numeric_reward
+from hpc.data.prompts import apply_prompt_format
+from hpc.data.rewards import math_reward, numeric_reward
 from hpc.data.split import Split, Task
+from hpc.data.wordproblems import WORDPROB_TEMPLATE, word_problems
 from hpc.runtime.errors import UserError
 
 ARITH_TEMPLATE = "{question}="
@@ -41,17 +43,38 @@ def arith_task(n_train: int, n_eval: int, digits: int = 2, ops: str = "+", seed:
         question, answer = _arith_problem(rng, digits, ops)
         if question not in seen:
             seen.add(question)
-            problems.append((ARITH_TEMPLATE.format(question=question), answer))
+            problems.append((question, answer))
 
     def split(items):
-        return Split([p for p, _ in items], [a for _, a in items], [a for _, a in items])
+        return Split([ARITH_TEMPLATE.format(question=q) for q, _ in items],
+                     [a for _, a in items], [a for _, a in items], [q for q, _ in items])
 
     return Task("arith", train=split(problems[n_eval:]), eval=split(problems[:n_eval]),
                 reward_fn=numeric_reward)
 
 
-def load_task(cfg) -> Task:
-    """Build the task described by a :class:`hpc.runtime.config.TaskConfig` (UserError if unusable)."""
+def wordprob_task(n_train: int, n_eval: int, seed: int = 0) -> Task:
+    """Generated multi-step word problems (:mod:`hpc.data.wordproblems`), graded by
+    :func:`hpc.data.rewards.math_reward`; eval disjoint from train."""
+    problems = word_problems(n_eval + n_train, seed)
+
+    def split(items):
+        return Split([WORDPROB_TEMPLATE.format(question=q) for q, _, _ in items],
+                     [a for _, a, _ in items], [" " + s for _, _, s in items],
+                     [q for q, _, _ in items])
+
+    return Task("wordprob", train=split(problems[n_eval:]), eval=split(problems[:n_eval]),
+                reward_fn=math_reward)
+
+
+def load_task(cfg, model_path: str = "") -> Task:
+    """Build the task described by a :class:`hpc.runtime.config.TaskConfig` with its prompts in
+    ``cfg.prompt_format`` (chat formats read the tokenizer of ``model_path``, the job's
+    ``model.path``). UserError if unusable."""
     if cfg.name == "arith":
-        return arith_task(cfg.n_train, cfg.n_eval, cfg.digits, cfg.ops, cfg.seed)
-    return load_file_task(cfg)
+        task = arith_task(cfg.n_train, cfg.n_eval, cfg.digits, cfg.ops, cfg.seed)
+    elif cfg.name == "wordprob":
+        task = wordprob_task(cfg.n_train, cfg.n_eval, cfg.seed)
+    else:
+        task = load_file_task(cfg)
+    return apply_prompt_format(task, cfg, model_path)

@@ -35,6 +35,8 @@ PATHS = ("engine", "hf")
 SETTINGS = {"engine": ModelConfig.engine, "cuda_graphs": ModelConfig.cuda_graphs}
 """This process's generation path and CUDA-graph switch (:func:`configure`)."""
 
+from hpc.models.chat import stop_token_ids
+
 
 def configure(model_cfg) -> None:
     """Take ``engine`` and ``cuda_graphs`` from a job's ``model`` config section."""
@@ -55,8 +57,9 @@ def using_path(path: str):
 
 
 def eos_ids(model, tokenizer) -> list[int]:
-    """Token ids that end a completion: the tokenizer's eos plus the model's configured eos."""
-    ids = {tokenizer.eos_token_id}
+    """Token ids that end a completion: :func:`hpc.models.chat.stop_token_ids` (eos and the
+    chat template's end-of-turn token) plus the model's configured eos."""
+    ids = set(stop_token_ids(tokenizer))
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if configured is not None:
         ids.update(configured if isinstance(configured, (list, tuple)) else [configured])

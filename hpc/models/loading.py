@@ -63,15 +63,28 @@ def check_model_folder(path: str) -> None:
         (f"tokenizer files ({', '.join(TOKENIZER_FILES)})", TOKENIZER_FILES)])
 
 
+def resolve_model_path(path: str) -> str:
+    """The folder for ``model.path``: the built-in ``'toy'`` and ``'toy-chat'`` models are
+    built and cached on first use; any other path is returned as it is."""
+    if path == "toy":
+        from hpc.models.toy import toy_model_path
+
+        return toy_model_path()
+    if path == "toy-chat":
+        from hpc.models.toy_chat import toy_chat_model_path
+
+        return toy_chat_model_path()
+    return path
+
+
 def load_model(path: str, dtype: str = "float32", device="cpu"):
-    """Load ``(model, tokenizer)`` from a local Hugging Face folder, or ``'toy'``.
+    """Load ``(model, tokenizer)`` from a local Hugging Face folder, ``'toy'`` or ``'toy-chat'``.
 
     ``dtype`` is ``float32``, ``bfloat16`` or ``float16``; ``device`` a torch device or
     ``'auto'`` (CUDA if present). The model is in eval mode. The tokenizer always has a pad
     token (eos when it has none) and pads on the left (generation).
     """
-    if path == "toy":
-        path = toy_model_path()
+    path = resolve_model_path(path)
     if dtype not in DTYPES:
         raise UserError(f"model dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     check_model_folder(path)

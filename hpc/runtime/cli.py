@@ -84,3 +84,15 @@ def toy(argv=None):
     parser.add_argument("--rebuild", action="store_true", help="delete the cached model first")
     args = parser.parse_args(argv)
     return _load("hpc.models.toy:show")(rebuild=args.rebuild)
+
+
+def toy_chat(argv=None):
+    """``hpc-toy-chat``: build the chat toy model if needed; print its folder and accuracy."""
+    parser = argparse.ArgumentParser(
+        prog="hpc-toy-chat", epilog=EXIT_CODES_HELP,
+        description="Build (several CPU minutes, once) or load the cached chat toy model (Qwen2 "
+                    "shape, byte-level BPE tokenizer, Qwen-style chat template, word problems) "
+                    "and print its folder.")
+    parser.add_argument("--rebuild", action="store_true", help="delete the cached model first")
+    args = parser.parse_args(argv)
+    return _load("hpc.models.toy_chat:show")(rebuild=args.rebuild)

@@ -34,8 +34,9 @@ def param(default, help: str, *, min=None, max=None, above=None, choices=None):
 
 @dataclass
 class ModelConfig:
-    path: str = param("toy", "Hugging Face model folder, or 'toy' for the built-in toy model "
-                      "(built and cached on first use)")
+    path: str = param("toy", "Hugging Face model folder, or a built-in model built and cached "
+                      "on first use: 'toy' (character tokenizer, arith) or 'toy-chat' (BPE "
+                      "tokenizer with a chat template, wordprob)")
     dtype: str = param("float32", "weights dtype", choices=["float32", "bfloat16", "float16"])
     device: str = param("auto", "auto: cuda:<local rank> where CUDA is present, else cpu",
                         choices=["auto", "cpu", "cuda"])
@@ -58,7 +59,15 @@ class LoraConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = param("arith", "task", choices=["arith", "gsm8k", "math", "aime", "amc"])
+    name: str = param("arith", "task", choices=["arith", "wordprob", "gsm8k", "math", "aime",
+                                                "amc"])
+    prompt_format: str = param("plain", "plain: the task's text template; chat: the model's "
+                               "chat template; presets: qwen25-math-cot (chat + Qwen2.5-Math "
+                               "system prompt), gsm8k-plain, math-plain",
+                               choices=["plain", "chat", "qwen25-math-cot", "gsm8k-plain",
+                                        "math-plain"])
+    system_prompt: str = param("", "chat formats: system message ('' = the format's own, "
+                               "none for chat)")
     train_path: str = param("", "training jsonl (file tasks)")
     eval_path: str = param("", "held-out jsonl (file tasks)")
     n_train: int = param(2000, "training prompts (arith: generated; files: first n, 0 = all)",
