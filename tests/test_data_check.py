@@ -36,8 +36,9 @@ def test_problems_are_counted_with_their_lines(tmp_path, capsys):
                          f"model.path={toy_model_path()}", "plan.max_prompt_tokens=100")
     assert code == 2 and err.startswith("error: ") and len(err.splitlines()) == 1
     assert "rows: 4" in out
-    assert "rows the loader rejects: 1 (lines 2); first: " in out and "'#### <number>'" in out
-    assert "golds the grader cannot read: 1 (lines 3)" in out
+    # "#### six": the loader itself refuses a non-numeric GSM8K gold (hpc.data.mathdata)
+    assert "rows the loader rejects: 2 (lines 2, 3); first: " in out and "'#### <number>'" in out
+    assert "golds the grader cannot read: 0" in out
     assert "over plan.max_prompt_tokens=100: 1 (lines 4)" in out
 
 

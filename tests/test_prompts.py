@@ -10,7 +10,7 @@ from hpc.data.prompts import QWEN_MATH_SYSTEM, completion_batch
 from hpc.data.tasks import load_task
 from hpc.data.wordproblems import word_problems
 from hpc.models.chat import end_of_turn_id, stop_token_ids
-from hpc.models.generation import _eos_ids
+from hpc.models.generation import eos_ids
 from hpc.models.loading import tiny_model
 from hpc.models.toy_chat import IM_END, build_chat_tokenizer, chat_qwen2_config
 from hpc.runtime.config import TaskConfig
@@ -39,7 +39,7 @@ def test_stop_tokens_follow_the_template(chat_folder):
     assert tok.eos_token == "<|endoftext|>" and end_of_turn_id(tok) == im_end
     assert stop_token_ids(tok) == sorted({tok.eos_token_id, im_end})
     model = Qwen2ForCausalLM.from_pretrained(chat_folder)
-    assert set(_eos_ids(model, tok)) == {tok.eos_token_id, im_end}
+    assert set(eos_ids(model, tok)) == {tok.eos_token_id, im_end}
     _, char_tok = tiny_model()
     assert end_of_turn_id(char_tok) is None and stop_token_ids(char_tok) == [char_tok.eos_token_id]
 

@@ -61,7 +61,8 @@ def check_file(path: str, cfg) -> tuple:
     first_error = ""
     for number, row in rows:
         try:
-            prompt, gold, solution = _ROW_READERS[name](row, path, number)
+            question, template, gold, solution = _ROW_READERS[name](row, path, number)
+            prompt = template.format(question=question)
         except UserError as err:
             rejected.append(number)
             first_error = first_error or str(err)

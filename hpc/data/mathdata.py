@@ -32,7 +32,10 @@ from fractions import Fraction
 from hpc.data.rewards import gsm8k_gold, last_boxed, math_reward, numeric_reward, to_number
 from hpc.data.split import Split, Task
 from hpc.runtime.errors import UserError
-from hpc.data.prompts import GSM8K_TEMPLATE, MATH_TEMPLATE
+
+# The plain prompts of the file tasks (named presets in hpc.data.prompts).
+GSM8K_TEMPLATE = "Question: {question}\nAnswer: Let's think step by step."
+MATH_TEMPLATE = "Problem: {question}\nSolution:"
 
 _CALCULATOR_RE = re.compile(r"<<[^<>]*>>")
 _ANSWER_SUFFIX = "The answer is:"
@@ -128,6 +131,7 @@ def _math(row: dict, path: str, number: int):
     gold = stated.strip() or last_boxed(worked)
     if not gold:
         raise UserError(f"{path} line {number}: the solution has no \\boxed{{}} final answer")
+    gold = _math_gold(gold, path, number)
     question = _text(row, ("question", "problem"), path, number)
     return question, MATH_TEMPLATE, gold, " " + worked.strip()
 

@@ -16,10 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from hpc.data.mathdata import GSM8K_TEMPLATE, MATH_TEMPLATE
 from hpc.models.chat import chat_tokenizer, end_of_turn_id
 
-GSM8K_TEMPLATE = "Question: {question}\nAnswer: Let's think step by step."
-MATH_TEMPLATE = "Problem: {question}\nSolution:"
 QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
