@@ -154,46 +154,62 @@ def train_toy(out_dir: str, budget_s: float = BUDGET_S, log=print) -> dict:
                 "heldout": "arith 2-digit '+', seed 0, first 256 problems (demo eval set)",
                 "train_problems": len(train), "seed": DATA_SEED,
                 "build_seconds": round(time.time() - start, 1)}
-        model.save_pretrained(out_dir)
-        tokenizer.save_pretrained(out_dir)
-        with open(os.path.join(out_dir, INFO_FILE), "w") as fh:
-            json.dump(info, fh, indent=1)
+        save_model_folder(out_dir, model, tokenizer, info)
         return info
     finally:
         torch.set_num_threads(threads)
+
+
+def save_model_folder(out_dir: str, model, tokenizer, info: dict) -> None:
+    """Write a built model folder: weights, tokenizer, then ``INFO_FILE`` last, whose presence
+    marks the folder complete."""
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    with open(os.path.join(out_dir, INFO_FILE), "w") as fh:
+        json.dump(info, fh, indent=1)
 
 
 def _local_rank() -> int:
     return next((int(os.environ[v]) for v in _LOCAL_RANK_VARS if v in os.environ), 0)
 
 
-def build_toy(final: str, budget_s: float = BUDGET_S, log=print) -> None:
-    """Build into a temporary sibling folder, then rename it to ``final`` (atomic). If another
-    process finished first, its folder is kept and this build is discarded."""
+def build_into(final: str, train) -> None:
+    """Run ``train(tmp)`` in a temporary sibling folder, then rename it to ``final`` (atomic).
+    If another process finished first, its folder is kept and this build is discarded."""
     try:
         with replaced_dir(final, keep_existing=True) as tmp:
-            train_toy(tmp, budget_s, log)
+            train(tmp)
     except OSError:  # another process renamed its build into place between check and rename
         if not os.path.isfile(os.path.join(final, INFO_FILE)):
             raise
 
 
-def toy_model_path(wait_s: float = 4 * BUDGET_S, log=print) -> str:
-    """Folder of the cached toy model, building it if absent.
+def cached_folder(final: str, build, what: str, wait_s: float, log=print) -> str:
+    """``final``, after ``build(final)`` if it holds no complete build yet.
 
     Local rank 0 of a node builds; other local ranks wait up to ``wait_s`` seconds for the
     folder to appear (then build it themselves, which is safe, if it still has not).
     """
-    final = cache_dir()
     info_file = os.path.join(final, INFO_FILE)  # written last, inside the renamed folder
     if not os.path.isfile(info_file) and _local_rank() != 0:
         deadline = time.time() + wait_s
         while not os.path.isfile(info_file) and time.time() < deadline:
             time.sleep(1.0)
     if not os.path.isfile(info_file):
-        log(f"building the toy model in {final} (about {BUDGET_S:.0f} s, once)")
-        build_toy(final, log=log)
+        log(f"building {what} in {final} (once)")
+        build(final)
     return final
+
+
+def build_toy(final: str, budget_s: float = BUDGET_S, log=print) -> None:
+    """Train the toy model into ``final`` (see :func:`build_into`)."""
+    build_into(final, lambda tmp: train_toy(tmp, budget_s, log))
+
+
+def toy_model_path(wait_s: float = 4 * BUDGET_S, log=print) -> str:
+    """Folder of the cached toy model, building it (about a minute) if absent."""
+    return cached_folder(cache_dir(), lambda final: build_toy(final, log=log),
+                         "the toy model", wait_s, log)
 
 
 def toy_info(path: str | None = None) -> dict:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import time
 
 import torch
@@ -35,10 +34,10 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from hpc.data.prompts import chat_messages, completion_batch
 from hpc.data.rewards import math_reward
 from hpc.data.wordproblems import MAX_STEPS as MAX_PROBLEM_STEPS, word_problems
+from hpc.models.toy import INFO_FILE, build_into, cached_folder, save_model_folder
 from hpc.runtime.errors import UserError, user_errors_exit
 
 VERSION = "toy-chat-v1"
-INFO_FILE = "toy_info.json"
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 VOCAB_SIZE = 2048
 # Qwen2's pre-tokenizer split: words, single digits, punctuation runs, newlines, spaces.
@@ -180,46 +179,16 @@ def train_toy_chat(out_dir: str, budget_s: float = BUDGET_S, log=print) -> dict:
                 "heldout": "wordprob, seed 0, first 256 problems, chat format, greedy",
                 "tokenizer_corpus": os.path.basename(corpus_path()), "seed": DATA_SEED,
                 "build_seconds": round(time.time() - start, 1)}
-        model.save_pretrained(out_dir)
-        tokenizer.save_pretrained(out_dir)
-        with open(os.path.join(out_dir, INFO_FILE), "w") as fh:
-            json.dump(info, fh, indent=1)
+        save_model_folder(out_dir, model, tokenizer, info)
         return info
     finally:
         torch.set_num_threads(threads)
 
 
-def build_toy_chat(final: str, budget_s: float = BUDGET_S, log=print) -> None:
-    """Build into a temporary sibling folder, then rename it to ``final`` (atomic)."""
-    parent = os.path.dirname(final)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{VERSION}-build-", dir=parent)
-    try:
-        train_toy_chat(tmp, budget_s, log)
-        os.chmod(tmp, 0o755)
-        os.rename(tmp, final)
-    except OSError:
-        if not os.path.isfile(os.path.join(final, INFO_FILE)):
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def toy_chat_model_path(wait_s: float = 4 * BUDGET_S, log=print) -> str:
-    """Folder of the cached chat toy model, building it if absent (local rank 0 builds, the
-    other local ranks wait for it, as for :func:`hpc.models.toy.toy_model_path`)."""
-    from hpc.models.toy import _local_rank
-
-    final = cache_dir()
-    info_file = os.path.join(final, INFO_FILE)
-    if not os.path.isfile(info_file) and _local_rank() != 0:
-        deadline = time.time() + wait_s
-        while not os.path.isfile(info_file) and time.time() < deadline:
-            time.sleep(1.0)
-    if not os.path.isfile(info_file):
-        log(f"building the toy-chat model in {final} (a few minutes, once)")
-        build_toy_chat(final, log=log)
-    return final
+    """Folder of the cached chat toy model, building it (several CPU minutes) if absent."""
+    return cached_folder(cache_dir(), lambda final: build_into(
+        final, lambda tmp: train_toy_chat(tmp, BUDGET_S, log)), "the toy-chat model", wait_s, log)
 
 
 @user_errors_exit
