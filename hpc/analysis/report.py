@@ -16,7 +16,6 @@ the methods used then (:data:`LEGACY_PHASES`).
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import os
@@ -25,7 +24,7 @@ import textwrap
 import numpy as np
 import yaml
 
-from hpc.runtime.cli import EXIT_CODES_HELP
+from hpc.runtime.cli import tool_parser
 from hpc.runtime.errors import UserError, user_errors_exit
 from hpc.runtime.results import EvalResult, format_table
 from hpc.runtime.runstore import RunFile
@@ -396,10 +395,7 @@ def timeline(plt, t: dict, colour: dict, n_steps: int, path: str, title: str) ->
 
 @user_errors_exit
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="hpc-report", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=EXIT_CODES_HELP)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser, sub = tool_parser("hpc-report", __doc__)
     cmp_parser = sub.add_parser("compare", help="start vs end of runs, side by side")
     cmp_parser.add_argument("files", nargs="+")
     sum_parser = sub.add_parser("summary", help="time split, communication, stragglers, "

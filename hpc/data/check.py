@@ -11,13 +11,12 @@ is unreadable or a prompt is too long; 0 otherwise.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 
 from hpc.data.mathdata import _REWARDS, _ROW_READERS, read_jsonl
-from hpc.runtime.cli import EXIT_CODES_HELP
+from hpc.runtime.cli import EXIT_CODES_HELP, tool_parser
 from hpc.runtime.config import JobConfig, load_config
 from hpc.runtime.errors import EXIT_USER_ERROR, UserError, user_errors_exit
 
@@ -100,10 +99,7 @@ def check_file(path: str, cfg) -> tuple:
 @user_errors_exit
 def main(argv=None):
     """``hpc-data``: see the module docstring."""
-    parser = argparse.ArgumentParser(prog="hpc-data", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=EXIT_CODES_HELP)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser, sub = tool_parser("hpc-data", __doc__)
     check = sub.add_parser("check", help="count rows, unreadable golds and over-long prompts",
                            epilog=EXIT_CODES_HELP)
     check.add_argument("file", metavar="FILE.jsonl")

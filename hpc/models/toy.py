@@ -129,24 +129,19 @@ def train_toy(out_dir: str, budget_s: float = BUDGET_S, log=print) -> dict:
             opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
             order = torch.Generator().manual_seed(DATA_SEED)
             all_ids, all_labels = _encode(tokenizer, train)
-            step, probe_acc, stop = 0, 0.0, "max_steps"
-            while step < MAX_STEPS:
+
+            def train_step() -> float:
                 model.train()
                 idx = torch.randint(len(train), (BATCH,), generator=order)
                 loss = model(input_ids=all_ids[idx], labels=all_labels[idx]).loss
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-                step += 1
-                if step % PROBE_EVERY == 0:
-                    probe_acc = greedy_accuracy(model, tokenizer, probe)
-                    log(f"toy step {step}: loss {loss.item():.3f}, probe accuracy {probe_acc:.3f}")
-                    if probe_acc >= TARGET_ACCURACY:
-                        stop = "target_accuracy"
-                        break
-                if time.time() - start > budget_s:
-                    stop = "budget_s"
-                    break
+                return loss.item()
+
+            step, probe_acc, stop = train_until(
+                train_step, lambda: greedy_accuracy(model, tokenizer, probe), MAX_STEPS,
+                PROBE_EVERY, TARGET_ACCURACY, start + budget_s, lambda msg: log("toy " + msg))
         info = {"version": VERSION, "parameters": sum(p.numel() for p in model.parameters()),
                 "steps": step, "batch": BATCH, "lr": LR, "stopped_by": stop,
                 "probe_accuracy": probe_acc,
@@ -158,6 +153,26 @@ def train_toy(out_dir: str, budget_s: float = BUDGET_S, log=print) -> dict:
         return info
     finally:
         torch.set_num_threads(threads)
+
+
+def train_until(train_step, probe, max_steps: int, probe_every: int, target: float,
+                deadline: float, log) -> tuple[int, float, str]:
+    """Call ``train_step()`` (one optimizer step; returns its loss) until ``probe()`` (held-out
+    probe accuracy, every ``probe_every`` steps) reaches ``target``, ``max_steps`` are done or
+    the clock passes ``deadline`` (``time.time()``, a safety cap). Returns (steps, last probe
+    accuracy, why it stopped: target_accuracy, max_steps or budget_s)."""
+    step, probe_acc = 0, 0.0
+    while step < max_steps:
+        loss = train_step()
+        step += 1
+        if step % probe_every == 0:
+            probe_acc = probe()
+            log(f"step {step}: loss {loss:.3f}, probe accuracy {probe_acc:.3f}")
+            if probe_acc >= target:
+                return step, probe_acc, "target_accuracy"
+        if time.time() > deadline:
+            return step, probe_acc, "budget_s"
+    return step, probe_acc, "max_steps"
 
 
 def save_model_folder(out_dir: str, model, tokenizer, info: dict) -> None:

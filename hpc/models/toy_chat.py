@@ -34,7 +34,8 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from hpc.data.prompts import chat_messages, completion_batch
 from hpc.data.rewards import math_reward
 from hpc.data.wordproblems import MAX_STEPS as MAX_PROBLEM_STEPS, word_problems
-from hpc.models.toy import INFO_FILE, build_into, cached_folder, save_model_folder
+from hpc.models.toy import (INFO_FILE, build_into, cached_folder, save_model_folder,
+                            train_until)
 from hpc.runtime.errors import UserError, user_errors_exit
 
 VERSION = "toy-chat-v1"
@@ -146,8 +147,8 @@ def train_toy_chat(out_dir: str, budget_s: float = BUDGET_S, log=print) -> dict:
             opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
             schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100))
             order = torch.Generator().manual_seed(DATA_SEED)
-            step, probe_acc, stop = 0, 0.0, "max_steps"
-            while step < MAX_STEPS:
+
+            def train_step() -> float:
                 model.train()
                 bucket = by_steps[int(torch.randint(len(by_steps), (1,), generator=order))]
                 idx = [bucket[i] for i in torch.randint(len(bucket), (BATCH,), generator=order)]
@@ -160,17 +161,12 @@ def train_toy_chat(out_dir: str, budget_s: float = BUDGET_S, log=print) -> dict:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
                 schedule.step()
-                step += 1
-                if step % PROBE_EVERY == 0:
-                    probe_acc = greedy_accuracy(model, tokenizer, probe)
-                    log(f"toy-chat step {step}: loss {loss.item():.3f}, "
-                        f"probe accuracy {probe_acc:.3f} ({time.time() - start:.0f} s)")
-                    if probe_acc >= TARGET_ACCURACY:
-                        stop = "target_accuracy"
-                        break
-                if time.time() - start > budget_s:
-                    stop = "budget_s"
-                    break
+                return loss.item()
+
+            step, probe_acc, stop = train_until(
+                train_step, lambda: greedy_accuracy(model, tokenizer, probe), MAX_STEPS,
+                PROBE_EVERY, TARGET_ACCURACY, start + budget_s,
+                lambda msg: log(f"toy-chat {msg} ({time.time() - start:.0f} s)"))
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         info = {"version": VERSION, "parameters": sum(p.numel() for p in model.parameters()),
                 "vocab_size": len(tokenizer), "steps": step, "batch": BATCH, "lr": LR,

@@ -26,6 +26,14 @@ JOB_EXIT_CODES_HELP = (f"exit codes: 0 done; {EXIT_USER_ERROR} user error (one l
 HELP_FLAGS = ("-h", "--help")
 
 
+def tool_parser(prog: str, doc: str) -> tuple:
+    """(parser, subparsers) of a tool with subcommands (``hpc-report``, ``hpc-data``): the
+    module docstring as description, the exit codes as epilog."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc, epilog=EXIT_CODES_HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    return parser, parser.add_subparsers(dest="command", required=True)
+
+
 def _load(ref: str):
     """The object named by ``'module:attribute'`` (imported now, not at start-up)."""
     module, name = ref.split(":")
