@@ -41,7 +41,7 @@ def main(argv=None) -> None:
     prompts = torch.randint(2, model.config.vocab_size, (args.rows, 8),
                             generator=torch.Generator().manual_seed(0))
     hw = {"bandwidth": 1.0, "peak_flops": 1.0}  # no bound on CPU; only the ratios matter
-    print(f"{machine()}\n{what}, {lora}, {args.rows} rows")
+    print(f"machine: {machine()}\n{what}, {lora}, {args.rows} rows")
     print(f"{'k':>3} {'lengths':>7} {'mean len':>8} {'engine tok/s':>12} {'HF tok/s':>9} "
           f"{'engine/HF':>9}")
     for k in args.ks:

@@ -34,6 +34,7 @@ SMOKE = {
     "members_per_second.py": (["--ks", "1", "2", "--minibatches", "2", "--members", "2",
                                "--repeats", "1", "--population", "4", "--generations", "2"],
                               False, ["minibatch 2 prompts, 2 members", "OUTSIDE GENERATION"]),
+    "engine_cpu.py": (["--rows", "4", "--ks", "2"], False, ["  2   fixed", "  2  spread"]),
     "gpu_check.py": (["--model", "tiny", "--device", "cpu", "--ks", "1", "2", "--prompts", "2",
                       "--minutes", "5"], False, ["F-GRPO step (256 rows)", "wrote "]),
 }
@@ -54,8 +55,11 @@ def run_script(args: list) -> tuple:
     return proc.returncode, out, err
 
 
+LIBRARIES = {"common.py", "engine_speed.py"}  # imported by the scripts above, not run alone
+
+
 def test_every_benchmark_has_a_smoke_test():
-    scripts = {f for f in os.listdir(BENCHMARKS) if f.endswith(".py") and f != "common.py"}
+    scripts = {f for f in os.listdir(BENCHMARKS) if f.endswith(".py") and f not in LIBRARIES}
     assert scripts == set(SMOKE)
 
 

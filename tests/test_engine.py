@@ -194,14 +194,6 @@ def test_gpu_check_engine_smoke_on_cpu(tmp_path):
             sum(step["phases_s"].values()))
 
 
-def test_cpu_engine_benchmark_prints_ratios():
-    proc = run_cli(["benchmarks/engine_cpu.py", "--rows", "4", "--ks", "2"], timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    last = proc.stdout.splitlines()[-2:]
-    assert [line.split()[:2] for line in last] == [["2", "fixed"], ["2", "spread"]]
-    assert all(float(line.split()[-1]) > 0 for line in last)
-
-
 def test_essa_run_equals_reference_path(toy_adapter, tmp_path):
     """A whole ESSA run (2 ranks, 3 members per pass): fitness of every generation and the final
     mean are the same on the engine as on HF generate."""
