@@ -4,6 +4,7 @@ CI sets HPC_TEST_STRICT=1, which turns every such skip into a failure.
 """
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -109,3 +110,12 @@ def tiny_models(tmp_path_factory):
         out[name] = (str(model_dir), str(adapter_dir),
                      sum(p.numel() for p in model.parameters()))
     return out
+
+
+@pytest.fixture(autouse=True)
+def _sigterm_disposition_restored():
+    """A test must not leave SIGTERM ignored in this process: subprocesses inherit an ignored
+    signal, and a shell cannot trap what it started with ignored."""
+    before = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, before)

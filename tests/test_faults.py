@@ -175,8 +175,8 @@ def test_sigterm_to_mpirun_loses_only_the_step_in_flight(toy_adapter, tmp_path):
     code, _, err = run_and_signal(essa_args(toy_adapter, part, 6), h5, "essa", 2,
                                   signal.SIGTERM)
     assert code not in (0, 3), err[-3000:]
-    stopped = RunFile(h5)
-    assert stopped.attrs["status"] == "running"
+    stopped = RunFile(h5)  # readable; "preempted" only if a rank finished its step in 0.25 s
+    assert stopped.attrs["status"] in ("running", "preempted")
     assert list_checkpoints(str(part / "checkpoints"))
     resumed = run_mpi(2, essa_args(toy_adapter, part, 6) + ["--resume"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]

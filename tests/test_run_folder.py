@@ -72,9 +72,9 @@ def test_a_checkpoint_with_missing_keys_is_one_line(toy_adapter, tmp_path):
     ckpts = str(out / "checkpoints")
     for path in list_checkpoints(ckpts):
         os.remove(path)
-    save_checkpoint(ckpts, 1, {"generation": 1, "elapsed_s": 0.0})
+    save_checkpoint(ckpts, 1, {"step": 1, "elapsed_s": 0.0})  # no "method" state in it
     proc = run_mpi(2, essa_args(toy_adapter, out, 2) + ["--resume"])
-    one_error_line(proc, "has no entry 'optimizer'")
+    one_error_line(proc, "has no entry 'method'")
 
 
 def test_resume_of_a_missing_run_is_an_error(toy_adapter, tmp_path):

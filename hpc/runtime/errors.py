@@ -25,11 +25,20 @@ class UserError(Exception):
         self.abort_peers = not same_on_all_ranks
 
 
+_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
+PEER_GRACE_S = 3.0  # seconds a rank > 0 waits before leaving on an error rank 0 prints
+
+
 def _rank_from_env() -> int:
-    for var in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"):
+    for var in _RANK_VARS:
         if var in os.environ:
             return int(os.environ[var])
     return 0
+
+
+def _launched() -> bool:
+    """Whether this process is a rank started by mpirun or srun."""
+    return any(var in os.environ for var in _RANK_VARS)
 
 
 def report_user_error(err: UserError) -> None:
@@ -63,8 +72,23 @@ def _exit_through_sigterm(code: int) -> None:
     and ``srun --kill-on-bad-exit`` SIGTERMs the rest as soon as the first is gone. Python's
     own SIGTERM handler is removed while the interpreter shuts down (after MPI_Finalize), so a
     late rank would die of the signal and the step report 143 instead of ``code``."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _ignore_sigterm()
     sys.exit(code)
+
+
+def _ignore_sigterm() -> None:
+    """Ignore SIGTERM in a launched rank (see :func:`_exit_through_sigterm`); a caller
+    in-process (a test) keeps its handler, and so do the children it starts later."""
+    if _launched():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _mpi_started() -> bool:
+    if "mpi4py.MPI" not in sys.modules:
+        return False
+    from mpi4py import MPI  # already loaded (checked above)
+
+    return MPI.Is_initialized()
 
 
 def user_errors_exit(main):
@@ -79,6 +103,12 @@ def user_errors_exit(main):
             report_user_error(err)
             if err.abort_peers:
                 _abort_peers()
+            elif err.same_on_all_ranks and _rank_from_env() != 0 and not _mpi_started():
+                # Rank 0 prints the line. Found before the ranks could agree (a config error
+                # before MPI starts), rank 0 may still be importing torch: leaving first would
+                # make the launcher kill it before it prints.
+                _ignore_sigterm()
+                time.sleep(PEER_GRACE_S)
             _exit_through_sigterm(EXIT_USER_ERROR)
         except SystemExit as done:
             if done.code not in (None, 0):
