@@ -23,6 +23,7 @@ Checkpoints hold ``{"step", "elapsed_s", "run_file", "method": method.state_dict
 """
 from __future__ import annotations
 
+import abc
 import json
 import time
 
@@ -45,7 +46,7 @@ PHASE_KINDS = ("rollout",        # producing and scoring completions (decoding, 
 LOOP_PHASES = {"eval": "eval", "checkpoint": "checkpoint"}  # the loop's own phases
 
 
-class Method:
+class Method(abc.ABC):
     """What a training method gives :func:`run_loop`. Subclasses set the class attributes and
     the attributes of ``__init__`` and implement the methods that raise here.
 
@@ -71,32 +72,33 @@ class Method:
         """Method-specific run-file attributes (sizes of the problem)."""
         return {}
 
+    @abc.abstractmethod
     def step(self, i: int) -> dict:
         """Run step ``i`` (0-based; logged as step i + 1); returns {metric name: float}."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def heldout(self) -> dict:
         """The periodic held-out evaluation after a step: {column: value} of group heldout."""
-        raise NotImplementedError
 
     def target_reached(self, heldout: dict) -> bool:
         """True to stop after this held-out evaluation (a target accuracy)."""
         return False
 
+    @abc.abstractmethod
     def evaluate(self, sampled: bool) -> EvalResult:
         """The full evaluation of the current model (start and end of the run)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def export(self, out_dir: str, step: int) -> None:
         """Write the result after ``step`` steps into ``out_dir`` (rank 0 only)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def state_dict(self) -> dict:
         """Everything a resumed run needs, as nested dicts of tensors, arrays and scalars."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def load_state_dict(self, state: dict) -> None:
-        raise NotImplementedError
+        """Restore what :meth:`state_dict` returned."""
 
 
 def run_attrs(job: Job, method: Method) -> dict:
