@@ -19,7 +19,7 @@ from fgrpo.metrics import METRICS, local_sums, step_metrics
 from fgrpo.policy import build_model, frozen_logprobs, reference_model
 from fgrpo.rollout import sample_rollouts
 from hpc.data.tasks import load_task
-from hpc.gradient_method import GradientMethod
+from hpc.gradient_method import GradientMethod, step_seed
 from hpc.runtime.dist import all_reduce_mean_, init_process_group
 from hpc.runtime.errors import UserError, user_errors_exit
 from hpc.runtime.job import finish, on_all_ranks, start_job
@@ -28,11 +28,6 @@ from hpc.runtime.world import my_slice
 
 PHASES = {"generate": "rollout", "reward": "rollout", "forward_backward": "train",
           "waiting": "waiting", "allreduce": "communication", "optimizer": "update"}
-
-
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """Sampling seed of one rank's rollouts at one step (independent of resumes)."""
-    return int(np.random.default_rng([seed, step, rank]).integers(2 ** 31))
 
 
 class FGRPO(GradientMethod):
@@ -87,7 +82,7 @@ class FGRPO(GradientMethod):
             if f.beta > 0:
                 with reference_model(self.model, self.ref_model) as ref:
                     ref_logp = frozen_logprobs(ref, rollouts, f.micro_batch)
-        self.model.train()
+        self.train_mode(i)
         for _ in range(f.num_iterations):
             self.opt.zero_grad(set_to_none=False)
             with timer.phase("forward_backward"):

@@ -3,6 +3,7 @@ evaluating their model, exporting its adapter, and checkpointing the trained wei
 optimizer state."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from hpc.evaluate import evaluate
@@ -10,9 +11,23 @@ from hpc.models.loading import save_adapter
 from hpc.runtime.loop import Method
 
 
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of one rank's random draws at one step: a function of (seed, step, rank) alone,
+    so a resumed run draws what an uninterrupted one drew, whatever each rank drew before."""
+    return int(np.random.default_rng([seed, step, rank]).integers(2 ** 31))
+
+
 class GradientMethod(Method):
     """A :class:`hpc.runtime.loop.Method` whose subclass sets ``model`` (peft or plain), ``tok``,
     ``task``, ``params`` (the trained tensors) and ``opt`` (a torch optimizer over them)."""
+
+    def train_mode(self, i: int) -> None:
+        """Put the model in training mode for step ``i`` and seed torch's RNG (LoRA dropout
+        draws from it) from (run.seed, i, rank). Ranks draw different amounts (their shares of
+        a batch differ in length), so a carried-over RNG state would be per rank; a keyed one
+        needs no checkpoint and survives a resume on a different number of ranks."""
+        self.model.train()
+        torch.manual_seed(step_seed(self.job.cfg.run.seed, i, self.job.world.rank))
 
     def evaluate(self, sampled: bool):
         cfg = self.job.cfg

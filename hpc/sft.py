@@ -57,7 +57,7 @@ class SFT(GradientMethod):
         cfg, world, train, timer = self.job.cfg, self.job.world, self.task.train, self.timer
         batch = self.data_rng.choice(len(train), size=cfg.sft.batch_size, replace=False)
         mine = batch[my_slice(len(batch), world)]
-        self.model.train()
+        self.train_mode(i)
         with timer.phase("forward_backward"):
             ids, mask, labels = completion_batch(self.tok, [train.prompts[j] for j in mine],
                                                  [train.solutions[j] for j in mine],
@@ -74,20 +74,12 @@ class SFT(GradientMethod):
         return {"loss": float(world.allgather(np.array([loss.item()]), tag="metrics").mean())}
 
     def state_dict(self) -> dict:
-        """LoRA weights, AdamW state, the data position (the batch generator's state) and
-        torch's RNG (LoRA dropout draws from it)."""
-        state = dict(super().state_dict(), data_rng=self.data_rng.bit_generator.state,
-                     torch_rng=torch.get_rng_state())
-        if self.job.device.type == "cuda":
-            state["cuda_rng"] = torch.cuda.get_rng_state(self.job.device)
-        return state
+        """LoRA weights, AdamW state and the data position (the batch generator's state)."""
+        return dict(super().state_dict(), data_rng=self.data_rng.bit_generator.state)
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.data_rng.bit_generator.state = state["data_rng"]
-        torch.set_rng_state(state["torch_rng"])
-        if "cuda_rng" in state:
-            torch.cuda.set_rng_state(state["cuda_rng"], self.job.device)
 
 
 @user_errors_exit
