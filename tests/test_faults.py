@@ -134,7 +134,7 @@ def test_fgrpo_preemption_then_resume_is_bitwise(toy_adapter, tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = RunFile(str(full / "fgrpo.h5")), RunFile(h5)
     assert b.group("metrics")["step"].tolist() == list(range(1, 7))
-    for key in ("reward_mean", "loss", "entropy"):
+    for key in ("reward_mean", "loss", "entropy", "generated_tokens"):
         assert np.array_equal(a.group("metrics")[key], b.group("metrics")[key]), key
 
 

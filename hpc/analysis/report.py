@@ -9,6 +9,9 @@ communicating or waiting, the straggler spread across ranks, the best held-out a
 the wall-clock seconds to a target accuracy; writes the same table as CSV and draws PNG plots.
 Both work on files of jobs still running (rows not yet complete are skipped).
 
+``hpc-report reproduce ROOT [--plots DIR] [--json OUT.json]`` summarises the papers'
+reproduction experiment (:mod:`hpc.analysis.reproduce`).
+
 Nothing here knows a method: each run file names its phases with their kind (``phases``, see
 :data:`hpc.runtime.loop.PHASE_KINDS`) and the held-out column its accuracy curve follows
 (``heldout_accuracy``). Files written before those attributes existed are read with the names
@@ -24,6 +27,7 @@ import textwrap
 import numpy as np
 import yaml
 
+from hpc.analysis import reproduce
 from hpc.runtime.cli import tool_parser
 from hpc.runtime.errors import UserError, user_errors_exit
 from hpc.runtime.results import EvalResult, format_table
@@ -407,7 +411,16 @@ def main(argv=None):
                             help="held-out accuracy (0-1) for the time-to-target column")
     sum_parser.add_argument("--timeline-steps", type=int, default=5, metavar="N",
                             help="steps drawn in timeline.png (run with the most ranks)")
+    rep_parser = sub.add_parser("reproduce", help="the papers' reproduction experiment "
+                                "(jobscripts/reproduce.sh): pass@k against gamma, ESSA against "
+                                "F-GRPO at equal time and tokens; tests and plots")
+    rep_parser.add_argument("root", help="the experiment's folder (OUT of reproduce.sh)")
+    rep_parser.add_argument("--plots", metavar="DIR", help="write " + ", ".join(reproduce.PLOTS))
+    rep_parser.add_argument("--json", metavar="OUT.json", help="write every figure as JSON")
     args = parser.parse_args(argv)
+    if args.command == "reproduce":
+        reproduce.main(args)
+        return
     if args.command == "compare":
         print(format_table(compare_rows(args.files)))
         return

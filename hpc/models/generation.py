@@ -37,6 +37,15 @@ SETTINGS = {"engine": ModelConfig.engine, "cuda_graphs": ModelConfig.cuda_graphs
 
 from hpc.models.chat import stop_token_ids
 
+_GENERATED = {"tokens": 0}  # completion tokens this process decoded since the last take
+
+
+def take_generated_tokens() -> int:
+    """Completion tokens this process decoded (both paths, eos included, repeated greedy
+    samples counted once) since the last call; resets the count."""
+    n, _GENERATED["tokens"] = _GENERATED["tokens"], 0
+    return n
+
 
 def configure(model_cfg) -> None:
     """Take ``engine`` and ``cuda_graphs`` from a job's ``model`` config section."""
@@ -131,7 +140,9 @@ def run_requests(model, requests: list, eos: list, sampling, rows: int,
     engine = engine_for(model, min(rows, len(requests)), max_len, k, SETTINGS["cuda_graphs"])
     if k:
         engine.set_members(factors)
-    return engine.run(requests, eos, sampling)
+    rows_out = engine.run(requests, eos, sampling)
+    _GENERATED["tokens"] += sum(len(r) for r in rows_out)
+    return rows_out
 
 
 def _hf_rows(model, tokenizer, texts, keys, max_new_tokens, sampling, rows) -> list:
@@ -157,6 +168,7 @@ def _hf_rows(model, tokenizer, texts, keys, max_new_tokens, sampling, rows) -> l
                                  attention_mask=batch["attention_mask"],
                                  generation_config=gen_cfg, logits_processor=processors)
             out.extend(_through_eos(row, eos) for row in ids[:, width:])
+    _GENERATED["tokens"] += sum(len(r) for r in out)
     return out
 
 

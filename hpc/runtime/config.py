@@ -96,6 +96,13 @@ class RunConfig:
     seed: int = param(0, "training seed", min=0, max=2**32 - 1)
     max_time_s: float = param(0.0, "stop after this wall time in seconds (0 = no limit)",
                               min=0.0, max=1e8)
+    max_train_s: float = param(0.0, "stop after this much training time in seconds: wall time "
+                               "less held-out evaluations and checkpoints, the same budget for "
+                               "methods that evaluate differently (0 = no limit)",
+                               min=0.0, max=1e8)
+    max_generated_tokens: int = param(0, "stop once the training steps have generated this many "
+                                      "completion tokens, all ranks together (0 = no limit)",
+                                      min=0, max=10**15)
     checkpoint_every: int = param(0, "checkpoint every this many steps (0 = end only)",
                                   min=0, max=1_000_000)
     progress: bool = param(True, "progress bar on rank 0")

@@ -11,15 +11,18 @@ for every method:
    what a step is called, so readers need not know the method;
 3. evaluation at the start (not on resume), a held-out evaluation every ``eval.every`` steps
    and at the last step, a final evaluation at the end;
-4. per step: phase seconds per rank and payload bytes per tag, then the stop decision
-   (preemption signal on any rank, ``run.max_time_s`` on rank 0's clock, the method's target),
+4. per step: phase seconds per rank, payload bytes per tag and the loop's metrics (tokens
+   generated, training and wall seconds), then the stop decision (preemption signal on any
+   rank; ``run.max_time_s`` or ``run.max_train_s`` on rank 0's clock; the method's target;
+   ``run.max_generated_tokens``),
    then a checkpoint every ``run.checkpoint_every`` steps, on stop and at the end. The step's
    row goes out before its checkpoint: a kill in between leaves a row that the resumed run
    truncates and recomputes, never a checkpoint without its row;
 5. preempted: close the run file as ``preempted`` and return (the caller exits 3); else the
    final evaluation, the export (rank 0), and the run file closed as ``complete``.
 
-Checkpoints hold ``{"step", "elapsed_s", "run_file", "method": method.state_dict()}``.
+Checkpoints hold ``{"step", "elapsed_s", "overhead_s", "generated_tokens", "run_file",
+"method": method.state_dict()}``.
 """
 from __future__ import annotations
 
@@ -27,8 +30,10 @@ import abc
 import json
 import time
 
+import numpy as np
 import torch
 
+from hpc.models.generation import take_generated_tokens
 from hpc.runtime.checkpoint import load_latest, save_checkpoint
 from hpc.runtime.job import Job, agree_on_resume_step, on_all_ranks, progress_bar
 from hpc.runtime.preempt import preempted_exit, should_stop
@@ -44,6 +49,9 @@ PHASE_KINDS = ("rollout",        # producing and scoring completions (decoding, 
                "communication",  # in a collective
                "eval", "checkpoint")
 LOOP_PHASES = {"eval": "eval", "checkpoint": "checkpoint"}  # the loop's own phases
+# The loop's own metrics, cumulative from the start of the run: completion tokens the training
+# steps decoded (all ranks), training seconds (wall less evaluations and checkpoints), wall.
+LOOP_METRICS = ("generated_tokens", "train_s", "wall_s")
 
 
 class Method(abc.ABC):
@@ -109,8 +117,14 @@ def run_attrs(job: Job, method: Method) -> dict:
         raise ValueError(f"{method.name}: phase kinds {sorted(unknown)} not in {PHASE_KINDS}")
     return dict(environment_attrs(job.world, job.device), method=method.name,
                 config=job.config_text, step_name=method.step_name,
-                phases=json.dumps(phases), metrics=json.dumps(list(method.metrics) + ["wall_s"]),
+                phases=json.dumps(phases), metrics=json.dumps(list(method.metrics) + list(LOOP_METRICS)),
                 heldout_accuracy=method.heldout_accuracy, **method.attrs())
+
+
+def out_of_budget(run_cfg, wall_s: float, train_s: float) -> bool:
+    """Whether ``run.max_time_s`` (wall) or ``run.max_train_s`` (wall less evaluations and
+    checkpoints) is spent; the loop asks on rank 0's clock, which decides for every rank."""
+    return (0 < run_cfg.max_time_s <= wall_s) or (0 < run_cfg.max_train_s <= train_s)
 
 
 def _due(every: int, step: int, total: int) -> bool:
@@ -123,10 +137,11 @@ def run_loop(job: Job, method: Method) -> dict:
     cfg, world = job.cfg, job.world
     ckpt_dir = f"{job.out_dir}/checkpoints"
     state = load_latest(ckpt_dir, warn=world.is_root) if job.resume else None
-    start, elapsed0 = 0, 0.0
+    start, elapsed0, overhead, tokens = 0, 0.0, 0.0, 0
     if state is not None:
         method.load_state_dict(state["method"])
         start, elapsed0 = state["step"], state["elapsed_s"]
+        overhead, tokens = state.get("overhead_s", 0.0), state.get("generated_tokens", 0)
     agree_on_resume_step(world, start)
     attrs = run_attrs(job, method)
     store = on_all_ranks(world, lambda: RunStore(
@@ -145,27 +160,37 @@ def run_loop(job: Job, method: Method) -> dict:
     step, preempted = start, False
     world.take_bytes()  # start-up traffic (bootstrap, start evaluation) is not a step's
     while step < total:
+        take_generated_tokens()  # what evaluations decoded is not a step's
         metrics = method.step(step)
         step += 1
-        metrics["wall_s"] = time.perf_counter() - t0
+        tokens += int(world.allgather(np.array([take_generated_tokens()], dtype=np.int64),
+                                      tag="control").sum())
+        metrics.update(generated_tokens=tokens, train_s=time.perf_counter() - t0 - overhead,
+                       wall_s=time.perf_counter() - t0)
         reached = False
         if _due(cfg.eval.every, step, total):
+            begin = time.perf_counter()
             with timer.phase("eval"):
                 row = method.heldout()
-            store.write_row("heldout", step, flush=False, wall_s=time.perf_counter() - t0, **row)
+            overhead += time.perf_counter() - begin
+            store.write_row("heldout", step, flush=False, wall_s=time.perf_counter() - t0,
+                            train_s=metrics["train_s"], generated_tokens=tokens, **row)
             reached = method.target_reached(row)
-        stop, preempted = should_stop(world, job.signals, cfg.run.max_time_s > 0 and
-                                      time.perf_counter() - t0 >= cfg.run.max_time_s)
-        stop = stop or reached
+        stop, preempted = should_stop(world, job.signals, out_of_budget(
+            cfg.run, time.perf_counter() - t0, time.perf_counter() - t0 - overhead))
+        stop = stop or reached or 0 < cfg.run.max_generated_tokens <= tokens
         store.log_step(step, metrics=metrics, timings=gather_timings(world, timer),
                        nbytes=world.take_bytes())
         if _due(cfg.run.checkpoint_every, step, total) or stop:
+            begin = time.perf_counter()
             with timer.phase("checkpoint"):
                 if world.is_root:
                     save_checkpoint(ckpt_dir, step, {
                         "step": step, "elapsed_s": time.perf_counter() - t0,
-                        "run_file": store.snapshot(), "method": method.state_dict()},
-                        keep=method.keep_checkpoints)
+                        "overhead_s": overhead + time.perf_counter() - begin,
+                        "generated_tokens": tokens, "run_file": store.snapshot(),
+                        "method": method.state_dict()}, keep=method.keep_checkpoints)
+            overhead += time.perf_counter() - begin
         progress.update(1)
         progress.set_postfix({name: f"{metrics[name]:.3f}" for name in method.metrics[:1]},
                              refresh=False)

@@ -1,0 +1,267 @@
+"""Summary of the papers' reproduction experiment (``jobscripts/reproduce.sh``).
+
+``hpc-report reproduce ROOT [--plots DIR] [--json OUT.json]`` reads the run files under ROOT,
+grouped by the folder they sit in:
+
+* ``gamma/*/fgrpo.h5``: F-GRPO from one SFT start at several focal exponents gamma and seeds,
+  equal steps; the final evaluation's pass@k (k = 1..n, unbiased estimator). Table: mean and
+  spread over seeds per gamma, and a paired t-test of each gamma against gamma = 0 over seeds
+  (the same seed draws the same batches and sampling keys at every gamma);
+* ``wall/*/{essa,fgrpo}.h5``: ESSA and F-GRPO from the same start with the same training-time
+  budget (``run.max_train_s``: wall time less evaluations and checkpoints);
+* ``tokens/*/{essa,fgrpo}.h5``: the same with the same budget of generated completion tokens
+  (``run.max_generated_tokens``). Both: final greedy accuracy and pass@k, mean and spread over
+  seeds, and Welch's t-test of ESSA against F-GRPO (independent runs, unequal variances).
+
+Plots: ``passk_vs_gamma.png`` (pass@k against k on a log axis, one line per gamma: the mean
+over seeds, the band from the lowest to the highest seed; the SFT start dashed),
+``accuracy_vs_train_time.png`` and ``accuracy_vs_tokens.png`` (held-out greedy accuracy of
+each method against training seconds and generated tokens, interpolated onto one grid; mean
+and min-max band over seeds). Spreads are sample standard deviations (ddof = 1).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import warnings
+
+import numpy as np
+import yaml
+from scipy import stats
+
+from hpc.runtime.errors import UserError
+from hpc.runtime.runstore import RunFile
+
+GROUPS = ("gamma", "wall", "tokens")
+PLOTS = ("passk_vs_gamma.png", "accuracy_vs_train_time.png", "accuracy_vs_tokens.png")
+SHOWN_K = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # pass@k columns of the tables, where k <= n
+# per budget group: (x column of the held-out rows, axis label, plot file)
+CURVES = {"wall": ("train_s", "training seconds (wall less evaluations)",
+                   "accuracy_vs_train_time.png"),
+          "tokens": ("generated_tokens", "generated completion tokens (all ranks)",
+                     "accuracy_vs_tokens.png")}
+
+
+class Run:
+    """What the summary needs of one run file: method, seed, gamma, evaluations, curve."""
+
+    def __init__(self, path: str):
+        f = RunFile(path)
+        if f.attrs.get("status") != "complete":
+            raise UserError(f"{path} is not a complete run (status "
+                            f"{f.attrs.get('status')!r}): rerun the experiment")
+        cfg = yaml.safe_load(f.attrs.get("config", "")) or {}
+        self.path, self.method = path, f.attrs["method"]
+        self.seed = int(cfg["run"]["seed"])
+        self.gamma = float(cfg["fgrpo"]["gamma"]) if self.method == "fgrpo" else None
+        ev = f.group("eval")
+        start, end = np.flatnonzero(ev["step"] == -1), np.flatnonzero(ev["step"] >= 0)
+        self.start_passk = ev["pass_at_k"][start[0]] if start.size else None
+        self.start_accuracy = float(ev["accuracy"][start[0]]) if start.size else float("nan")
+        self.passk, self.accuracy = ev["pass_at_k"][end[-1]], float(ev["accuracy"][end[-1]])
+        m = f.group("metrics")
+        self.steps = int(m["step"][-1])
+        self.train_s, self.tokens = float(m["train_s"][-1]), int(m["generated_tokens"][-1])
+        h = f.group("heldout")
+        acc = h[f.attrs["heldout_accuracy"]]
+        # the curve starts at the start evaluation (x = 0) and ends at the final one
+        self.curve = {x: np.concatenate([[0.0], h[x], [getattr(self, a)]])
+                      for x, a in (("train_s", "train_s"), ("generated_tokens", "tokens"))}
+        self.curve["accuracy"] = np.concatenate([[self.start_accuracy], acc, [self.accuracy]])
+
+
+def find_runs(root: str) -> dict:
+    """{group: [Run]} of the run files under ``root`` (see the module docstring)."""
+    if not os.path.isdir(root):
+        raise UserError(f"no experiment folder {root}: run jobscripts/reproduce.sh first")
+    runs = {g: [Run(p) for p in sorted(glob.glob(f"{root}/{g}/*/*.h5"))] for g in GROUPS}
+    if not any(runs.values()):
+        raise UserError(f"{root} holds no run files under {', '.join(GROUPS)}/*/")
+    return runs
+
+
+def start_evaluations(runs: list) -> list:
+    """One run per seed, for its start evaluation (every gamma starts from the same model and
+    samples with the seed's keys, so runs of one seed share it)."""
+    return list({r.seed: r for r in runs if r.start_passk is not None}.values())
+
+
+def mean_spread(values) -> str:
+    v = 100 * np.asarray(values, dtype=np.float64)
+    spread = f" ± {v.std(ddof=1):.1f}" if len(v) > 1 else ""
+    return f"{v.mean():.1f}{spread}"
+
+
+def p_value(test, b, a, **kw) -> float:
+    """``test(b, a).pvalue``; NaN where the seeds leave no variance to test against (3 seeds
+    with equal values are common for greedy accuracy on a few hundred problems)."""
+    with warnings.catch_warnings():  # scipy warns, then answers, when values nearly agree
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return float(test(b, a, **kw).pvalue)
+
+
+def _p(p: float) -> str:
+    return "n/a" if not np.isfinite(p) else f"{p:.3f}"
+
+
+def _table(head: list, rows: list) -> str:
+    widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
+    return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(r, widths)) for r in [head] + rows)
+
+
+def gamma_summary(runs: list) -> tuple:
+    """(text, record) of the gamma sweep: pass@k per gamma over seeds, paired tests."""
+    gammas = sorted({r.gamma for r in runs})
+    n = min(len(r.passk) for r in runs)
+    ks = [k for k in SHOWN_K if k <= n]
+    by = {g: sorted((r for r in runs if r.gamma == g), key=lambda r: r.seed) for g in gammas}
+    starts = start_evaluations(runs)
+    head = ["gamma", "seeds", "greedy"] + [f"pass@{k}" for k in ks]
+    rows, record = [], {"n_samples": n, "k": ks, "gammas": {}}
+    if starts:
+        rows.append(["start", len(starts), mean_spread([r.start_accuracy for r in starts])] +
+                    [mean_spread([r.start_passk[k - 1] for r in starts]) for k in ks])
+    base = {r.seed: r for r in by.get(0.0, [])}
+    tests = []
+    for g in gammas:
+        rs = by[g]
+        rows.append([f"{g:g}", len(rs), mean_spread([r.accuracy for r in rs])] +
+                    [mean_spread([r.passk[k - 1] for r in rs]) for k in ks])
+        record["gammas"][f"{g:g}"] = {
+            "seeds": [r.seed for r in rs], "greedy": [r.accuracy for r in rs],
+            "pass_at_k": {str(k): [float(r.passk[k - 1]) for r in rs] for k in ks}}
+        paired = [(base[r.seed], r) for r in rs if r.seed in base]
+        if g != 0.0 and len(paired) >= 2:
+            for k in (1, ks[-1]):
+                a = np.array([b.passk[k - 1] for b, _ in paired])
+                b = np.array([r.passk[k - 1] for _, r in paired])
+                diff = b - a
+                p = p_value(stats.ttest_rel, b, a)
+                tests.append([f"{g:g} vs 0", f"pass@{k}", len(paired),
+                              f"{100 * diff.mean():+.1f}", _p(p)])
+                record["gammas"][f"{g:g}"][f"paired_pass@{k}"] = {
+                    "mean_difference": float(diff.mean()), "p_value": float(p)}
+    text = ("F-GRPO against gamma (final evaluation, pass@k from "
+            f"{n} samples a problem; mean ± std over seeds, %)\n" + _table(head, rows))
+    if tests:
+        text += ("\n\npaired t-test over seeds (same seed: same batches and sampling keys)\n" +
+                 _table(["gammas", "metric", "pairs", "diff (points)", "p"], tests))
+    return text, record
+
+
+def method_summary(runs: list, group: str) -> tuple:
+    """(text, record) of ESSA against F-GRPO under one budget: final accuracy over seeds."""
+    by = {m: [r for r in runs if r.method == m] for m in ("essa", "fgrpo")}
+    n = min(len(r.passk) for r in runs)
+    ks = [k for k in SHOWN_K if k <= n]
+    head = ["method", "seeds", "steps", "train s", "tokens", "greedy"] + \
+        [f"pass@{k}" for k in ks]
+    rows, record = [], {}
+    for m, rs in by.items():
+        if not rs:
+            continue
+        rows.append([m, len(rs), f"{np.mean([r.steps for r in rs]):.0f}",
+                     f"{np.mean([r.train_s for r in rs]):.0f}",
+                     f"{np.mean([r.tokens for r in rs]) / 1e3:.0f}k",
+                     mean_spread([r.accuracy for r in rs])] +
+                    [mean_spread([r.passk[k - 1] for r in rs]) for k in ks])
+        record[m] = {"seeds": [r.seed for r in rs], "steps": [r.steps for r in rs],
+                     "train_s": [r.train_s for r in rs], "tokens": [r.tokens for r in rs],
+                     "greedy": [r.accuracy for r in rs]}
+    budget = "training time" if group == "wall" else "generated tokens"
+    text = f"ESSA against F-GRPO at equal {budget} (mean ± std over seeds, %)\n" + \
+        _table(head, rows)
+    if all(len(by[m]) >= 2 for m in by):
+        a, b = (np.array([r.accuracy for r in by[m]]) for m in ("essa", "fgrpo"))
+        p = p_value(stats.ttest_ind, b, a, equal_var=False)
+        record["welch_greedy"] = {"fgrpo_minus_essa": float(b.mean() - a.mean()),
+                                  "p_value": float(p)}
+        text += (f"\nWelch t-test, greedy accuracy F-GRPO - ESSA: "
+                 f"{100 * (b.mean() - a.mean()):+.1f} points, p = {_p(p)}")
+    return text, record
+
+
+def summarize(root: str) -> tuple:
+    """(text, record) of every group present under ``root``."""
+    runs = find_runs(root)
+    parts, record = [], {}
+    if runs["gamma"]:
+        text, record["gamma"] = gamma_summary(runs["gamma"])
+        parts.append(text)
+    for group in ("wall", "tokens"):
+        if runs[group]:
+            text, record[group] = method_summary(runs[group], group)
+            parts.append(text)
+    return "\n\n".join(parts), record, runs
+
+
+def _band(ax, x, ys, label, style="-"):
+    ys = np.asarray(ys)
+    line, = ax.plot(x, ys.mean(axis=0), style, label=f"{label} (n={len(ys)})")
+    if len(ys) > 1:
+        ax.fill_between(x, ys.min(axis=0), ys.max(axis=0), color=line.get_color(), alpha=0.2)
+
+
+def draw(runs: dict, out_dir: str) -> list:
+    """Write the plots of the groups present; returns their paths."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    if runs["gamma"]:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        n = min(len(r.passk) for r in runs["gamma"])
+        k = np.arange(1, n + 1)
+        starts = [r.start_passk[:n] for r in start_evaluations(runs["gamma"])]
+        if starts:
+            _band(ax, k, starts, "SFT start", "--")
+        for g in sorted({r.gamma for r in runs["gamma"]}):
+            _band(ax, k, [r.passk[:n] for r in runs["gamma"] if r.gamma == g], f"gamma {g:g}")
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="k (samples a problem)", ylabel="pass@k (held-out)",
+               title="F-GRPO: pass@k against gamma (band: min-max over seeds)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        paths.append(_save(fig, plt, out_dir, "passk_vs_gamma.png"))
+    for group, (x_key, label, name) in CURVES.items():
+        if not runs[group]:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for m in ("essa", "fgrpo"):
+            rs = [r for r in runs[group] if r.method == m]
+            if not rs:
+                continue
+            grid = np.linspace(0, min(r.curve[x_key][-1] for r in rs), 50)
+            _band(ax, grid, [np.interp(grid, r.curve[x_key], r.curve["accuracy"])
+                             for r in rs], m)
+        ax.set(xlabel=label, ylabel="held-out greedy accuracy",
+               title=f"ESSA vs F-GRPO, equal {'training time' if group == 'wall' else 'tokens'}"
+               " (band: min-max over seeds)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        paths.append(_save(fig, plt, out_dir, name))
+    return paths
+
+
+def _save(fig, plt, out_dir: str, name: str) -> str:
+    path = os.path.join(out_dir, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(args) -> None:
+    """``hpc-report reproduce``: print the summary, write its JSON and plots if asked."""
+    text, record, runs = summarize(args.root)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
+        print(f"json: {args.json}")
+    if args.plots:
+        for path in draw(runs, args.plots):
+            print(f"plot: {path}")

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The papers' headline shapes on the built-in toy, from one SFT start (2 MPI ranks each run):
+#   gamma/   F-GRPO at several focal exponents gamma x seeds, equal steps; final pass@k for
+#            k = 1..SAMPLES on the held-out split (F-GRPO, arXiv 2602.06717)
+#   wall/    ESSA and F-GRPO x seeds with the same training-time budget (run.max_train_s)
+#   tokens/  ESSA and F-GRPO x seeds with the same generated-token budget
+#            (run.max_generated_tokens) (ESSA, arXiv 2507.04453: time to accuracy)
+# then `hpc-report reproduce` prints the tables and tests (summary.txt), writes summary.json
+# and the plots, and `hpc-scaling --runs` predicts 16-128 GPUs from the wall/ runs
+# (scaling.txt). About 35 minutes on 2 idle cores with the defaults.
+#
+#   jobscripts/reproduce.sh            knobs (environment):
+#   OUT=runs/reproduce                 SEEDS="0 1 2"   GAMMAS="0 0.5 1 2"
+#   STEPS=150   F-GRPO steps of the gamma sweep      SAMPLES=256  samples a problem for pass@k
+#   N_EVAL=128  held-out problems (gamma sweep)      METHOD_EVAL=256  held-out problems (wall/tokens)
+#   TRAIN_S=60  training seconds a run (wall/)       TOKENS=400000    tokens a run (tokens/)
+#   ESSA_EVERY=10 FGRPO_EVERY=30  held-out evaluations along the wall/ runs (steps)
+#   ESSA_EVERY_T=4 FGRPO_EVERY_T=40  ... along the tokens/ runs
+#   RANKS=2
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+PY=${PYTHON:-python}
+OUT=${OUT:-runs/reproduce}
+read -r -a seeds <<<"${SEEDS:-0 1 2}"
+read -r -a gammas <<<"${GAMMAS:-0 0.5 1 2}"
+STEPS=${STEPS:-150} SAMPLES=${SAMPLES:-256} N_EVAL=${N_EVAL:-128}
+METHOD_EVAL=${METHOD_EVAL:-256} TRAIN_S=${TRAIN_S:-60} TOKENS=${TOKENS:-400000}
+ESSA_EVERY=${ESSA_EVERY:-10} FGRPO_EVERY=${FGRPO_EVERY:-30}
+ESSA_EVERY_T=${ESSA_EVERY_T:-4} FGRPO_EVERY_T=${FGRPO_EVERY_T:-40}
+MPIRUN=(mpirun -n "${RANKS:-2}" --oversubscribe)
+QUIET=(run.progress=false)
+
+rm -rf "$OUT"
+mkdir -p "$OUT"
+began=$SECONDS
+stage() { echo "== [$((SECONDS - began)) s] $*"; }
+
+stage "toy model"
+$PY -m hpc.models.toy
+stage "LoRA SFT: the one start of every run"
+"${MPIRUN[@]}" $PY -m hpc.sft configs/demo/sft.yaml "run.out=$OUT/sft" "${QUIET[@]}" >"$OUT/sft.log"
+adapter=$OUT/sft/adapter
+mkdir -p "$OUT/gamma"
+
+for gamma in "${gammas[@]}"; do
+  for seed in "${seeds[@]}"; do
+    stage "F-GRPO gamma $gamma seed $seed: $STEPS steps, pass@k from $SAMPLES samples"
+    "${MPIRUN[@]}" $PY -m fgrpo configs/demo/fgrpo.yaml "lora.adapter=$adapter" \
+      "fgrpo.gamma=$gamma" "fgrpo.steps=$STEPS" "run.seed=$seed" "task.n_eval=$N_EVAL" \
+      "eval.every=0" "eval.n_samples=$SAMPLES" "run.out=$OUT/gamma/g$gamma-s$seed" \
+      "${QUIET[@]}" >"$OUT/gamma/g$gamma-s$seed.log" 2>&1 ||
+      { echo "failed: see $OUT/gamma/g$gamma-s$seed.log"; exit 1; }
+  done
+done
+
+# Budgets stop these runs; the step counts are only upper bounds.
+budget_run() {  # group method seed every budget_key=value
+  local group=$1 method=$2 seed=$3 every=$4 budget=$5 steps
+  [[ $method == essa ]] && steps=essa.generations=100000 || steps=fgrpo.steps=100000
+  stage "$method seed $seed, $budget"
+  mkdir -p "$OUT/$group"
+  "${MPIRUN[@]}" $PY -m "$method" "configs/demo/$method.yaml" "lora.adapter=$adapter" "$steps" \
+    "$budget" "run.seed=$seed" "task.n_eval=$METHOD_EVAL" "eval.every=$every" \
+    "run.out=$OUT/$group/$method-s$seed" "${QUIET[@]}" >"$OUT/$group/$method-s$seed.log" 2>&1 ||
+    { echo "failed: see $OUT/$group/$method-s$seed.log"; exit 1; }
+}
+for seed in "${seeds[@]}"; do
+  budget_run wall essa "$seed" "$ESSA_EVERY" "run.max_train_s=$TRAIN_S"
+  budget_run wall fgrpo "$seed" "$FGRPO_EVERY" "run.max_train_s=$TRAIN_S"
+done
+for seed in "${seeds[@]}"; do
+  budget_run tokens essa "$seed" "$ESSA_EVERY_T" "run.max_generated_tokens=$TOKENS"
+  budget_run tokens fgrpo "$seed" "$FGRPO_EVERY_T" "run.max_generated_tokens=$TOKENS"
+done
+
+stage "summary"
+$PY -m hpc.analysis.report reproduce "$OUT" --plots "$OUT/plots" --json "$OUT/summary.json" |
+  tee "$OUT/summary.txt"
+$PY -m hpc.analysis.scaling --paper --runs "$OUT"/wall/*/*.h5 | tee "$OUT/scaling.txt" ||
+  echo "(hpc-scaling could not predict from these runs: see above)"
+stage "done: $OUT"

@@ -1,0 +1,77 @@
+"""The papers' reproduction experiment: a miniature of jobscripts/reproduce.sh end to end (real
+mpirun, one seed, few steps, k up to 8), and the summary's statistics on known numbers."""
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from conftest import REPO
+from hpc.analysis.reproduce import PLOTS, gamma_summary, method_summary
+from hpc.runtime.runstore import RunFile
+
+TOKENS = 3000
+MINI = {"SEEDS": "0", "GAMMAS": "0 1", "STEPS": "2", "SAMPLES": "8", "N_EVAL": "8",
+        "METHOD_EVAL": "8", "TRAIN_S": "1", "TOKENS": str(TOKENS), "ESSA_EVERY": "1",
+        "FGRPO_EVERY": "2", "ESSA_EVERY_T": "1", "FGRPO_EVERY_T": "2"}
+
+
+def test_miniature_experiment_writes_runs_summary_and_plots(tmp_path):
+    out = tmp_path / "rep"
+    env = dict(os.environ, OUT=str(out), PYTHON=sys.executable, **MINI)
+    proc = subprocess.run(["bash", "jobscripts/reproduce.sh"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for gamma in ("0", "1"):
+        run = RunFile(str(out / "gamma" / f"g{gamma}-s0" / "fgrpo.h5"))
+        assert run.attrs["status"] == "complete"
+        assert run.group("metrics")["step"].tolist() == [1, 2]
+        assert run.group("eval")["pass_at_k"].shape == (2, 8)  # start and end, k = 1..8
+    for method in ("essa", "fgrpo"):
+        timed = RunFile(str(out / "wall" / f"{method}-s0" / f"{method}.h5")).group("metrics")
+        assert timed["train_s"][-1] >= 1.0 and (len(timed["step"]) == 1 or timed["train_s"][-2] < 1.0)
+        tokens = RunFile(str(out / "tokens" / f"{method}-s0" / f"{method}.h5")) \
+            .group("metrics")["generated_tokens"]
+        assert tokens[-1] >= TOKENS and (len(tokens) == 1 or tokens[-2] < TOKENS)
+    summary = json.loads((out / "summary.json").read_text())
+    assert sorted(summary) == ["gamma", "tokens", "wall"]
+    assert summary["gamma"]["k"] == [1, 2, 4, 8]
+    assert sorted(summary["gamma"]["gammas"]) == ["0", "1"]
+    assert all(len(v) == 1 for v in summary["gamma"]["gammas"]["1"]["pass_at_k"].values())
+    for group in ("wall", "tokens"):
+        assert summary[group]["essa"]["seeds"] == summary[group]["fgrpo"]["seeds"] == [0]
+    text = (out / "summary.txt").read_text()
+    assert "F-GRPO against gamma" in text and "equal generated tokens" in text
+    assert all((out / "plots" / name).stat().st_size > 0 for name in PLOTS)
+    assert "GRPO/ESSA" in (out / "scaling.txt").read_text()
+
+
+def _run(seed, accuracy, passk, method="fgrpo", gamma=0.0):
+    return SimpleNamespace(seed=seed, gamma=gamma, method=method, accuracy=accuracy,
+                           passk=np.asarray(passk), start_passk=None, start_accuracy=0.5,
+                           steps=10, train_s=5.0, tokens=1000)
+
+
+def test_gamma_table_pairs_seeds_and_tests_each_gamma_against_zero():
+    base = [_run(s, 0.6, [p, 0.9]) for s, p in ((0, 0.50), (1, 0.55), (2, 0.52))]
+    focal = [_run(s, 0.6, [p, 0.95], gamma=1.0) for s, p in ((2, 0.56), (0, 0.51), (1, 0.58))]
+    text, record = gamma_summary(base + focal)
+    paired = record["gammas"]["1"]["paired_pass@1"]
+    want = stats.ttest_rel([0.51, 0.58, 0.56], [0.50, 0.55, 0.52])  # paired by seed, not order
+    assert paired["p_value"] == pytest.approx(want.pvalue)
+    assert paired["mean_difference"] == pytest.approx(np.mean([0.01, 0.03, 0.04]))
+    assert record["gammas"]["1"]["paired_pass@2"]["mean_difference"] == pytest.approx(0.05)
+    assert "1 vs 0" in text and "52.3 ± 2.5" in text
+
+
+def test_method_table_uses_welch_t_test():
+    essa = [_run(s, a, [0.5], "essa") for s, a in ((0, 0.70), (1, 0.72), (2, 0.69))]
+    fgrpo = [_run(s, a, [0.6]) for s, a in ((0, 0.80), (1, 0.85), (2, 0.90))]
+    text, record = method_summary(essa + fgrpo, "tokens")
+    want = stats.ttest_ind([0.80, 0.85, 0.90], [0.70, 0.72, 0.69], equal_var=False)
+    assert record["welch_greedy"]["p_value"] == pytest.approx(want.pvalue)
+    assert "equal generated tokens" in text and "Welch" in text
