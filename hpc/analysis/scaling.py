@@ -567,7 +567,7 @@ def _sec(x: float) -> str:
 
 def _duration(x: float) -> str:
     return f"{x / 3600:.2f} h" if x >= 3600 else f"{x / 60:.1f} min" if x >= 60 else \
-        f"{x:.1f} s"
+        f"{x:.1f} s" if x >= 1 else f"{1e3 * x:.0f} ms"
 
 
 def format_rows(rows: list) -> str:
