@@ -244,6 +244,13 @@ def test_costs_from_the_gpu_check_json(seeds, capsys):
     assert cost.s_essa == pytest.approx(first["new_tokens"] / best)
     # r = 8 on q, k, v, o of 28 layers: 8 x (2 x (1536 + 1536) + 2 x (1536 + 256)) each
     assert cost.grad_bytes == 4 * 28 * 8 * (2 * 3072 + 2 * 1792)
+    by_rows = {m["rows"]: m for m in first["members"]}
+    fastest = {r: min(m[v]["s"] for v in ("lora_fused", "lora_exact", "peft") if v in m)
+               for r, m in by_rows.items()}
+    assert cost.call_seconds(32) == cost.call_seconds(8) == pytest.approx(fastest[32])
+    assert cost.call_seconds(96) == pytest.approx((fastest[64] + fastest[128]) / 2)
+    assert cost.call_seconds(1024) == pytest.approx(2 * fastest[512])  # two passes of 512
+    assert cost.call_seconds(256, adapter=False) == by_rows[256]["base"]["s"]
     assert GpuCheck(GPU_CHECK, second["model"]).s_train == pytest.approx(
         second["fgrpo_step"]["phases_s"]["forward_backward"] / 256)
     essa, grpo = seeds
@@ -254,6 +261,8 @@ def test_costs_from_the_gpu_check_json(seeds, capsys):
     assert "measured workload: prompts of 64 random tokens, exactly 64 new tokens" in out
     assert "chosen automatically" in out and "ESSA 4 generations, GRPO 2.5 steps" in out
     assert "from the runs' configs" in out and "costs measured in" not in out
+    assert "rows a GPU holds: 16 GPUs: ESSA 10, F-GRPO 4; 128 GPUs: ESSA 10, F-GRPO 4" in out
+    assert "not in the table, the decode batch effect" in out
     rows = out.split("\n\n")[0].splitlines()[2:]
     w = Workload(population=8, minibatch=10, grpo_batch=4, grpo_generations=4,
                  grpo_minibatch=2, essa_steps=4, grpo_steps=2.5, essa_update_s=0.25)

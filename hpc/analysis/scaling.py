@@ -470,6 +470,41 @@ class GpuCheck(LinearCosts):
         self.essa_tps, self.essa_variant, self.essa_best = max(measured, key=lambda x: x[0])
         self.s_essa = self.new / self.essa_tps
         self.essa_smallest = min(measured, key=lambda x: (x[2]["rows"], -x[0]))
+        done = sorted((m for m in members if "base" in m), key=lambda m: m["rows"])
+        self.call_rows = np.array([m["rows"] for m in done], dtype=float)
+        self.adapter_call_s = np.array([min(m[v]["s"] for v in ADAPTER_VARIANTS if v in m)
+                                        for m in done])
+        self.base_call_s = np.array([m["base"]["s"] for m in done])
+
+    def call_seconds(self, rows: int, adapter: bool = True) -> float:
+        """Seconds to generate ``self.new`` tokens on ``rows`` rows at once, on the measured
+        curve over rows (best adapter variant, or ``base`` without LoRA): interpolated between
+        the measured row counts, flat below the smallest, in passes of the largest above it."""
+        seconds = self.adapter_call_s if adapter else self.base_call_s
+        if rows > self.call_rows[-1]:
+            return rows / self.call_rows[-1] * float(seconds[-1])
+        return float(np.interp(rows, self.call_rows, seconds))
+
+    def batch_effect(self, essa_rows: dict, grpo_rows: dict) -> str:
+        """An assumption line: ESSA's scoring and GRPO's generation seconds a step on the
+        measured curves over rows, against the table's linear costs; ``*_rows``: {GPUs: rows
+        a GPU holds}."""
+        gen_scale = self.step["phases_s"]["generation"] / self.call_seconds(self.grpo_rows,
+                                                                            adapter=False)
+        return (
+            "not in the table, the decode batch effect: one call of "
+            f"{self.new} new tokens took {self.adapter_call_s[0]:.2f} s on "
+            f"{self.call_rows[0]:.0f} rows and {self.adapter_call_s[-1]:.2f} s on "
+            f"{self.call_rows[-1]:.0f} (members measurements, best adapter variant); on that "
+            "curve a GPU's ESSA scoring takes " + ", ".join(
+                f"{self.call_seconds(r):.3g} s at {n} GPUs (table {r * self.s_essa:.3g})"
+                for n, r in essa_rows.items()) +
+            "; F-GRPO's generation, on the no-LoRA greedy ('base') curve scaled through its "
+            "measured step, " + ", ".join(
+                f"{gen_scale * self.call_seconds(r, adapter=False):.3g} s at {n} GPUs (table "
+                f"{r * self.step['phases_s']['generation'] / self.grpo_rows:.3g})"
+                for n, r in grpo_rows.items()) +
+            "; forward+backward is left linear")
 
     def assumptions(self) -> list:
         s, r, step, best = self.shape, self.result, self.step, self.essa_best
@@ -776,11 +811,13 @@ def setup(args) -> tuple:
         source = "inputs, not taken from the paper"
     w = Workload(essa_steps=essa_steps, grpo_steps=grpo_steps, **values)
     if isinstance(cost, GpuCheck):
+        ends = sorted({min(args.gpus), max(args.gpus)})
+        essa_rows = {n: math.ceil(w.population / n) * w.minibatch for n in ends}
+        grpo_rows = {n: math.ceil(w.grpo_batch / n) * w.grpo_generations for n in ends}
         notes.append("rows a GPU holds: " + "; ".join(
-            f"{n} GPUs: ESSA {math.ceil(w.population / n) * w.minibatch}, F-GRPO "
-            f"{math.ceil(w.grpo_batch / n) * w.grpo_generations}"
-            for n in sorted({min(args.gpus), max(args.gpus)})) +
+            f"{n} GPUs: ESSA {essa_rows[n]}, F-GRPO {grpo_rows[n]}" for n in ends) +
             f" (the GPU check measured {cost.essa_best['rows']} and {cost.grpo_rows})")
+        notes.append(cost.batch_effect(essa_rows, grpo_rows))
     if args.network == "nvlink-h100" or args.intra == "none":
         net = Network(LINKS[args.network], None, args.gpus_per_node)
     else:
