@@ -1,10 +1,17 @@
 """hpc-scaling: communication formulas, trends, measured costs, and the paper preset."""
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from hpc.runtime.runstore import RunStore
-from hpc.analysis.scaling import (GPUS, LINKS, QWEN25_32B, Link, Measured, Network, Roofline, Workload,
-                         allgather, essa_step, grpo_step, main, predict, ring_allreduce)
+from hpc.analysis.scaling import (GPUS, LINKS, QWEN25_32B, GpuCheck, Link, Measured, Network,
+                                 Roofline, Workload, allgather, essa_step, grpo_step, main,
+                                 predict, ring_allreduce)
+
+GPU_CHECK = str(Path(__file__).resolve().parents[1] / "benchmarks" / "results" /
+                "gpu_check-h200-2026-11-30.json")
 
 NDR = Network(LINKS["infiniband-ndr"], LINKS["nvlink-h100"], 8)
 PAPER_W = Workload(population=128, minibatch=256, grpo_batch=512, grpo_generations=8,
@@ -100,15 +107,18 @@ def test_paper_preset_prints_table_assumptions_and_figures(capsys):
     assert "where they differ" in out and "sensitivity" in out
 
 
-def write_run(path, method, ranks, config, phases, heldout_key):
+def write_run(path, method, ranks, config, phases, heldout_key, accuracy=(0.2, 0.4, 0.6),
+              attrs=None):
+    """A run file of len(accuracy) steps, each with these phase seconds on every rank and a
+    held-out evaluation of accuracy[step - 1] in column ``heldout_key``."""
     store = RunStore(str(path), active=True, attrs={
         "method": method, "world_size": ranks, "config": config,
-        "trainable_parameters": 1000})
-    for step in range(1, 4):
+        "trainable_parameters": 1000, **(attrs or {})})
+    for step, acc in enumerate(accuracy, start=1):
         store.log_step(step, metrics={"wall_s": float(step)},
                        timings={p: np.full(ranks, s) for p, s in phases.items()},
                        nbytes={"grad_allreduce": 4000} if method == "fgrpo" else {"fitness": 32})
-        store.write_row("heldout", step, wall_s=float(step), **{heldout_key: 0.2 * step})
+        store.write_row("heldout", step, wall_s=float(step), **{heldout_key: acc})
     store.close()
     return str(path)
 
@@ -122,25 +132,24 @@ def test_measured_costs_from_run_files(tmp_path, capsys):
                      "fgrpo:\n  batch_prompts: 4\n  num_generations: 4\n  num_iterations: 2\n",
                      {"generation": 1.0, "reward": 0.0, "forward_backward": 2.0,
                       "optimizer": 0.1}, "accuracy")
-    cost = Measured(essa, grpo)
+    cost = Measured([essa, grpo])
     assert cost.s_essa == pytest.approx(2 * 4.0 / 80)  # rank-seconds per scored completion
     assert cost.s_gen == pytest.approx(2 * 1.0 / 16)
     assert cost.s_train == pytest.approx(2 * 2.0 / 16)
     assert cost.essa_update_s == pytest.approx(0.25)
     assert cost.optimizer_s == pytest.approx(0.05) and cost.grad_bytes == 2000
-    assert cost.steps_to_target(0.5) == (3, 3)
+    assert cost.steps_to_target(0.5)[:3] == (3, 3, 0.5)
     w = Workload(**cost.workload_defaults(), essa_steps=3, grpo_steps=3)
     assert essa_step(4, w, cost, NDR)["generate"] == pytest.approx(2 * 10 * cost.s_essa)
     assert grpo_step(4, w, cost, NDR)["forward_backward"] == pytest.approx(4 * cost.s_train)
     main(["--runs", essa, grpo, "--target", "0.5", "--gpus", "1", "2", "4"])
     out = capsys.readouterr().out
-    assert "costs measured in" in out and "first held-out accuracy >= 0.5" in out
+    assert "costs measured in" in out and "held-out accuracy 0.5 (as given by --target" in out
     with pytest.raises(SystemExit) as err:
         main(["--runs", essa, grpo, "--target", "0.9"])
     assert err.value.code == 2
-    with pytest.raises(SystemExit) as err:
-        main(["--runs", grpo, essa])
-    assert err.value.code == 2
+    main(["--runs", grpo, essa])  # sorted by the files' method attribute, not their order
+    assert "costs measured in 1 ESSA run(s) (" + essa in capsys.readouterr().out
 
 
 def test_user_errors_exit_2():
@@ -150,3 +159,142 @@ def test_user_errors_exit_2():
         with pytest.raises(SystemExit) as err:
             main(argv)
         assert err.value.code == 2, argv
+
+
+ESSA_CONFIG = "essa:\n  population: 8\n  minibatch: 10\n"
+GRPO_CONFIG = "fgrpo:\n  batch_prompts: 4\n  num_generations: 4\n  num_iterations: 2\n"
+ESSA_PHASES = {"rebuild": 0.5, "reward": 0.5, "update": 0.25}
+GRPO_PHASES = {"generation": 1.0, "reward": 0.0, "forward_backward": 2.0, "optimizer": 0.1}
+
+
+@pytest.fixture
+def seeds(tmp_path):
+    """Three ESSA seeds and two F-GRPO seeds (one naming its held-out column ``score``).
+    Best accuracies 0.7, 0.6, 0.8 and 0.9, 0.65: every run reaches 0.6."""
+    essa = [write_run(tmp_path / f"essa{i}.h5", "essa", 2, ESSA_CONFIG,
+                      dict(ESSA_PHASES, generate=gen), "mean_accuracy", acc,
+                      {"heldout_accuracy": "mean_accuracy"})
+            for i, (gen, acc) in enumerate([(3.0, (0.1, 0.3, 0.5, 0.7)),
+                                            (5.0, (0.2, 0.5, 0.6, 0.6)),
+                                            (4.0, (0.5, 0.5, 0.55, 0.8))])]
+    grpo = [write_run(tmp_path / "fgrpo0.h5", "fgrpo", 2, GRPO_CONFIG, GRPO_PHASES,
+                      "accuracy", (0.3, 0.6, 0.9), {"heldout_accuracy": "accuracy"}),
+            write_run(tmp_path / "fgrpo1.h5", "fgrpo", 2, GRPO_CONFIG,
+                      dict(GRPO_PHASES, generation=3.0), "score", (0.1, 0.2, 0.65),
+                      {"heldout_accuracy": "score"})]
+    return essa, grpo
+
+
+def test_several_seeds_and_automatic_target(seeds, capsys):
+    essa, grpo = seeds
+    cost = Measured([grpo[0], essa[0], essa[1], grpo[1], essa[2]])  # any order
+    assert cost.s_essa == pytest.approx(2 * (1.0 + 4.0) / 80)  # generate 3, 5, 4 -> mean 4
+    assert cost.s_gen == pytest.approx(2 * 2.0 / 16)  # generation 1 and 3 -> mean 2
+    assert cost.s_train == pytest.approx(2 * 2.0 / 16)
+    essa_steps, grpo_steps, target, lines = cost.steps_to_target()
+    assert target == pytest.approx(0.6)  # the lowest of the runs' best accuracies
+    assert (essa_steps, grpo_steps) == (4, 2.5)  # medians of (4, 3, 4) and (2, 3)
+    assert f"{essa[1]} 3" in lines[1] and f"{grpo[1]} 3" in lines[2]
+    assert cost.steps_to_target(0.3)[:2] == (2, 2)  # medians of (2, 2, 1) and (1, 3)
+    main(["--runs", *essa, *grpo, "--gpus", "1", "2", "--paper"])
+    out = capsys.readouterr().out
+    assert "chosen automatically" in out and "3 ESSA run(s)" in out
+    assert "ESSA 4 generations, GRPO 2.5 steps" in out
+    assert "(the paper comparison needs 16 and 128 in --gpus)" in out
+    main(["--runs", *essa, *grpo, "--paper"])
+    out = capsys.readouterr().out
+    assert [line.split()[0] for line in out.split("\n\n")[0].splitlines()[2:]] == \
+        ["16", "32", "64", "128"]
+    assert "2x faster than GRPO on 16 GPUs and 6-7.8x" in out and "prediction: " in out
+
+
+def one_error_line(argv, capsys) -> str:
+    """The single stderr line of ``main(argv)``, which must exit with code 2."""
+    with pytest.raises(SystemExit) as err:
+        main(argv)
+    assert err.value.code == 2, argv
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_target_never_reached_names_the_run(seeds, capsys):
+    essa, grpo = seeds
+    line = one_error_line(["--runs", *essa, *grpo, "--target", "0.62"], capsys)
+    assert line.startswith("error: never reached held-out accuracy 0.62: ")
+    assert f"{essa[1]} (its best: 0.6)" in line and all(p not in line for p in
+                                                        (essa[0], essa[2], *grpo))
+    line = one_error_line(["--runs", *essa, *grpo, "--target", "0.7"], capsys)
+    assert f"{essa[1]} (its best: 0.6), {grpo[1]} (its best: 0.65)" in line
+
+
+def test_costs_from_the_gpu_check_json(seeds, capsys):
+    with open(GPU_CHECK) as fh:
+        report = json.load(fh)
+    first, second = report["results"][:2]
+    cost = GpuCheck(GPU_CHECK)
+    assert cost.name == first["model"]
+    step = first["fgrpo_step"]["phases_s"]
+    assert cost.s_gen == pytest.approx((step["generation"] + step["reward"]) / 256)
+    assert cost.s_train == pytest.approx(step["forward_backward"] / 256)
+    assert cost.optimizer_s == step["optimizer"]
+    best = max(m[v]["tokens_per_s"] for m in first["members"]
+               for v in ("lora_fused", "lora_exact", "peft") if v in m)
+    assert best < max(m["base"]["tokens_per_s"] for m in first["members"])  # base: no LoRA
+    assert cost.s_essa == pytest.approx(first["new_tokens"] / best)
+    # r = 8 on q, k, v, o of 28 layers: 8 x (2 x (1536 + 1536) + 2 x (1536 + 256)) each
+    assert cost.grad_bytes == 4 * 28 * 8 * (2 * 3072 + 2 * 1792)
+    by_rows = {m["rows"]: m for m in first["members"]}
+    fastest = {r: min(m[v]["s"] for v in ("lora_fused", "lora_exact", "peft") if v in m)
+               for r, m in by_rows.items()}
+    assert cost.call_seconds(32) == cost.call_seconds(8) == pytest.approx(fastest[32])
+    assert cost.call_seconds(96) == pytest.approx((fastest[64] + fastest[128]) / 2)
+    assert cost.call_seconds(1024) == pytest.approx(2 * fastest[512])  # two passes of 512
+    assert cost.call_seconds(256, adapter=False) == by_rows[256]["base"]["s"]
+    assert GpuCheck(GPU_CHECK, second["model"]).s_train == pytest.approx(
+        second["fgrpo_step"]["phases_s"]["forward_backward"] / 256)
+    essa, grpo = seeds
+    main(["--runs", *essa, *grpo, "--gpu-check", GPU_CHECK, "--gpu-check-model",
+          second["model"], "--paper"])
+    out = capsys.readouterr().out
+    assert f"per-step costs from the GPU check {GPU_CHECK}" in out and second["model"] in out
+    assert "measured workload: prompts of 64 random tokens, exactly 64 new tokens" in out
+    assert "chosen automatically" in out and "ESSA 4 generations, GRPO 2.5 steps" in out
+    assert "from the runs' configs" in out and "costs measured in" not in out
+    assert "rows a GPU holds: 16 GPUs: ESSA 10, F-GRPO 4; 128 GPUs: ESSA 10, F-GRPO 4" in out
+    assert "not in the table, the decode batch effect" in out
+    rows = out.split("\n\n")[0].splitlines()[2:]
+    w = Workload(population=8, minibatch=10, grpo_batch=4, grpo_generations=4,
+                 grpo_minibatch=2, essa_steps=4, grpo_steps=2.5, essa_update_s=0.25)
+    expected = predict([16], w, GpuCheck(GPU_CHECK, second["model"]), NDR)[0]
+    assert rows[0].split()[3] == f"{expected['essa_step']:.3f}"
+    main(["--gpu-check", GPU_CHECK, "--essa-steps", "50", "--grpo-steps", "200"])
+    out = capsys.readouterr().out
+    assert "ESSA 50 generations, GRPO 200 steps" in out and "population 128" in out
+
+
+def test_bad_inputs_exit_2_with_one_line(seeds, tmp_path, capsys):
+    essa, grpo = seeds
+    assert "at least one F-GRPO run" in one_error_line(["--runs", *essa], capsys)
+    assert "at least one ESSA run" in one_error_line(["--runs", grpo[0]], capsys)
+    other = write_run(tmp_path / "other.h5", "essa", 2, ESSA_CONFIG.replace("8", "16"),
+                      dict(ESSA_PHASES, generate=1.0), "mean_accuracy")
+    assert "differ in essa.population" in one_error_line(["--runs", *essa, other, *grpo],
+                                                         capsys)
+    sft = write_run(tmp_path / "sft.h5", "sft", 1, "", {"forward_backward": 1.0}, "accuracy")
+    assert "neither an ESSA nor an F-GRPO" in one_error_line(["--runs", sft, *grpo], capsys)
+    assert "not found" in one_error_line(["--runs", str(tmp_path / "no.h5"), *grpo], capsys)
+    assert "more than once" in one_error_line(["--runs", essa[0], essa[0], *grpo], capsys)
+    assert "--gpu-check-model" in one_error_line(["--gpu-check-model", "x"], capsys)
+    assert "calibrate the roofline" in one_error_line(
+        ["--gpu-check", GPU_CHECK, "--gen-tps", "1000"], capsys)
+    assert "no results for model 'x'" in one_error_line(
+        ["--gpu-check", GPU_CHECK, "--gpu-check-model", "x"], capsys)
+    assert "not found" in one_error_line(["--gpu-check", str(tmp_path / "no.json")], capsys)
+    (tmp_path / "bad.json").write_text("{not json")
+    assert "cannot read" in one_error_line(["--gpu-check", str(tmp_path / "bad.json")], capsys)
+    skipped = tmp_path / "skipped.json"
+    skipped.write_text(json.dumps({"results": [{"model": "qwen2.5-7b",
+                                                "skipped": "time budget"}]}))
+    assert "was not measured (time budget)" in one_error_line(["--gpu-check", str(skipped)],
+                                                              capsys)

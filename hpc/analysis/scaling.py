@@ -2,17 +2,23 @@
 
 ``hpc-scaling --paper`` runs the model on the ESSA paper's large setting (Qwen2.5-32B, LoRA
 rank 16, ESSA population 128 x minibatch 256, GRPO global batch 512 / mini-batch 64, H100s)
-and prints the paper's figures beside the prediction. ``hpc-scaling --runs essa.h5 fgrpo.h5``
-takes the per-completion costs (and, with ``--target``, the steps to target) from measured
-runs instead of a roofline of the described model. Every assumption is printed with the table.
+and prints the paper's figures beside the prediction. ``hpc-scaling --runs FILE [FILE ...]``
+takes the steps to a held-out accuracy target from measured ESSA and F-GRPO runs (any number of
+seeds each; the median per method) and, unless ``--gpu-check`` is given, the per-completion
+costs too, instead of a roofline of the described model. ``--gpu-check JSON`` takes the costs
+from one model of a GPU check (benchmarks/gpu_check.py). Every assumption is printed with the
+table.
 
 Units: seconds, bytes, bytes/s, FLOP/s; "tokens/s" are per GPU.
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import json
 import math
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -214,61 +220,19 @@ class Roofline:
         ]
 
 
-class Measured:
-    """Per-completion costs measured in run files (seconds per completion on one GPU, from
-    the phase timings summed over ranks), scaled linearly in the completions a GPU does."""
+class LinearCosts:
+    """Per-completion costs on one GPU, scaled linearly in the completions a GPU does.
 
-    def __init__(self, essa_path: str, grpo_path: str):
-        self.essa, self.grpo = open_run(essa_path), open_run(grpo_path)
-        self.essa_cfg = self._section(self.essa, "essa", ("population", "minibatch"))
-        self.grpo_cfg = self._section(self.grpo, "fgrpo", ("batch_prompts", "num_generations"))
-        e, f = self.essa_cfg, self.grpo_cfg
-        iters = f.get("num_iterations", 1)
-        te, tg = step_timings(self.essa), step_timings(self.grpo)
-        ke, kg = phase_kinds(self.essa), phase_kinds(self.grpo)
-        completions_g = f["batch_prompts"] * f["num_generations"]
-        self.s_essa = _rank_sum(te, _of_kind(ke, "rollout")) / (e["population"] * e["minibatch"])
-        self.s_gen = _rank_sum(tg, _of_kind(kg, "rollout")) / completions_g
-        self.s_train = _rank_sum(tg, _of_kind(kg, "train")) / completions_g
-        self.essa_update_s = _rank_sum(te, _of_kind(ke, "update"), mean=True)
-        self.optimizer_s = _rank_sum(tg, _of_kind(kg, "update"), mean=True) / iters
-        sent = self.grpo.group("bytes").get("grad_allreduce", np.zeros(0))
-        self.grad_bytes = float(sent.mean()) / iters if sent.size and sent.mean() > 0 else \
-            4.0 * float(self.grpo.attrs.get("trainable_parameters", 0))
+    Subclasses set ``s_essa`` (seconds per scored ESSA completion), ``s_gen`` (seconds per
+    sampled GRPO completion, rewards included), ``s_train`` (forward+backward seconds per GRPO
+    completion), ``optimizer_s`` (seconds per optimizer update) and ``grad_bytes`` (bytes
+    all-reduced per optimizer update)."""
 
-    @staticmethod
-    def _section(run, method: str, keys: tuple) -> dict:
-        """The ``method`` section of a run's config, checked to hold ``keys``."""
-        if run.attrs.get("method") != method:
-            raise UserError(f"{run.path} is not an {method} run file "
-                            f"(method {run.attrs.get('method')!r})")
-        cfg = yaml.safe_load(run.attrs.get("config", "")) or {}
-        section = cfg.get(method) if isinstance(cfg, dict) else None
-        if not isinstance(section, dict) or any(k not in section for k in keys):
-            raise UserError(f"{run.path}: its config lacks {method}.{'/'.join(keys)}")
-        if len(run.group("timings").get("step", [])) == 0:
-            raise UserError(f"{run.path} has no completed step yet")
-        return section
-
-    def workload_defaults(self) -> dict:
-        e, f = self.essa_cfg, self.grpo_cfg
-        return {"population": e["population"], "minibatch": e["minibatch"],
-                "grpo_batch": f["batch_prompts"], "grpo_generations": f["num_generations"],
-                "grpo_minibatch": max(1, f["batch_prompts"] // f.get("num_iterations", 1)),
-                "essa_update_s": self.essa_update_s}
-
-    def steps_to_target(self, target: float) -> tuple:
-        """(ESSA generations, GRPO steps) at the first held-out evaluation >= target."""
-        out = []
-        for run in (self.essa, self.grpo):
-            g = run.group("heldout")
-            acc = g.get("mean_accuracy", g.get("accuracy", np.zeros(0)))
-            hit = np.flatnonzero(acc >= target)
-            if not hit.size:
-                raise UserError(f"the {run.attrs['method']} run {run.path} never reached "
-                                f"held-out accuracy {target}; give the steps to target instead")
-            out.append(int(g["step"][hit[0]]))
-        return tuple(out)
+    s_essa: float
+    s_gen: float
+    s_train: float
+    optimizer_s: float
+    grad_bytes: float
 
     def essa_generate(self, n: int) -> float:
         return n * self.s_essa
@@ -279,18 +243,309 @@ class Measured:
     def train(self, n: int) -> float:
         return n * self.s_train
 
+
+METHOD_KEYS = {"essa": ("population", "minibatch"),
+               "fgrpo": ("batch_prompts", "num_generations", "num_iterations")}
+METHOD_NAMES = {"essa": "ESSA", "fgrpo": "F-GRPO"}
+ACCURACY_TOLERANCE = 1e-9  # an accuracy within this of the target reaches it
+
+
+class Measured(LinearCosts):
+    """Per-completion costs measured in run files (seconds per completion on one GPU, from
+    the phase timings summed over ranks), averaged over the runs of each method (seeds), and
+    the steps each run took to a held-out accuracy."""
+
+    def __init__(self, paths: list):
+        twice = sorted({p for p in paths if paths.count(p) > 1})
+        if twice:
+            raise UserError(f"--runs names {', '.join(twice)} more than once")
+        runs = [open_run(p) for p in paths]
+        for run in runs:
+            if run.attrs.get("method") not in METHOD_KEYS:
+                raise UserError(f"{run.path} is neither an ESSA nor an F-GRPO run file "
+                                f"(method {run.attrs.get('method')!r})")
+        self.runs = {m: [r for r in runs if r.attrs.get("method") == m] for m in METHOD_KEYS}
+        for method, found in self.runs.items():
+            if not found:
+                raise UserError(f"--runs needs at least one {METHOD_NAMES[method]} run file "
+                                f"(method {method!r}); got none among {len(runs)}")
+        self.essa_cfg = _shared_section(self.runs["essa"], "essa")
+        self.grpo_cfg = _shared_section(self.runs["fgrpo"], "fgrpo")
+        e, f = self.essa_cfg, self.grpo_cfg
+        iters = f["num_iterations"]
+        completions_g = f["batch_prompts"] * f["num_generations"]
+        essa = [(step_timings(r), phase_kinds(r)) for r in self.runs["essa"]]
+        grpo = [(step_timings(r), phase_kinds(r)) for r in self.runs["fgrpo"]]
+        self.s_essa = np.mean([_rank_sum(t, _of_kind(k, "rollout")) for t, k in essa]) / (
+            e["population"] * e["minibatch"])
+        self.s_gen = np.mean([_rank_sum(t, _of_kind(k, "rollout")) for t, k in grpo]) / \
+            completions_g
+        self.s_train = np.mean([_rank_sum(t, _of_kind(k, "train")) for t, k in grpo]) / \
+            completions_g
+        self.essa_update_s = float(np.mean([_rank_sum(t, _of_kind(k, "update"), mean=True)
+                                            for t, k in essa]))
+        self.optimizer_s = float(np.mean([_rank_sum(t, _of_kind(k, "update"), mean=True)
+                                          for t, k in grpo])) / iters
+        self.grad_bytes = float(np.mean([_grad_bytes(r) for r in self.runs["fgrpo"]])) / iters
+
+    def workload_defaults(self) -> dict:
+        e, f = self.essa_cfg, self.grpo_cfg
+        return {"population": e["population"], "minibatch": e["minibatch"],
+                "grpo_batch": f["batch_prompts"], "grpo_generations": f["num_generations"],
+                "grpo_minibatch": max(1, f["batch_prompts"] // f["num_iterations"]),
+                "essa_update_s": self.essa_update_s}
+
+    def steps_to_target(self, target: float | None = None) -> tuple:
+        """(ESSA generations, GRPO steps, target, lines): per run the step of the first
+        held-out evaluation at accuracy >= ``target``, then the median per method. Without a
+        target: the highest held-out accuracy that every run of both methods reaches."""
+        curves = {r.path: _heldout(r) for rs in self.runs.values() for r in rs}
+        chosen = target is None
+        if chosen:
+            target = min(float(acc.max()) for _, acc in curves.values())
+        missed = [f"{path} (its best: {acc.max():.4g})" for path, (_, acc) in curves.items()
+                  if not (acc >= target - ACCURACY_TOLERANCE).any()]
+        if missed:
+            raise UserError(f"never reached held-out accuracy {target:g}: {', '.join(missed)};"
+                            " lower --target, or leave it out to take the highest accuracy "
+                            "every run reaches")
+        medians, lines = [], []
+        for method, runs in self.runs.items():
+            per_run = []
+            for run in runs:
+                steps, acc = curves[run.path]
+                per_run.append(int(steps[np.flatnonzero(acc >= target - ACCURACY_TOLERANCE)[0]]))
+            median = float(np.median(per_run))  # held-out rows follow steps 1, 2, ...
+            medians.append(int(median) if median.is_integer() else median)
+            lines.append(f"{METHOD_NAMES[method]} steps to {target:.4g}, run by run: " +
+                         ", ".join(f"{r.path} {s}" for r, s in zip(runs, per_run)) +
+                         f"; median {median:g}")
+        how = ("chosen automatically: the highest held-out accuracy every run of both methods "
+               "reaches" if chosen else "as given by --target")
+        lines.insert(0, f"target: held-out accuracy {target:.4g} ({how}; the column each run "
+                     "names in its heldout_accuracy attribute, group heldout)")
+        return medians[0], medians[1], target, lines
+
     def assumptions(self) -> list:
+        e, g = self.runs["essa"], self.runs["fgrpo"]
         return [
-            f"costs measured in {self.essa.path} ({self.essa.attrs.get('world_size')} ranks) "
-            f"and {self.grpo.path} ({self.grpo.attrs.get('world_size')} ranks), on "
-            f"{self.essa.attrs.get('device_model', '?')}: ESSA {1e3 * self.s_essa:.2f} ms per "
-            f"scored completion, GRPO {1e3 * self.s_gen:.2f} ms per sampled completion and "
-            f"{1e3 * self.s_train:.2f} ms of forward+backward per completion",
+            f"costs measured in {len(e)} ESSA run(s) ({', '.join(r.path for r in e)}; "
+            f"{e[0].attrs.get('world_size')} ranks) and {len(g)} F-GRPO run(s) "
+            f"({', '.join(r.path for r in g)}; {g[0].attrs.get('world_size')} ranks), on "
+            f"{e[0].attrs.get('device_model', '?')}, averaged over each method's runs: ESSA "
+            f"{1e3 * self.s_essa:.2f} ms per scored completion, GRPO {1e3 * self.s_gen:.2f} ms "
+            f"per sampled completion and {1e3 * self.s_train:.2f} ms of forward+backward per "
+            "completion",
             "these costs are taken as linear in the completions a GPU does (the batch-size and "
             "longest-completion effects of the roofline model are not applied)",
             f"GRPO gradients: {self.grad_bytes / 1e6:.3g} MB all-reduced per optimizer step; "
             f"optimizer {1e3 * self.optimizer_s:.2f} ms as measured",
         ]
+
+
+def _shared_section(runs: list, method: str) -> dict:
+    """The ``method`` section of the runs' config, checked to hold the workload keys and to
+    agree on them across the runs (seeds of one experiment)."""
+    keys = METHOD_KEYS[method]
+    sections = []
+    for run in runs:
+        cfg = yaml.safe_load(run.attrs.get("config", "")) or {}
+        section = cfg.get(method) if isinstance(cfg, dict) else None
+        section = {"num_iterations": 1, **section} if isinstance(section, dict) else None
+        if section is None or any(k not in section for k in keys):
+            raise UserError(f"{run.path}: its config lacks {method}.{'/'.join(keys)}")
+        if len(run.group("timings").get("step", [])) == 0:
+            raise UserError(f"{run.path} has no completed step yet")
+        sections.append(section)
+    for key in keys:
+        values = {s[key] for s in sections}
+        if len(values) > 1:
+            raise UserError(f"the {METHOD_NAMES[method]} runs differ in {method}.{key} "
+                            f"({', '.join(f'{r.path}: {s[key]}' for r, s in zip(runs, sections))})"
+                            "; the runs of one method must share its workload")
+    return sections[0]
+
+
+def _grad_bytes(run) -> float:
+    """Bytes a GRPO run all-reduced per step (4 bytes a trainable parameter if unrecorded)."""
+    sent = run.group("bytes").get("grad_allreduce", np.zeros(0))
+    return float(sent.mean()) if sent.size and sent.mean() > 0 else \
+        4.0 * float(run.attrs.get("trainable_parameters", 0))
+
+
+def _heldout(run) -> tuple:
+    """(steps, accuracy) of a run's held-out evaluations, in the column its
+    ``heldout_accuracy`` attribute names (files without it: ESSA's mean, else accuracy)."""
+    g = run.group("heldout")
+    key = run.attrs.get("heldout_accuracy", "mean_accuracy" if "mean_accuracy" in g else
+                        "accuracy")
+    if key not in g or "step" not in g:
+        raise UserError(f"{run.path} has no held-out evaluation (group heldout, column {key})")
+    n = min(len(g[key]), len(g["step"]))
+    steps, acc = np.asarray(g["step"][:n]), np.asarray(g[key][:n], dtype=float)
+    ok = np.isfinite(acc)
+    if not ok.any():
+        raise UserError(f"{run.path} has no held-out evaluation (group heldout, column {key})")
+    return steps[ok], acc[ok]
+
+
+LORA_SHAPES = {"q_proj": ("hidden", "hidden"), "k_proj": ("hidden", "kv"),
+               "v_proj": ("hidden", "kv"), "o_proj": ("hidden", "hidden"),
+               "gate_proj": ("hidden", "intermediate"), "up_proj": ("hidden", "intermediate"),
+               "down_proj": ("intermediate", "hidden")}
+ADAPTER_VARIANTS = ("lora_fused", "lora_exact", "peft")  # ways to score members with adapters
+
+
+class GpuCheck(LinearCosts):
+    """Per-completion costs from one model's figures in a GPU check JSON
+    (benchmarks/gpu_check.py): ESSA's scoring throughput from its members measurements (the
+    best adapter variant and k), GRPO's from its timed F-GRPO step, per GPU."""
+
+    def __init__(self, path: str, model: str | None = None):
+        try:
+            with open(path) as fh:
+                report = json.load(fh)
+        except FileNotFoundError:
+            raise UserError(f"GPU check file not found: {path}") from None
+        except (OSError, ValueError) as err:
+            raise UserError(f"cannot read {path} as a GPU check JSON: {err}") from None
+        results = report.get("results") if isinstance(report, dict) else None
+        if not isinstance(results, list) or not results:
+            raise UserError(f"{path} holds no GPU check results")
+        names = [r.get("model") for r in results]
+        if model is not None and model not in names:
+            raise UserError(f"{path} has no results for model {model!r} (it has "
+                            f"{', '.join(map(str, names))})")
+        r = results[names.index(model) if model is not None else 0]
+        self.path, self.machine, self.result = path, report.get("machine", "?"), r
+        self.name = r.get("model")
+        missing = [k for k in ("shape", "prompt_tokens", "new_tokens", "lora", "parameters",
+                               "fgrpo_step", "members") if k not in r]
+        if missing or "skipped" in r:
+            raise UserError(f"{path}: model {self.name!r} was not measured "
+                            f"({r.get('skipped') or 'lacks ' + ', '.join(missing)})")
+        self.prompt, self.new = r["prompt_tokens"], r["new_tokens"]
+        self._shape(r)
+        self._fgrpo(r["fgrpo_step"])
+        self._members(r["members"])
+
+    def _shape(self, r: dict) -> None:
+        s = r["shape"]
+        match = re.fullmatch(r"r=(\d+) on (\[.*\])", r["lora"])
+        if match is None:
+            raise UserError(f"{self.path}: cannot read the LoRA of {self.name!r} ({r['lora']!r})")
+        self.lora_rank, self.lora_targets = int(match[1]), ast.literal_eval(match[2])
+        dims = {"hidden": s["hidden_size"], "intermediate": s["intermediate_size"],
+                "kv": s["num_key_value_heads"] * s["hidden_size"] // s["num_attention_heads"]}
+        unknown = [t for t in self.lora_targets if t not in LORA_SHAPES]
+        if unknown:
+            raise UserError(f"{self.path}: LoRA targets {unknown} of {self.name!r} are not "
+                            f"among {', '.join(LORA_SHAPES)}")
+        self.shape, self.kv_dim = s, dims["kv"]
+        self.lora_params = s["num_hidden_layers"] * self.lora_rank * sum(
+            dims[LORA_SHAPES[t][0]] + dims[LORA_SHAPES[t][1]] for t in self.lora_targets)
+        self.grad_bytes = 4.0 * self.lora_params  # fp32 gradients
+
+    def _fgrpo(self, step: dict) -> None:
+        if "hf" in step:  # an --engine-only check: the step with HF generate rollouts
+            self.engine_step, step = step.get("engine"), step["hf"]
+        else:
+            self.engine_step = self.result.get("fgrpo_step_engine")
+        if "phases_s" not in step:
+            raise UserError(f"{self.path}: the F-GRPO step of {self.name!r} was not measured "
+                            f"({step.get('skipped', 'no phases_s')})")
+        phases, rows = step["phases_s"], step["rows"]
+        self.step, self.grpo_rows = step, rows
+        self.s_gen = (phases["generation"] + phases.get("reward", 0.0)) / rows
+        self.s_train = phases["forward_backward"] / rows
+        self.optimizer_s = phases["optimizer"]
+        self.gen_tps = rows * self.new / phases["generation"]
+        self.train_tps = rows * (self.prompt + self.new) / phases["forward_backward"]
+
+    def _members(self, members: list) -> None:
+        measured = [(m[v]["tokens_per_s"], v, m) for m in members if "skipped" not in m
+                    for v in ADAPTER_VARIANTS if v in m]
+        if not measured:
+            raise UserError(f"{self.path}: no members measurement of {self.name!r}")
+        self.essa_tps, self.essa_variant, self.essa_best = max(measured, key=lambda x: x[0])
+        self.s_essa = self.new / self.essa_tps
+        self.essa_smallest = min(measured, key=lambda x: (x[2]["rows"], -x[0]))
+        done = sorted((m for m in members if "base" in m), key=lambda m: m["rows"])
+        self.call_rows = np.array([m["rows"] for m in done], dtype=float)
+        self.adapter_call_s = np.array([min(m[v]["s"] for v in ADAPTER_VARIANTS if v in m)
+                                        for m in done])
+        self.base_call_s = np.array([m["base"]["s"] for m in done])
+
+    def call_seconds(self, rows: int, adapter: bool = True) -> float:
+        """Seconds to generate ``self.new`` tokens on ``rows`` rows at once, on the measured
+        curve over rows (best adapter variant, or ``base`` without LoRA): interpolated between
+        the measured row counts, flat below the smallest, in passes of the largest above it."""
+        seconds = self.adapter_call_s if adapter else self.base_call_s
+        if rows > self.call_rows[-1]:
+            return rows / self.call_rows[-1] * float(seconds[-1])
+        return float(np.interp(rows, self.call_rows, seconds))
+
+    def batch_effect(self, essa_rows: dict, grpo_rows: dict) -> str:
+        """An assumption line: ESSA's scoring and GRPO's generation seconds a step on the
+        measured curves over rows, against the table's linear costs; ``*_rows``: {GPUs: rows
+        a GPU holds}."""
+        gen_scale = self.step["phases_s"]["generation"] / self.call_seconds(self.grpo_rows,
+                                                                            adapter=False)
+        return (
+            "not in the table, the decode batch effect: one call of "
+            f"{self.new} new tokens took {self.adapter_call_s[0]:.2f} s on "
+            f"{self.call_rows[0]:.0f} rows and {self.adapter_call_s[-1]:.2f} s on "
+            f"{self.call_rows[-1]:.0f} (members measurements, best adapter variant); on that "
+            "curve a GPU's ESSA scoring takes " + ", ".join(
+                f"{self.call_seconds(r):.3g} s at {n} GPUs (table {r * self.s_essa:.3g})"
+                for n, r in essa_rows.items()) +
+            "; F-GRPO's generation, on the no-LoRA greedy ('base') curve scaled through its "
+            "measured step, " + ", ".join(
+                f"{gen_scale * self.call_seconds(r, adapter=False):.3g} s at {n} GPUs (table "
+                f"{r * self.step['phases_s']['generation'] / self.grpo_rows:.3g})"
+                for n, r in grpo_rows.items()) +
+            "; forward+backward is left linear")
+
+    def assumptions(self) -> list:
+        s, r, step, best = self.shape, self.result, self.step, self.essa_best
+        small_tps, small_variant, small = self.essa_smallest
+        engine = self.engine_step if isinstance(self.engine_step, dict) else {}
+        lines = [
+            f"per-step costs from the GPU check {self.path} ({self.machine}), model "
+            f"{self.name}: {r['parameters'] / 1e9:.2f}B parameters, {s['num_hidden_layers']} "
+            f"layers, hidden {s['hidden_size']}, MLP {s['intermediate_size']}, K/V width "
+            f"{self.kv_dim}, {r.get('dtype', '?')}; LoRA {r['lora']} = "
+            f"{self.lora_params / 1e6:.2f}M parameters; the steps to target come from "
+            "elsewhere (see below)",
+            f"measured workload: prompts of {self.prompt} random tokens, exactly {self.new} new "
+            "tokens a completion (fixed length, no EOS); every cost here is per completion of "
+            "that length, one GPU, HF generate",
+            f"ESSA scoring: {self.essa_tps:.0f} new tokens/s = {1e3 * self.s_essa:.2f} ms per "
+            f"scored completion, the best of the members measurements ({self.essa_variant}, "
+            f"k = {best['k']} members x {r.get('prompts_per_member', '?')} prompts = "
+            f"{best['rows']} greedy rows at once; {r.get('members_that_fit', '?')} members "
+            "fit)",
+            f"F-GRPO step of {self.grpo_rows} sampled completions (the step after a warm-up "
+            f"step): generation {step['phases_s']['generation']:.3f} s ({self.gen_tps:.0f} "
+            f"new tokens/s) + reward {step['phases_s'].get('reward', 0.0):.4f} s = "
+            f"{1e3 * self.s_gen:.2f} ms per completion; forward+backward "
+            f"{step['phases_s']['forward_backward']:.3f} s ({self.train_tps:.0f} prompt+new "
+            f"tokens/s) = {1e3 * self.s_train:.2f} ms per completion; AdamW "
+            f"{1e3 * self.optimizer_s:.1f} ms an update",
+            f"these costs are taken as linear in the completions a GPU does; they were "
+            f"measured at {best['rows']} (ESSA) and {self.grpo_rows} (F-GRPO) rows a GPU, and "
+            f"a GPU holding fewer rows is slower per completion than this says: at "
+            f"{small['rows']} rows (k = {small['k']}, {small_variant}) a scored completion "
+            f"took {1e3 * self.new / small_tps:.2f} ms, {self.essa_tps / small_tps:.1f}x the "
+            "best",
+            f"GRPO gradients: {self.grad_bytes / 1e6:.3g} MB (4 bytes a LoRA parameter) "
+            "all-reduced per optimizer update (the check ran one rank: no all-reduce measured)",
+        ]
+        if "phases_s" in engine:
+            lines.append(f"not used: an F-GRPO step with the decoding engine's rollouts, "
+                         f"generation {engine['phases_s']['generation']:.3f} s for "
+                         f"{engine['rows']} completions")
+        return lines
 
 
 def _of_kind(kinds: dict, kind: str) -> tuple:
@@ -347,7 +602,7 @@ def _sec(x: float) -> str:
 
 def _duration(x: float) -> str:
     return f"{x / 3600:.2f} h" if x >= 3600 else f"{x / 60:.1f} min" if x >= 60 else \
-        f"{x:.1f} s"
+        f"{x:.1f} s" if x >= 1 else f"{1e3 * x:.0f} ms"
 
 
 def format_rows(rows: list) -> str:
@@ -450,10 +705,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--paper", action="store_true",
                    help="print the paper's figures beside the prediction (the defaults are "
                    "the paper's setting)")
-    p.add_argument("--runs", nargs=2, metavar=("ESSA.h5", "FGRPO.h5"),
-                   help="take per-completion costs from these run files")
-    p.add_argument("--target", type=float, help="with --runs: steps to this held-out "
-                   "accuracy from the runs")
+    p.add_argument("--runs", nargs="+", metavar="FILE",
+                   help="ESSA and F-GRPO run files (at least one of each, any number of "
+                   "seeds; sorted by their method attribute): steps to target, and the "
+                   "per-completion costs unless --gpu-check gives them")
+    p.add_argument("--target", type=float, help="with --runs: the held-out accuracy to reach "
+                   "(default: the highest that every run reaches)")
+    p.add_argument("--gpu-check", metavar="JSON", help="per-completion costs from this GPU "
+                   "check (benchmarks/gpu_check.py) instead of the runs or the roofline")
+    p.add_argument("--gpu-check-model", metavar="NAME",
+                   help="with --gpu-check: the model whose figures to use (default: the first)")
     p.add_argument("--gpus", type=int, nargs="+", default=[16, 32, 64, 128])
     p.add_argument("--network", choices=sorted(LINKS), default="infiniband-ndr",
                    help="between nodes (nvlink-h100: one NVLink domain, flat)")
@@ -494,7 +755,8 @@ PAPER_WORKLOAD = {"population": 128, "minibatch": 256, "grpo_batch": 512,
 
 
 def setup(args) -> tuple:
-    """(Workload, cost model, Network, steps source) from parsed arguments."""
+    """(Workload, cost model, Network, steps source, assumption lines on the runs) from
+    parsed arguments."""
     for name in ("population", "minibatch", "grpo_batch", "grpo_generations",
                  "grpo_minibatch", "essa_steps", "grpo_steps", "gpus_per_node", "params",
                  "layers", "hidden", "intermediate", "kv_dim", "lora_rank", "prompt_tokens",
@@ -512,9 +774,17 @@ def setup(args) -> tuple:
     if args.target is not None and not args.runs:
         raise UserError("--target takes the steps to target from --runs; without runs give "
                         "--essa-steps and --grpo-steps")
-    if args.runs:
-        cost = Measured(*args.runs)
-        defaults = cost.workload_defaults()
+    if args.gpu_check_model is not None and args.gpu_check is None:
+        raise UserError("--gpu-check-model names a model of --gpu-check, which is missing")
+    if (args.runs or args.gpu_check) and (args.gen_tps or args.train_tps):
+        raise UserError("--gen-tps and --train-tps calibrate the roofline; with --runs or "
+                        "--gpu-check the costs are measured ones")
+    measured = Measured(args.runs) if args.runs else None
+    notes = []
+    if args.gpu_check:
+        cost = GpuCheck(args.gpu_check, args.gpu_check_model)
+    elif measured:
+        cost = measured
     else:
         model = Model(args.params, args.layers, args.hidden, args.intermediate, args.kv_dim,
                       args.lora_rank)
@@ -522,30 +792,48 @@ def setup(args) -> tuple:
                         args.max_new_tokens, args.full_finetune, args.decode_mfu,
                         args.train_mfu, gen_tps=args.gen_tps, gen_batch=args.gen_batch,
                         train_tps=args.train_tps)
-        defaults = PAPER_WORKLOAD
+    defaults = measured.workload_defaults() if measured else PAPER_WORKLOAD
     values = {k: getattr(args, k) if getattr(args, k) is not None else v
               for k, v in defaults.items()}
-    steps, source = (args.essa_steps, args.grpo_steps), "inputs, not taken from the paper"
-    if args.target is not None:
-        steps = cost.steps_to_target(args.target)
-        source = f"first held-out accuracy >= {args.target} in the runs"
-    w = Workload(essa_steps=steps[0], grpo_steps=steps[1], **values)
+    if measured:
+        essa_steps, grpo_steps, _, notes = measured.steps_to_target(args.target)
+        source = "median over each method's runs, listed above"
+        if cost is not measured:
+            notes.append(f"workload (population, minibatch, GRPO batch, G, updates a step) "
+                         f"from the runs' configs; CMA-ES update "
+                         f"{values['essa_update_s']:.3g} s a generation "
+                         f"{'as given' if args.essa_update_s is not None else 'from the runs'}"
+                         f" (the GPU check does not time it; its model's search dimension is "
+                         f"{cost.result.get('search_dim', '?')}: benchmarks/optimizer_cost.py "
+                         "times the update there, for --essa-update-s)")
+    else:
+        essa_steps, grpo_steps = args.essa_steps, args.grpo_steps
+        source = "inputs, not taken from the paper"
+    w = Workload(essa_steps=essa_steps, grpo_steps=grpo_steps, **values)
+    if isinstance(cost, GpuCheck):
+        ends = sorted({min(args.gpus), max(args.gpus)})
+        essa_rows = {n: math.ceil(w.population / n) * w.minibatch for n in ends}
+        grpo_rows = {n: math.ceil(w.grpo_batch / n) * w.grpo_generations for n in ends}
+        notes.append("rows a GPU holds: " + "; ".join(
+            f"{n} GPUs: ESSA {essa_rows[n]}, F-GRPO {grpo_rows[n]}" for n in ends) +
+            f" (the GPU check measured {cost.essa_best['rows']} and {cost.grpo_rows})")
+        notes.append(cost.batch_effect(essa_rows, grpo_rows))
     if args.network == "nvlink-h100" or args.intra == "none":
         net = Network(LINKS[args.network], None, args.gpus_per_node)
     else:
         net = Network(LINKS[args.network], LINKS[args.intra], args.gpus_per_node)
-    return w, cost, net, source
+    return w, cost, net, source, notes
 
 
 @user_errors_exit
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    w, cost, net, source = setup(args)
+    w, cost, net, source, notes = setup(args)
     rows = predict(sorted(args.gpus), w, cost, net)
     print("predicted per step and to target (GRPO/ESSA > 1: ESSA reaches the target first)")
     print(format_rows(rows))
     print("\nassumptions:")
-    for line in cost.assumptions() + common_assumptions(w, args.network, net, source):
+    for line in cost.assumptions() + notes + common_assumptions(w, args.network, net, source):
         print(f"- {line}")
     if args.paper:
         print()
