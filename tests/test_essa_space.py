@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from essa.space import LoraEntrySpace, SingularValueSpace, searched_count
+from hpc.models.adapter_space import LoraEntrySpace, SingularValueSpace, searched_count
 from hpc.runtime.errors import UserError
 
 LAYERS, RANK = 2, 4
