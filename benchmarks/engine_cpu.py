@@ -20,7 +20,7 @@ import torch
 from common import REPO, lora_model, machine, model_path
 from engine_speed import compare, row_lengths, solution_lengths
 
-from essa.space import SingularValueSpace
+from hpc.models.adapter_space import SingularValueSpace
 
 LONGEST = 48
 

@@ -55,7 +55,7 @@ from hpc.models.sampling import Sampling
 
 from essa.batched import members_on_device  # common.py: repo on sys.path
 from essa.member_lora import MemberLora
-from essa.space import SingularValueSpace
+from hpc.models.adapter_space import SingularValueSpace
 from hpc.models.loading import attach_lora
 
 # Qwen2.5 shapes (config.json of the released models) and a tiny one for CPU runs.

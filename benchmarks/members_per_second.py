@@ -29,7 +29,7 @@ import torch
 from common import REPO, lora_model, machine, model_path
 
 from essa.population import score_members  # common.py put the repository on sys.path
-from essa.space import SingularValueSpace
+from hpc.models.adapter_space import SingularValueSpace
 from hpc.models.loading import save_adapter
 from hpc.runtime.runstore import RunFile
 from hpc.data.tasks import arith_task

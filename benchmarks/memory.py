@@ -40,7 +40,7 @@ def _vm_hwm_mib() -> float:
 
 def _essa_generation(model, tok, task, world, k: int, population: int, minibatch: int) -> None:
     from essa.population import owners, score_members
-    from essa.space import SingularValueSpace
+    from hpc.models.adapter_space import SingularValueSpace
     from essa.trainer import PHASES
     from hpc.runtime.timing import PhaseTimer
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from essa.space import ADAPTER
+from hpc.models.adapter_space import ADAPTER
 from hpc.runtime.errors import UserError
 
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))

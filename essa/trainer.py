@@ -13,7 +13,7 @@ import numpy as np
 from essa.config import ESSAJobConfig
 from essa.optimizers import Tracked, make_optimizer
 from essa.population import minibatch_indices, owners, score_members
-from essa.space import LoraEntrySpace, SingularValueSpace
+from hpc.models.adapter_space import LoraEntrySpace, SingularValueSpace
 from hpc.data.tasks import load_task
 from hpc.evaluate import evaluate
 from hpc.models.loading import load_adapter, load_model

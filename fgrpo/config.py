@@ -50,6 +50,12 @@ class FGRPOConfig:
     temperature: float = param(1.0, "rollout sampling temperature", min=0.0, max=100.0)
     top_p: float = param(1.0, "rollout nucleus sampling", min=0.0, max=1.0)
     full_finetune: bool = param(False, "train every weight instead of a LoRA")
+    space: str = param("lora", "what the gradient trains: lora: every LoRA entry; sv: only "
+                       "offsets to the top singular values of each factor of the SFT adapter "
+                       "lora.adapter (ESSA's search space, essa.space=sv)",
+                       choices=["lora", "sv"])
+    alpha: float = param(1.0, "space=sv: trained fraction of each factor's singular values "
+                         "(top ceil(alpha*r), as essa.alpha)", above=0.0, max=1.0)
     keep_checkpoints: int = param(3, "newest checkpoints kept", min=1, max=1000)
 
 
@@ -62,3 +68,12 @@ class FGRPOJobConfig(JobConfig):
         if 0.0 < self.fgrpo.clip_ratio_c <= 1.0:
             raise UserError(f"config key 'fgrpo.clip_ratio_c': {self.fgrpo.clip_ratio_c} must "
                             f"be 0 (dual clip off) or > 1")
+        if self.fgrpo.space == "sv" and self.fgrpo.full_finetune:
+            raise UserError("config key 'fgrpo.space': sv trains offsets to a LoRA adapter's "
+                            "singular values; it cannot be combined with fgrpo.full_finetune")
+        if self.fgrpo.space == "sv" and not self.lora.adapter:
+            raise UserError("config key 'fgrpo.space': sv starts from an SFT adapter; give its "
+                            "folder in lora.adapter (hpc-sft writes <run.out>/adapter)")
+        if self.fgrpo.space != "sv" and self.fgrpo.alpha != 1.0:
+            raise UserError(f"config key 'fgrpo.alpha': {self.fgrpo.alpha} applies only to "
+                            f"fgrpo.space=sv")

@@ -4,8 +4,10 @@ Data parallel: every rank draws the same global batch of prompts from the shared
 its contiguous share, samples G completions per prompt, and computes its groups' advantages
 locally (a group never spans ranks). The loss follows the normaliser contract of
 :mod:`fgrpo.loss`, so the all-reduced gradient equals the single-process gradient on the union
-of all ranks' rollouts. The job lifecycle is :func:`hpc.runtime.loop.run_loop`'s. Run files:
-``<run.out>/fgrpo.h5``, ``checkpoints/``, ``adapter``.
+of all ranks' rollouts. ``fgrpo.space=sv`` trains only offsets to the SFT adapter's singular
+values (ESSA's search space, :mod:`hpc.models.adapter_space`). The job lifecycle is
+:func:`hpc.runtime.loop.run_loop`'s. Run files: ``<run.out>/fgrpo.h5``, ``checkpoints/``,
+``adapter``.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from fgrpo.policy import build_model, frozen_logprobs, reference_model
 from fgrpo.rollout import sample_rollouts
 from hpc.data.tasks import load_task
 from hpc.gradient_method import GradientMethod, step_seed
+from hpc.models.adapter_space import SingularValueSpace
 from hpc.runtime.dist import all_reduce_mean_, init_process_group
 from hpc.runtime.errors import UserError, user_errors_exit
 from hpc.runtime.job import finish, on_all_ranks, start_job
@@ -48,7 +51,12 @@ class FGRPO(GradientMethod):
         self.model, self.ref_model, self.tok = on_all_ranks(world, lambda: build_model(
             cfg, job.device))
         init_process_group(world, job.device)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.space = None
+        if f.space == "sv":  # ESSA's search space, trained by gradient
+            self.space = SingularValueSpace.from_peft(self.model, f.alpha, cfg.lora.targets)
+            self.params = self.space.parametrize(self.model)
+        else:
+            self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=f.learning_rate,
                                      weight_decay=f.weight_decay)
         self.total_steps, self.keep_checkpoints, self.skipped = f.steps, f.keep_checkpoints, 0
@@ -101,7 +109,9 @@ class FGRPO(GradientMethod):
                             self.skipped)
 
     def export(self, out_dir: str, step: int) -> None:
-        if not self.f.full_finetune:  # a fully fine-tuned model has no adapter to export
+        if self.space is not None:
+            self.space.save_parametrized(self.model, f"{out_dir}/adapter")
+        elif not self.f.full_finetune:  # a fully fine-tuned model has no adapter to export
             super().export(out_dir, step)
 
     def state_dict(self) -> dict:

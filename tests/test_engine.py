@@ -11,7 +11,7 @@ from transformers.generation.logits_process import TopPLogitsWarper
 from conftest import run_cli, run_mpi
 from essa.batched import member_completions
 from essa.population import score_members
-from essa.space import SingularValueSpace
+from hpc.models.adapter_space import SingularValueSpace
 from hpc.models.engine import Request, bucket
 from hpc.models.generation import eos_ids, generate, generate_tokens, run_requests, using_path
 from hpc.models.loading import load_model

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from essa.space import LoraEntrySpace, SingularValueSpace, searched_count
+from hpc.models.adapter_space import LoraEntrySpace, SingularValueSpace, searched_count
 from hpc.runtime.errors import UserError
 
 LAYERS, RANK = 2, 4
@@ -148,6 +148,47 @@ def test_export_loads_in_plain_peft(space_cls, tmp_path):
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["r"] == RANK and sorted(config["target_modules"]) == sorted(TARGETS)
     assert (out / "adapter_model.safetensors").is_file()
+
+
+def set_offsets(offsets, x) -> None:
+    """Copy vector x (dim,) into the per-factor offset parameters, in vector order."""
+    with torch.no_grad():
+        for p, part in zip(offsets, torch.from_numpy(x).split([p.numel() for p in offsets])):
+            p.copy_(part)
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.5])
+def test_parametrized_offsets_are_the_space(alpha, tmp_path):
+    """fgrpo.space=sv: x = 0 is the SFT adapter bit for bit; for any x the model's factors are
+    exactly space.factors(x); a gradient step moves only the offsets; the export is a plain
+    peft adapter with the same logits."""
+    model = lora_model()
+    sft_logits = logits(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    space = SingularValueSpace.from_peft(model, alpha=alpha)
+    offsets = space.parametrize(model)
+    assert len(offsets) == 2 * len(space.modules)
+    assert sum(p.numel() for p in offsets) == space.dim
+    assert torch.equal(logits(model), sft_logits)
+    assert {id(p) for p in model.parameters() if p.requires_grad} == {id(p) for p in offsets}
+    x = random_vector(space, scale=0.3)
+    set_offsets(offsets, x)
+    for name, (a, b) in space.factors(x).items():
+        module = model.get_submodule(name)
+        assert torch.equal(module.lora_A["default"].weight, a)
+        assert torch.equal(module.lora_B["default"].weight, b)
+    model(input_ids=IDS).logits.square().mean().backward()
+    torch.optim.SGD(offsets, lr=0.1).step()
+    assert not np.allclose(space.to_vector_of(model), x)
+    original = ".parametrizations.weight.original"
+    after = {n.replace(original, ".weight"): p for n, p in model.named_parameters()
+             if ".parametrizations.weight.0." not in n}
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[n], before[n]) for n in before)
+    expected = logits(model)
+    space.save_parametrized(model, str(tmp_path / "adapter"))
+    loaded = peft.PeftModel.from_pretrained(base_model(), str(tmp_path / "adapter")).eval()
+    torch.testing.assert_close(logits(loaded), expected, rtol=1e-6, atol=1e-6)
 
 
 def test_lora_entry_dim_counts_every_entry():

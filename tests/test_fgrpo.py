@@ -2,10 +2,13 @@
 import json
 
 import numpy as np
+import peft
 import pytest
 import torch
 
 from conftest import our_lines, run_mpi
+from hpc.models.adapter_space import SingularValueSpace
+from hpc.models.loading import load_model
 from hpc.runtime.runstore import RunFile
 
 
@@ -121,3 +124,53 @@ def test_token_budget_stops_the_run_and_counts_every_completion_token(toy_adapte
     assert np.array_equal(held["generated_tokens"], tokens)
     assert np.all(held["train_s"] < held["wall_s"]) and np.all(np.diff(m["train_s"]) > 0)
     assert json.loads(run.attrs["metrics"])[-3:] == ["generated_tokens", "train_s", "wall_s"]
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["fgrpo.space=sv", "fgrpo.full_finetune=true"], ["fgrpo.space", "full_finetune"]),
+    (["fgrpo.space=sv", "lora.adapter="], ["fgrpo.space", "lora.adapter"]),
+    (["fgrpo.alpha=0.5"], ["fgrpo.alpha", "space=sv"]),
+    (["fgrpo.space=sv", "fgrpo.alpha=0"], ["fgrpo.alpha"]),
+])
+def test_bad_space_combinations_exit_2(tmp_path, overrides, words):
+    out = tmp_path / "run"
+    proc = run_mpi(2, fgrpo_args("unused", out, *overrides))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = our_lines(proc.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error"), lines
+    assert all(w in lines[0] for w in words), lines[0]
+    assert not out.exists()
+
+
+def test_singular_value_space_trains_resumes_and_exports(tiny_models, tmp_path):
+    """fgrpo.space=sv under mpirun -n 2: only ESSA's offsets are trained (trainable count =
+    the space's dim), a resumed run ends with the uninterrupted one's adapter bit for bit, and
+    the export is a plain peft adapter whose change from the SFT adapter lies in the space.
+    The random tiny model earns no reward, so the KL term (beta > 0) gives the gradient."""
+    model_dir, adapter_dir, _ = tiny_models["small"]
+
+    def args(out, steps):
+        return ["-m", "fgrpo", f"model.path={model_dir}", f"lora.adapter={adapter_dir}",
+                "task.n_train=64", "task.n_eval=8", f"fgrpo.steps={steps}",
+                "fgrpo.batch_prompts=4", "fgrpo.num_generations=4", "fgrpo.space=sv",
+                "fgrpo.alpha=0.5", "fgrpo.learning_rate=0.05", "fgrpo.beta=0.1",
+                "eval.every=0", "eval.n_samples=2", "run.progress=false", f"run.out={out}"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    for out, steps, extra in ((full, 4, []), (part, 2, []), (part, 4, ["--resume"])):
+        proc = run_mpi(2, args(out, steps) + extra)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    sft = peft.PeftModel.from_pretrained(load_model(model_dir, "float32", "cpu")[0], adapter_dir)
+    space = SingularValueSpace.from_peft(sft, alpha=0.5)
+    assert RunFile(str(full / "fgrpo.h5")).attrs["trainable_parameters"] == space.dim
+    trained = {}
+    for out in (full, part):
+        base = load_model(model_dir, "float32", "cpu")[0]
+        loaded = peft.PeftModel.from_pretrained(base, str(out / "adapter"))
+        trained[out] = {n: p.detach() for n, p in loaded.named_parameters() if "lora_" in n}
+        x = space.to_vector_of(loaded)
+        assert np.abs(x).max() > 0
+        for name, (a, b) in space.factors(x).items():
+            module = loaded.get_submodule(name)
+            torch.testing.assert_close(module.lora_A["default"].weight, a, rtol=0, atol=1e-6)
+            torch.testing.assert_close(module.lora_B["default"].weight, b, rtol=0, atol=1e-6)
+    assert all(torch.equal(trained[full][n], trained[part][n]) for n in trained[full])

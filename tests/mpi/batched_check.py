@@ -14,7 +14,7 @@ import torch
 
 from essa.batched import member_completions
 from essa.population import owners, score_members
-from essa.space import SingularValueSpace
+from hpc.models.adapter_space import SingularValueSpace
 from hpc.models.generation import generate, using_path
 from hpc.models.loading import attach_lora, randomize_lora_b, tiny_model
 from hpc.runtime.timing import PhaseTimer

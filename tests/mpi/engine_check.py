@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from essa.batched import member_completions
-from essa.space import SingularValueSpace
+from hpc.models.adapter_space import SingularValueSpace
 from hpc.models.engine import Request
 from hpc.models.generation import eos_ids, run_requests
 from hpc.models.loading import attach_lora, load_model, randomize_lora_b

@@ -10,6 +10,8 @@ every factor owns one contiguous slice of the vector. Only the ``default`` adapt
 * :class:`LoraEntrySpace`: the slice holds offsets to every entry of the factor, W' = W + x.
 
 The additive form keeps x = 0 exact: W + 0 in float64 is W, and casting back is lossless.
+ESSA searches these vectors without gradients; :meth:`SingularValueSpace.parametrize` makes the
+same offsets trainable by gradient (F-GRPO's ``fgrpo.space=sv``), with the same W'(x).
 """
 import math
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from peft.tuners.lora import LoraLayer
+from torch.nn.utils import parametrize
 
 from hpc.runtime.atomic import replaced_dir
 from hpc.runtime.errors import UserError
@@ -187,6 +190,31 @@ class SingularValueSpace(_AdapterSpace):
         """The SFT adapter's searched singular values s (dim,) float64, in vector order."""
         return torch.cat([f.s.cpu() for f in self._factors]).numpy()
 
+    def parametrize(self, peft_model) -> list:
+        """Make the offsets trainable by gradient: every other parameter of ``peft_model`` is
+        frozen and each factor weight becomes W'(x) (:class:`_OffsetParametrization`, via
+        ``torch.nn.utils.parametrize``). Returns the offsets, one (k,) float64 parameter per
+        factor in vector order, all zero: the model is then the SFT adapter bit for bit.
+        Build the space from the unparametrized model; call once."""
+        peft_model.requires_grad_(False)
+        offsets = []
+        for f in self._factors:
+            holder = getattr(peft_model.get_submodule(f.module), f.which)[ADAPTER]
+            offset = _OffsetParametrization(f)
+            parametrize.register_parametrization(holder, "weight", offset)
+            offsets.append(offset.x)
+        return offsets
+
+    def save_parametrized(self, peft_model, out_dir: str) -> None:
+        """Save a parametrized model's adapter W'(x) as a plain peft adapter directory
+        (adapter_config.json + adapter_model.safetensors, the keys an unparametrized adapter
+        has), written to a temporary sibling and renamed into place. Call on one rank only."""
+        with torch.no_grad():
+            plain = {f"{f.module}.{f.which}.{ADAPTER}.weight": _weight(peft_model, f).detach()
+                     for f in self._factors}
+        with replaced_dir(out_dir) as tmp:
+            peft_model.save_pretrained(tmp, selected_adapters=[ADAPTER], state_dict=plain)
+
     def _delta(self, f, x):
         return (f.u * x) @ f.vh
 
@@ -196,6 +224,22 @@ class SingularValueSpace(_AdapterSpace):
     def _project(self, f, d):
         # diag(U_k^T W' Vh_k^T) - s = diag(U_k^T (W' - W) Vh_k^T), the second without cancellation
         return ((f.u.T @ d) * f.vh).sum(dim=1)
+
+
+class _OffsetParametrization(torch.nn.Module):
+    """torch parametrization of one LoRA factor weight W (rows, cols): the weight the model
+    uses is W'(x) = (W + U_k diag(x) Vh_k) in float64, cast back to W's dtype, exactly as
+    :meth:`SingularValueSpace.factors` builds it; x (k,) float64 is the trained parameter, U_k
+    and Vh_k fixed buffers (not saved in state dicts)."""
+
+    def __init__(self, f: _SvdFactor):
+        super().__init__()
+        self.register_buffer("u", f.u, persistent=False)
+        self.register_buffer("vh", f.vh, persistent=False)
+        self.x = torch.nn.Parameter(torch.zeros_like(f.s))
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return (w.to(torch.float64) + (self.u * self.x) @ self.vh).to(w.dtype)
 
 
 class LoraEntrySpace(_AdapterSpace):
