@@ -12,8 +12,15 @@ kept as its three integers. An array held under two attributes (e.g.
 ``es.C`` and ``es.sm.C``) is restored as one array, as pickle would, so in-place updates still
 reach both. The only pycma object created after construction, the wall-clock timer, is
 rebuilt by its own constructor. Bitwise resume is tested in tests/test_essa.py.
+
+A checkpoint may be damaged or crafted, so before anything is written every path it names must
+be one a strategy of the same constructor arguments has after a generation (no method such as
+``tell``, no dunder name, no object), with a value of the same kind and shape, and an alias
+must join two arrays of the same shape; anything else is one line (a :class:`UserError`).
 """
 from __future__ import annotations
+
+from copy import deepcopy
 
 import numpy as np
 from cma.utilities.utils import ElapsedWCTime
@@ -69,6 +76,116 @@ def es_state(es) -> dict:
     return {"objects": objects, "values": values, "aliases": aliases, "ranges": ranges}
 
 
+def _references(es) -> list:
+    """``es_state`` of ``es`` (freshly built) and of a copy of it after each of two
+    generations: the paths a strategy of these constructor arguments has, and the kinds and
+    shapes of their values (pycma creates attributes at the first tells, e.g. ``mean_old``,
+    ``mean_old_old``, ``pop``, ``timer``, and fills others that start as None or 0-d). The
+    global numpy RNG, which pycma's ``ask`` draws from, is left as it was."""
+    copy, states = deepcopy(es), [es_state(es)]
+    outer = np.random.get_state()
+    try:
+        for _ in range(2):
+            population = copy.ask()
+            copy.tell(population, [float(i) for i in range(len(population))])
+            states.append(es_state(copy))
+    finally:
+        np.random.set_state(outer)
+    return states
+
+
+_NUMBERS = (type(None), bool, int, float, np.bool_, np.integer, np.floating)
+
+
+def _same_kind(value, likes: list) -> bool:
+    """Whether checkpoint ``value`` may stand where the references hold ``likes``: an array of
+    the shape and dtype kind of one of them, a number for a number (None included: pycma
+    starts counters and bests as None), a string for a string, a list or tuple (histories
+    grow) whose items are each like an item of theirs (plain numbers if they are empty), a
+    dict with the keys of one of them and values like its."""
+    for like in likes:
+        if isinstance(like, np.ndarray):
+            if (isinstance(value, np.ndarray) and value.shape == like.shape and
+                    value.dtype.kind == like.dtype.kind):
+                return True
+        elif isinstance(like, (list, tuple)):
+            items = [item for like in likes if type(like) is type(value) for item in like]
+            if type(value) is type(like) and all(
+                    _same_kind(v, items) if items else isinstance(v, _NUMBERS) for v in value):
+                return True
+        elif isinstance(like, dict):
+            if isinstance(value, dict) and value.keys() == like.keys() and all(
+                    _same_kind(value[key], [like[key]]) for key in like):
+                return True
+        elif isinstance(like, str):
+            if isinstance(value, str):
+                return True
+        elif isinstance(value, _NUMBERS) and isinstance(like, _NUMBERS):
+            return True
+    return False
+
+
+def _check(es, state, references: list) -> None:
+    """UserError (one line) unless ``state`` restores only paths one of ``references`` has,
+    each with a value of the same kind and shape as there; an alias only between arrays of the
+    same shape. One exception, for what pycma adds late in a run (e.g. ``_stoptolxstagnation.x``
+    of sep-cma after ~250 generations): plain data in a new instance attribute of one of the
+    strategy's objects, whose class defines no such name (no method, property or class
+    attribute is shadowed)."""
+    def refuse(what: str) -> UserError:
+        return UserError(f"CMA-ES checkpoint {what}; it was damaged or written by another "
+                         f"version of pycma; refusing to restore it")
+
+    parts = ("objects", "values", "aliases", "ranges")
+    if not (isinstance(state, dict) and set(state) == set(parts) and
+            all(isinstance(state[p], dict) for p in parts)):
+        raise refuse(f"is not a dict of {', '.join(parts)}")
+    for part in parts:
+        for path in state[part]:
+            if not isinstance(path, str) or any(n.startswith("__") or not n.isidentifier()
+                                                for n in path.split(".")):
+                raise refuse(f"names the attribute {path!r}")
+    known, objects, ranges = {}, {}, set()  # path -> [values like it], class names, ranges
+    for ref in references:
+        for path, value in list(ref["values"].items()) + [
+                (path, ref["values"][target]) for path, target in ref["aliases"].items()]:
+            known.setdefault(path, []).append(value)
+        objects.update(ref["objects"])
+        ranges.update(ref["ranges"])
+    for path, cls_name in state["objects"].items():
+        if objects.get(path) != cls_name:
+            raise refuse(f"has a {cls_name} at {path!r}, which a fresh strategy has not")
+    for path, value in state["values"].items():
+        if not _is_data(value):
+            raise refuse(f"value at {path!r} is not plain data")
+        if path not in known:
+            parent, name = _parent(es, path)
+            if hasattr(type(parent), name) or hasattr(parent, name) or \
+                    path.rpartition(".")[0] not in list(objects) + [""]:
+                raise refuse(f"names {path!r}, which a fresh strategy does not have as data")
+        elif not _same_kind(value, known[path]):
+            raise refuse(f"value at {path!r} is {_describe(value)}, a fresh strategy's "
+                         f"{' or '.join(_describe(like) for like in known[path])}")
+    for path, target in state["aliases"].items():
+        source = state["values"].get(target)
+        if not (isinstance(source, np.ndarray) and any(
+                isinstance(like, np.ndarray) and like.shape == source.shape
+                for like in known.get(path, []))):
+            raise refuse(f"aliases {path!r} to {target!r}, which is not an array of its shape")
+    for path, bounds in state["ranges"].items():
+        if path not in ranges or not (
+                isinstance(bounds, list) and len(bounds) == 3 and
+                all(type(b) is int for b in bounds)):
+            raise refuse(f"range at {path!r} is not one of a fresh strategy or not three "
+                         f"integers")
+
+
+def _describe(value) -> str:
+    if isinstance(value, np.ndarray):
+        return f"a {value.dtype} array of shape {value.shape}"
+    return f"a {type(value).__name__}"
+
+
 def _plain(value):
     """A decoded checkpoint value as the plain containers pycma had."""
     if isinstance(value, dict):
@@ -93,7 +210,9 @@ def _parent(es, path: str):
 
 
 def restore_es_state(es, state: dict) -> None:
-    """Write ``es_state`` output into ``es``, built with the original constructor arguments."""
+    """Write ``es_state`` output into ``es``, built with the original constructor arguments.
+    Nothing is written unless every entry passes :func:`_check` against ``es``'s own paths."""
+    _check(es, state, _references(es))
     for path, cls_name in sorted(state["objects"].items(), key=lambda kv: kv[0].count(".")):
         parent, name = _parent(es, path)
         current = getattr(parent, name, None)
@@ -104,14 +223,9 @@ def restore_es_state(es, state: dict) -> None:
                             f"{type(current).__name__}; resume with the pycma that wrote it")
     for path, value in state["values"].items():
         parent, name = _parent(es, path)
-        if _is_pycma(getattr(parent, name, None)) or not _is_data(value):
-            raise UserError(f"CMA-ES checkpoint value at {path!r} is not plain data")
         setattr(parent, name, _plain(value))
     for path, bounds in state["ranges"].items():
         parent, name = _parent(es, path)
-        if not (isinstance(bounds, list) and len(bounds) == 3 and
-                all(type(b) is int for b in bounds)):
-            raise UserError(f"CMA-ES checkpoint range at {path!r} is not three integers")
         setattr(parent, name, range(*bounds))
     for path, target in state["aliases"].items():
         parent, name = _parent(es, path)

@@ -15,6 +15,7 @@ import numpy as np
 
 from essa.cma_state import es_state, restore_es_state
 from hpc.runtime.errors import UserError
+from hpc.runtime.readback import amount, array, bad_field, count
 
 OPTIMIZERS = ("cma", "sep-cma", "openai-es")
 
@@ -64,7 +65,7 @@ def _check_tell(solutions, fitness, popsize: int, dim: int):
 
 def _check_state(state: dict, **expected) -> None:
     for key, value in expected.items():
-        if state[key] != value:
+        if type(state[key]) is not type(value) or state[key] != value:
             raise UserError(f"optimizer checkpoint has {key} = {state[key]!r}, but this run "
                             f"uses {value!r}; resume with the original settings")
 
@@ -149,10 +150,14 @@ class CMAES:
         """Resume into this object, which must be built with the original arguments."""
         _check_state(state, kind="sep-cma" if self.diagonal else "cma", dim=self.dim,
                      popsize=self.popsize)
+        source = "CMA-ES checkpoint"
+        rng_state = ("MT19937", array(state["rng_keys"], source, "rng_keys", (624,), "u"),
+                     count(state["rng_pos"], source, "rng_pos", maximum=624),
+                     count(state["rng_has_gauss"], source, "rng_has_gauss", maximum=1),
+                     amount(state["rng_cached_gaussian"], source, "rng_cached_gaussian",
+                            minimum=-np.inf))
         restore_es_state(self._es, state["es"])
-        self._rng_state = ("MT19937", np.asarray(state["rng_keys"], dtype=np.uint32),
-                           int(state["rng_pos"]), int(state["rng_has_gauss"]),
-                           float(state["rng_cached_gaussian"]))
+        self._rng_state = rng_state
         self._asked = False
 
 
@@ -242,10 +247,12 @@ class OpenAIES:
 
     def load_state_dict(self, state: dict) -> None:
         _check_state(state, kind="openai-es", dim=self.dim, popsize=self.popsize)
-        self.seed, self.generation = int(state["seed"]), int(state["generation"])
-        self._mean = np.array(state["mean"], dtype=np.float64)
-        self._m = np.array(state["adam_m"], dtype=np.float64)
-        self._v = np.array(state["adam_v"], dtype=np.float64)
+        source = "OpenAI-ES checkpoint"
+        vectors = [array(state[key], source, key, (self.dim,), "f").astype(np.float64)
+                   for key in ("mean", "adam_m", "adam_v")]
+        self.seed = count(state["seed"], source, "seed", maximum=2 ** 63 - 1)
+        self.generation = count(state["generation"], source, "generation")
+        self._mean, self._m, self._v = vectors
 
 
 def make_optimizer(name: str, dim: int, popsize: int, sigma0: float, seed: int,
@@ -309,5 +316,10 @@ class Tracked:
                 "best_fitness": self.best_fitness}
 
     def load_state_dict(self, state: dict) -> None:
+        best_x = array(state["best_x"], "ESSA checkpoint", "best_x", (self.optimizer.dim,), "f")
+        best_fitness = state["best_fitness"]
+        if not isinstance(best_fitness, float) or np.isnan(best_fitness):
+            raise bad_field("ESSA checkpoint", "best_fitness", f"is {best_fitness!r}, not a "
+                                                               f"number")
         self.optimizer.load_state_dict(state["optimizer"])
-        self.best_x, self.best_fitness = state["best_x"], state["best_fitness"]
+        self.best_x, self.best_fitness = best_x, best_fitness

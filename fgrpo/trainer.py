@@ -27,6 +27,7 @@ from hpc.runtime.dist import all_reduce_mean_, init_process_group
 from hpc.runtime.errors import UserError, user_errors_exit
 from hpc.runtime.job import finish, on_all_ranks, start_job
 from hpc.runtime.loop import run_loop
+from hpc.runtime.readback import count
 from hpc.runtime.world import my_slice
 
 PHASES = {"generate": "rollout", "reward": "rollout", "forward_backward": "train",
@@ -118,8 +119,9 @@ class FGRPO(GradientMethod):
         return dict(super().state_dict(), skipped=self.skipped)
 
     def load_state_dict(self, state: dict) -> None:
+        skipped = count(state["skipped"], "F-GRPO checkpoint", "skipped")
         super().load_state_dict(state)
-        self.skipped = state["skipped"]
+        self.skipped = skipped
 
 
 @user_errors_exit

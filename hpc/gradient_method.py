@@ -9,6 +9,7 @@ import torch
 from hpc.evaluate import evaluate
 from hpc.models.loading import save_adapter
 from hpc.runtime.loop import Method
+from hpc.runtime.readback import bad_field
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -47,7 +48,20 @@ class GradientMethod(Method):
                 "optimizer": self.opt.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Checked first: one tensor per trained parameter, of its shape and a float dtype; an
+        optimizer state torch accepts (its ValueError, e.g. other parameter groups, is one
+        line)."""
+        saved = state["params"]
+        if not (isinstance(saved, list) and len(saved) == len(self.params) and all(
+                isinstance(s, torch.Tensor) and s.shape == p.shape and s.is_floating_point()
+                for s, p in zip(saved, self.params))):
+            raise bad_field("checkpoint", "params", f"is not {len(self.params)} float tensors "
+                                                    f"of the trained parameters' shapes")
+        try:
+            self.opt.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError, TypeError) as err:
+            raise bad_field("checkpoint", "optimizer", f"is not this optimizer's state ({err})"
+                            ) from None
         with torch.no_grad():
-            for p, saved in zip(self.params, state["params"]):
-                p.copy_(saved)
-        self.opt.load_state_dict(state["optimizer"])
+            for p, value in zip(self.params, saved):
+                p.copy_(value)

@@ -22,6 +22,7 @@ from hpc.data.prompts import completion_batch
 from hpc.runtime.errors import UserError, user_errors_exit
 from hpc.runtime.job import finish, on_all_ranks, start_job
 from hpc.runtime.loop import run_loop
+from hpc.runtime.readback import bad_field
 from hpc.runtime.world import my_slice
 from hpc.sft_config import SFTJobConfig
 
@@ -78,8 +79,14 @@ class SFT(GradientMethod):
         return dict(super().state_dict(), data_rng=self.data_rng.bit_generator.state)
 
     def load_state_dict(self, state: dict) -> None:
+        outer = self.data_rng.bit_generator.state
+        try:
+            self.data_rng.bit_generator.state = state["data_rng"]
+        except (ValueError, KeyError, TypeError) as err:
+            self.data_rng.bit_generator.state = outer
+            raise bad_field("checkpoint", "data_rng", f"is not a {outer['bit_generator']} state "
+                            f"of the data generator ({err})") from None
         super().load_state_dict(state)
-        self.data_rng.bit_generator.state = state["data_rng"]
 
 
 @user_errors_exit

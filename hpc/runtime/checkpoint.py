@@ -6,7 +6,11 @@ skeleton in the file's metadata: loading one runs no code from it, unlike a pick
 folder in shared project space could otherwise hand every rank arbitrary code at ``--resume``;
 the checksum is no defence, since whoever writes the file writes it too). A checkpoint is
 written to a temporary file, fsynced, checksummed, then renamed into place, so a kill at any
-moment leaves either the old set or the new one. Written by rank 0 only.
+moment leaves either the old set or the new one (under an unpredictable temporary name,
+created without following links: :mod:`hpc.runtime.atomic`). Written by rank 0 only. Read back,
+a name that is a symbolic link, JSON nested too deep and (through ``load_latest``'s ``accept``)
+any field of the wrong type, shape or range make the checkpoint unusable like a checksum
+mismatch: a warning, then the previous checkpoint.
 
 Checkpoints of earlier versions (``step-*.pt``, pickles) are never loaded: resuming a folder
 that has only those is a one-line error.
@@ -24,9 +28,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from hpc.runtime.atomic import write_bytes
+from hpc.runtime.atomic import open_plain, write_bytes
 from hpc.runtime.errors import UserError
 from hpc.runtime.flatstate import flatten, unflatten
+from hpc.runtime.readback import parse_json
 
 SUFFIX = ".safetensors"
 FORMAT = "essa-hpc-checkpoint/1"
@@ -49,9 +54,11 @@ def save_checkpoint(directory: str, step: int, state: dict, keep: int = 3) -> st
     try:
         write_bytes(_sha_path(path), hashlib.sha256(data).hexdigest().encode())
         write_bytes(path, data)
-    except OSError as err:
-        if os.path.exists(_sha_path(path)):
+    except (OSError, UserError) as err:
+        if os.path.lexists(_sha_path(path)):
             os.remove(_sha_path(path))
+        if isinstance(err, UserError):  # a symbolic link planted at one of the names
+            raise
         raise UserError(f"cannot write checkpoint {path} ({len(data) / 2 ** 20:.1f} MiB): "
                         f"{err.strerror or err}; earlier checkpoints are intact",
                         same_on_all_ranks=False) from None
@@ -82,28 +89,34 @@ def _decode(path: str, data: bytes) -> dict:
 
     try:
         (header_len,) = struct.unpack("<Q", data[:8])
-        metadata = json.loads(data[8:8 + header_len]).get("__metadata__") or {}
+        header = parse_json(data[8:8 + header_len], path, "safetensors header")
+        metadata = (header.get("__metadata__") if isinstance(header, dict) else None) or {}
         tensors = load_tensors(data)
     except (struct.error, ValueError, AttributeError, SafetensorError) as err:
         raise refuse(f"not a readable safetensors file: {err}") from None
-    if metadata.get("format") != FORMAT:
-        raise refuse(f"format {metadata.get('format')!r}, expected {FORMAT!r}")
-    try:
-        skeleton = json.loads(metadata["skeleton"])
-    except (KeyError, ValueError) as err:
-        raise refuse(f"no readable skeleton: {err}") from None
+    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
+        raise refuse(f"format {getattr(metadata, 'get', lambda _: None)('format')!r}, "
+                     f"expected {FORMAT!r}")
+    if not isinstance(metadata.get("skeleton"), str):
+        raise refuse("no skeleton")
+    skeleton = parse_json(metadata["skeleton"], path, "skeleton")
     state = unflatten(tensors, skeleton, f"checkpoint {path}")
     if not isinstance(state, dict):
         raise refuse("its state is not a dict")
     return state
 
 
+def _read(path: str) -> bytes:
+    with os.fdopen(open_plain(path), "rb") as fh:  # a symbolic link there: UserError
+        return fh.read()
+
+
 def _verified(path: str) -> dict | None:
+    """The state in ``path`` if its checksum matches, None if not or unreadable; UserError if
+    it is not a checkpoint of this program or a name is a symbolic link."""
     try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-        with open(_sha_path(path), "rb") as fh:
-            expected = fh.read().decode(errors="replace").strip()
+        data = _read(path)
+        expected = _read(_sha_path(path)).decode(errors="replace").strip()
     except OSError:
         return None
     if hashlib.sha256(data).hexdigest() != expected:
@@ -111,12 +124,14 @@ def _verified(path: str) -> dict | None:
     return _decode(path, data)
 
 
-def load_latest(directory: str, warn=True) -> dict | None:
-    """The newest checkpoint whose checksum matches; damaged ones are reported and skipped.
+def load_latest(directory: str, warn=True, accept=None) -> dict | None:
+    """The newest usable checkpoint; damaged and unusable ones are reported and skipped.
 
-    Returns None when the folder has no checkpoint; raises UserError when every one is damaged,
-    when a checksummed one is not a checkpoint of this program, and when the folder holds only
-    checkpoints of an earlier version (pickles, which this version never loads).
+    A checkpoint is usable when its checksum matches, it is a checkpoint of this program and
+    ``accept(state, path)`` (if given: check the fields read back, :mod:`hpc.runtime.readback`,
+    and restore them) raises no UserError. Returns None when the folder has no checkpoint;
+    raises UserError when none is usable and when the folder holds only checkpoints of an
+    earlier version (pickles, which this version never loads).
     """
     paths = list_checkpoints(directory)
     if not paths:
@@ -126,13 +141,24 @@ def load_latest(directory: str, warn=True) -> dict | None:
                             f"({os.path.basename(old[-1])}: a pickle, which could run code when "
                             f"loaded); this version cannot resume them: finish the run with the "
                             f"version that wrote it, or start a fresh run in another folder")
+    newest_error = None
     for path in reversed(paths):
-        state = _verified(path)
-        if state is not None:
-            return state
+        try:
+            state = _verified(path)
+            if state is not None and accept is not None:
+                accept(state, path)
+        except UserError as err:
+            why = str(err) if path in str(err) else f"checkpoint {path}: {err}"
+            newest_error = newest_error or why
+        else:
+            if state is not None:
+                return state
+            why = f"checkpoint {path} is truncated or corrupted (checksum mismatch)"
         if warn:
-            print(f"warning: checkpoint {path} is truncated or corrupted (checksum mismatch); "
-                  f"trying the previous one", file=sys.stderr, flush=True)
+            print(f"warning: {why}; trying the previous one", file=sys.stderr, flush=True)
+    if newest_error is not None:
+        raise UserError(f"every checkpoint in {directory} is damaged or unusable; cannot resume "
+                        f"(the newest: {newest_error})")
     if paths:
         raise UserError(f"every checkpoint in {directory} is damaged; cannot resume")
     return None

@@ -16,6 +16,7 @@ import shutil
 import socket
 import string
 import sys
+import tempfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +24,7 @@ from tqdm import tqdm
 
 from hpc.models.generation import configure as configure_generation
 from hpc.models.memory_plan import check_job_memory
+from hpc.runtime.atomic import open_plain
 from hpc.runtime.config import config_to_yaml, load_config
 from hpc.runtime.errors import EXIT_USER_ERROR, UserError
 from hpc.runtime.preempt import EXIT_PREEMPTED, StopSignals
@@ -113,9 +115,8 @@ def run_folder(template: str, method: str, job_id: str) -> str:
 def _check_writable(out_dir: str, min_free_mb: float) -> None:
     try:
         os.makedirs(out_dir, exist_ok=True)
-        probe = os.path.join(out_dir, ".write-test")
-        with open(probe, "w") as fh:
-            fh.write("ok")
+        fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=out_dir)  # follows no link
+        os.close(fd)
         os.remove(probe)
     except OSError as err:
         raise UserError(f"output folder {out_dir} is not writable: {err.strerror or err}")
@@ -136,11 +137,11 @@ def _lock_run_folder(out_dir: str, job_id: str) -> None:
     the message another job gets. The kernel releases the lock when the process ends however it
     ends (exit, SIGKILL, MPI_Abort), so a dead holder never blocks a new job; the file stays.
     On a file system without flock (e.g. Lustre mounted without ``-o flock``) the run goes on
-    unlocked, with a warning.
+    unlocked, with a warning. A symbolic or hard link at ``.lock`` is refused (one line).
     """
     global _held_lock
     path = os.path.join(out_dir, LOCK_FILE)
-    fh = open(path, "a+")
+    fh = os.fdopen(open_plain(path, os.O_RDWR | os.O_CREAT), "r+")
     try:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:

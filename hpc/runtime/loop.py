@@ -4,8 +4,9 @@ A method is a :class:`Method`: its timed phases, a ``step(i)`` returning named m
 state for checkpoints, its evaluation and its export. :func:`run_loop` does the rest, the same
 for every method:
 
-1. resume: load the newest intact checkpoint (``--resume``) and check every rank resumes from
-   the same step;
+1. resume: load the newest intact checkpoint (``--resume``) whose fields all pass their checks
+   (:func:`resume_fields`, the method's ``load_state_dict``; else the previous one) and check
+   every rank resumes from the same step;
 2. run file ``<run.out>/<method>.h5``: open (restored from the checkpoint's copy on resume),
    drop rows after the resumed step; its attributes name the method's phases, metrics and
    what a step is called, so readers need not know the method;
@@ -38,7 +39,8 @@ from hpc.runtime.checkpoint import load_latest, save_checkpoint
 from hpc.runtime.job import Job, agree_on_resume_step, on_all_ranks, progress_bar
 from hpc.runtime.preempt import preempted_exit, should_stop
 from hpc.runtime.results import EvalResult, log_eval
-from hpc.runtime.runstore import RunStore, environment_attrs
+from hpc.runtime.readback import amount, count
+from hpc.runtime.runstore import RunStore, check_snapshot, environment_attrs
 from hpc.runtime.timing import PhaseTimer, gather_timings
 
 # What a phase's seconds are spent on, for readers of the run file (hpc-report, hpc-scaling):
@@ -121,6 +123,21 @@ def run_attrs(job: Job, method: Method) -> dict:
                 heldout_accuracy=method.heldout_accuracy, **method.attrs())
 
 
+def resume_fields(state: dict, path: str) -> dict:
+    """The loop's own fields of checkpoint ``path``, each checked for type and range
+    (:mod:`hpc.runtime.readback`; fields of earlier versions' checkpoints default to 0)."""
+    source = f"checkpoint {path}"
+    fields = {"step": count(state["step"], source, "step"),
+              "elapsed_s": amount(state["elapsed_s"], source, "elapsed_s"),
+              "overhead_s": amount(state.get("overhead_s", 0.0), source, "overhead_s"),
+              "generated_tokens": count(state.get("generated_tokens", 0), source,
+                                        "generated_tokens", maximum=2 ** 62),
+              "run_file": state.get("run_file")}
+    if fields["run_file"] is not None:
+        check_snapshot(fields["run_file"], source)
+    return fields
+
+
 def out_of_budget(run_cfg, wall_s: float, train_s: float) -> bool:
     """Whether ``run.max_time_s`` (wall) or ``run.max_train_s`` (wall less evaluations and
     checkpoints) is spent; the loop asks on rank 0's clock, which decides for every rank."""
@@ -136,17 +153,22 @@ def run_loop(job: Job, method: Method) -> dict:
     ``start`` and ``final`` (EvalResult or None), ``steps``, ``wall_s``, ``preempted``."""
     cfg, world = job.cfg, job.world
     ckpt_dir = f"{job.out_dir}/checkpoints"
-    state = load_latest(ckpt_dir, warn=world.is_root) if job.resume else None
-    start, elapsed0, overhead, tokens = 0, 0.0, 0.0, 0
-    if state is not None:
+    resumed = dict(step=0, elapsed_s=0.0, overhead_s=0.0, generated_tokens=0, run_file=None)
+
+    def accept(state: dict, path: str) -> None:  # a UserError: load_latest tries the previous
+        fields = resume_fields(state, path)
         method.load_state_dict(state["method"])
-        start, elapsed0 = state["step"], state["elapsed_s"]
-        overhead, tokens = state.get("overhead_s", 0.0), state.get("generated_tokens", 0)
+        resumed.update(fields)
+
+    if job.resume:
+        load_latest(ckpt_dir, warn=world.is_root, accept=accept)
+    start, elapsed0 = resumed["step"], resumed["elapsed_s"]
+    overhead, tokens = resumed["overhead_s"], resumed["generated_tokens"]
     agree_on_resume_step(world, start)
     attrs = run_attrs(job, method)
     store = on_all_ranks(world, lambda: RunStore(
         f"{job.out_dir}/{method.name}.h5", world.is_root, attrs, resume=job.resume,
-        backup=state.get("run_file") if state else None))
+        backup=resumed["run_file"]))
     store.truncate_after(start)
     sync = torch.cuda.synchronize if job.device.type == "cuda" else None
     method.store, method.timer = store, PhaseTimer(list(method.phases) + list(LOOP_PHASES), sync)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
+import io
 import json
 import os
 import re
@@ -39,8 +40,9 @@ import h5py
 import numpy as np
 
 from hpc import __version__
-from hpc.runtime.atomic import replaced_file, write_bytes
+from hpc.runtime.atomic import refuse_link, write_bytes
 from hpc.runtime.errors import UserError
+from hpc.runtime.readback import MAX_STEP
 from hpc.runtime.world import _mpi
 
 _CHUNK_ROWS = 64
@@ -92,6 +94,7 @@ class RunStore:
         self._open: dict = {}  # group -> {name: Dataset}, see _datasets
         if not active:
             return
+        refuse_link(path)
         if resume and backup is not None:
             self._restore(backup)
         elif resume and os.path.exists(path) and not _readable(path):
@@ -102,16 +105,38 @@ class RunStore:
             if not (resume and os.path.exists(path)):
                 self._create()
             self.file = h5py.File(path, "a")
+            self._check_own_file()
             self.file.attrs["status"] = "running"
             for key, value in (attrs or {}).items():
                 self.file.attrs[key] = value
             self.file.flush()
 
     def _create(self) -> None:
-        """A new file with its start time, written beside ``path`` and renamed into place."""
-        with replaced_file(self.path, fsync=False) as tmp, h5py.File(tmp, "w") as fresh:
+        """A new file with its start time, built in memory, written beside ``path`` and renamed
+        into place (:func:`write_bytes`: no name in the run folder is followed as a link)."""
+        buffer = io.BytesIO()
+        with h5py.File(buffer, "w") as fresh:
             fresh.attrs["start_time"] = datetime.datetime.now(
                 datetime.timezone.utc).isoformat(timespec="seconds")
+        write_bytes(self.path, buffer.getvalue())
+
+    def _check_own_file(self) -> None:
+        """The file just opened must be the plain file at ``path`` (not reached through a link
+        planted after :func:`refuse_link`, not a hard link to another name) and hold only plain
+        datasets (:func:`check_plain`); else it is closed and a UserError raised."""
+        opened = os.fstat(self.file.id.get_vfd_handle())
+        there = os.lstat(self.path)
+        try:
+            if (opened.st_dev, opened.st_ino) != (there.st_dev, there.st_ino) or \
+                    opened.st_nlink != 1:
+                raise UserError(f"the run file {self.path} is a link to another file; a job "
+                                f"writes only plain files of its run folder: remove it",
+                                same_on_all_ranks=False)
+            check_plain(self.file, self.path)
+        except UserError:
+            self.file.close()
+            self.file = None
+            raise
 
     def _restore(self, backup: bytes) -> None:
         """Put the checkpoint's copy in place (atomically). Rows after the checkpoint would be
@@ -164,8 +189,14 @@ class RunStore:
             return None
         with self._writing():
             self.file.flush()
-        with open(self.path, "rb") as fh:
-            return fh.read()
+        handle = self.file.id.get_vfd_handle()  # the file opened, whatever is at path now
+        size, chunks = os.fstat(handle).st_size, []
+        while sum(map(len, chunks)) < size:
+            chunks.append(os.pread(handle, size - sum(map(len, chunks)),
+                                   sum(map(len, chunks))))
+            if not chunks[-1]:
+                break
+        return b"".join(chunks)
 
     def set_attrs(self, **attrs) -> None:
         if self.file is None:
@@ -253,6 +284,77 @@ class RunStore:
             self._open.clear()
             self.file.close()
         self.file = None
+
+
+_MAX_DEPTH = 8  # groups within groups: the store writes 2 ("eval/..."); a link cycle never ends
+
+
+def check_plain(file: h5py.File, source: str) -> None:
+    """UserError (one line naming ``source`` and the object) unless every object of ``file`` is
+    a group or a plain dataset stored in the file itself, reached by a hard link: no external
+    or soft link, no virtual dataset, no external storage, so appending to the file cannot
+    write into another file. Each step-indexed group's ``step`` is a 1-D integer dataset in
+    [-1, MAX_STEP], and every dataset of the group is numeric, extendible along its first axis
+    and has as many rows."""
+    def refuse(name: str, what: str) -> UserError:
+        return UserError(f"the run file {source} holds {what} at /{name}; the job appends only "
+                         f"to plain datasets of its own file: move the file away (a checkpoint "
+                         f"keeps a copy of it)", same_on_all_ranks=False)
+
+    def walk(group: h5py.Group, prefix: str, depth: int) -> None:
+        if depth > _MAX_DEPTH:
+            raise refuse(prefix, f"groups nested more than {_MAX_DEPTH} deep")
+        for name in group:
+            path = prefix + name
+            link = group.get(name, getlink=True)
+            if isinstance(link, h5py.ExternalLink):
+                raise refuse(path, f"an external link to {link.filename}:{link.path}")
+            if not isinstance(link, h5py.HardLink):
+                raise refuse(path, f"a {type(link).__name__}")
+            obj = group[name]
+            if isinstance(obj, h5py.Group):
+                walk(obj, path + "/", depth + 1)
+            elif not isinstance(obj, h5py.Dataset):
+                raise refuse(path, f"a {type(obj).__name__}")
+            elif "step" not in group:
+                raise refuse(path, "a dataset outside a step-indexed group")
+            elif obj.is_virtual or obj.external:
+                raise refuse(path, "a virtual dataset" if obj.is_virtual else
+                             "a dataset stored in another file")
+        if "step" in group:
+            _check_step_group(group, prefix, refuse)
+
+    walk(file, "", 0)
+
+
+def check_snapshot(data, source: str) -> None:
+    """:func:`check_plain` for the bytes of a run file kept in a checkpoint (``source``)."""
+    if not isinstance(data, bytes):
+        raise UserError(f"{source}: field 'run_file' is a {type(data).__name__}, not the bytes "
+                        f"of a run file")
+    try:
+        with h5py.File(io.BytesIO(data), "r") as copy:
+            check_plain(copy, f"copy in {source}")
+    except (OSError, RuntimeError, ValueError, KeyError) as err:
+        raise UserError(f"{source}: field 'run_file' is not a readable HDF5 file ({err})") \
+            from None
+
+
+def _check_step_group(group: h5py.Group, prefix: str, refuse) -> None:
+    step = group["step"]
+    if not isinstance(step, h5py.Dataset) or step.ndim != 1 or step.dtype.kind not in "iu":
+        raise refuse(prefix + "step", "a step dataset that is not 1-D integer (shape "
+                     f"{getattr(step, 'shape', None)}, {getattr(step, 'dtype', 'group')})")
+    steps = step[()]
+    if steps.size and not (-1 <= steps.min() and steps.max() <= MAX_STEP):
+        raise refuse(prefix + "step", f"steps outside [-1, {MAX_STEP}]")
+    for name in group:
+        ds = group[name]
+        if isinstance(ds, h5py.Dataset) and (
+                ds.ndim < 1 or ds.dtype.kind not in "iuf" or ds.shape[0] != len(steps) or
+                ds.chunks is None or ds.maxshape[0] is not None):
+            raise refuse(prefix + name, f"a dataset of shape {ds.shape} and type {ds.dtype} "
+                         f"that is not an extendible numeric column of {len(steps)} rows")
 
 
 def _errno_in(message: str) -> int | None:
