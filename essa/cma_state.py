@@ -20,6 +20,9 @@ must join two arrays of the same shape; anything else is one line (a :class:`Use
 """
 from __future__ import annotations
 
+import functools
+import inspect
+import re
 from copy import deepcopy
 
 import numpy as np
@@ -105,8 +108,9 @@ def _same_kind(value, likes: list) -> bool:
     dict with the keys of one of them and values like its."""
     for like in likes:
         if isinstance(like, np.ndarray):
-            if (isinstance(value, np.ndarray) and value.shape == like.shape and
-                    value.dtype.kind == like.dtype.kind):
+            # (1,) for (): checkpoints of earlier versions stored 0-d arrays so
+            if (isinstance(value, np.ndarray) and value.dtype.kind == like.dtype.kind and
+                    (value.shape == like.shape or like.shape == () and value.shape == (1,))):
                 return True
         elif isinstance(like, (list, tuple)):
             items = [item for like in likes if type(like) is type(value) for item in like]
@@ -129,9 +133,9 @@ def _check(es, state, references: list) -> None:
     """UserError (one line) unless ``state`` restores only paths one of ``references`` has,
     each with a value of the same kind and shape as there; an alias only between arrays of the
     same shape. One exception, for what pycma adds late in a run (e.g. ``_stoptolxstagnation.x``
-    of sep-cma after ~250 generations): plain data in a new instance attribute of one of the
-    strategy's objects, whose class defines no such name (no method, property or class
-    attribute is shadowed)."""
+    of sep-cma after ~250 generations): plain data in an attribute the object does not have
+    yet, which its class's own code assigns (``self.<name> = ``) and does not define as a
+    method, property or class attribute."""
     def refuse(what: str) -> UserError:
         return UserError(f"CMA-ES checkpoint {what}; it was damaged or written by another "
                          f"version of pycma; refusing to restore it")
@@ -160,8 +164,7 @@ def _check(es, state, references: list) -> None:
             raise refuse(f"value at {path!r} is not plain data")
         if path not in known:
             parent, name = _parent(es, path)
-            if hasattr(type(parent), name) or hasattr(parent, name) or \
-                    path.rpartition(".")[0] not in list(objects) + [""]:
+            if hasattr(parent, name) or name not in _assigned_names(type(parent)):
                 raise refuse(f"names {path!r}, which a fresh strategy does not have as data")
         elif not _same_kind(value, known[path]):
             raise refuse(f"value at {path!r} is {_describe(value)}, a fresh strategy's "
@@ -178,6 +181,17 @@ def _check(es, state, references: list) -> None:
                 all(type(b) is int for b in bounds)):
             raise refuse(f"range at {path!r} is not one of a fresh strategy or not three "
                          f"integers")
+
+
+@functools.lru_cache(maxsize=None)
+def _assigned_names(cls) -> frozenset:
+    """Instance attributes the code of ``cls`` and its pycma bases assigns (``self.x = ``),
+    less the names they define as methods, properties or class attributes."""
+    names = set()
+    for klass in cls.__mro__:
+        if klass.__module__.split(".")[0] == "cma":
+            names.update(re.findall(r"self\.(\w+)\s*=(?!=)", inspect.getsource(klass)))
+    return frozenset(name for name in names if not hasattr(cls, name))
 
 
 def _describe(value) -> str:

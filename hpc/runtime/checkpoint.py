@@ -55,7 +55,7 @@ def save_checkpoint(directory: str, step: int, state: dict, keep: int = 3) -> st
         write_bytes(_sha_path(path), hashlib.sha256(data).hexdigest().encode())
         write_bytes(path, data)
     except (OSError, UserError) as err:
-        if os.path.lexists(_sha_path(path)):
+        if os.path.exists(_sha_path(path)) and not os.path.islink(_sha_path(path)):
             os.remove(_sha_path(path))
         if isinstance(err, UserError):  # a symbolic link planted at one of the names
             raise

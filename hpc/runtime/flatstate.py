@@ -45,7 +45,8 @@ def flatten(state) -> tuple[dict, object]:
         if isinstance(value, torch.Tensor):
             return store(value, "tensor")
         if isinstance(value, np.ndarray):
-            return store(torch.from_numpy(np.ascontiguousarray(value)), "ndarray")
+            # np.array, not np.ascontiguousarray, which makes a 0-d array 1-d
+            return store(torch.from_numpy(np.array(value, order="C")), "ndarray")
         if isinstance(value, np.generic):
             return store(torch.from_numpy(np.asarray(value).reshape(1)), "numpy_scalar")
         if isinstance(value, (bytes, bytearray)):

@@ -1,0 +1,447 @@
+"""Crafted and damaged files in a run folder: every one ends as one line (exit 2) or a fallback
+to the previous checkpoint, never a traceback, and no file outside the run folder changes.
+
+Most rows call the store, checkpoint and resume functions in-process; the last tests run the
+real CLI (the toy SFT job, one process and under mpirun) on a few of them.
+"""
+import copy
+import hashlib
+import os
+import shutil
+import struct
+
+import h5py
+import numpy as np
+import pytest
+from safetensors.numpy import save as save_numpy
+
+from conftest import our_lines, run_cli, run_mpi
+from essa.optimizers import Tracked, make_optimizer
+from hpc.runtime import job as job_module
+from hpc.runtime.checkpoint import FORMAT, list_checkpoints, load_latest, save_checkpoint
+from hpc.runtime.errors import UserError
+from hpc.runtime.loop import resume_fields
+from hpc.runtime.runstore import RunFile, RunStore
+
+DIM, POP = 8, 6
+
+
+def fresh_optimizer() -> Tracked:
+    return Tracked(make_optimizer("cma", DIM, POP, 0.3, seed=0))
+
+
+@pytest.fixture(scope="module")
+def valid_method_state():
+    """ESSA's method state (Tracked CMA-ES) after two generations."""
+    opt = fresh_optimizer()
+    for _ in range(2):
+        x = opt.ask()
+        opt.tell(x, -np.sum(x ** 2, axis=1))
+    return opt.state_dict()
+
+
+def make_run_file(path: str) -> bytes:
+    """A run file of two steps as the loop writes it; returns its bytes."""
+    store = RunStore(path, True, {"method": "essa"})
+    for step in (1, 2):
+        store.log_step(step, metrics={"loss": 0.5 / step},
+                       timings={"rollout": np.array([0.1, 0.2])}, nbytes={"fitness": 48})
+    data = store.snapshot()
+    store.close()
+    return data
+
+
+@pytest.fixture
+def outside(tmp_path):
+    """A folder outside the run folder with the files a crafted one points at (an HDF5 file
+    with chunked datasets, a raw file, a text file); asserts afterwards that none changed."""
+    folder = tmp_path / "outside"
+    folder.mkdir()
+    with h5py.File(folder / "other.h5", "w") as f:
+        for where in (f, f.create_group("grp")):
+            where.create_dataset("step", data=np.arange(1, 3), maxshape=(None,), chunks=(64,))
+            where.create_dataset("data", data=np.ones(2), maxshape=(None,), chunks=(64,))
+    (folder / "raw.bin").write_bytes(np.ones(2).tobytes())
+    (folder / "victim.txt").write_text("must stay as it is\n")
+
+    def digests():
+        return {name: hashlib.sha256((folder / name).read_bytes()).hexdigest()
+                for name in sorted(os.listdir(folder))}
+
+    before = digests()
+    yield folder
+    assert digests() == before, "a file outside the run folder changed"
+
+
+def run_dir(tmp_path):
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def loop_state(step, run_bytes, method_state) -> dict:
+    """A checkpoint's state as :func:`hpc.runtime.loop.run_loop` saves it."""
+    return {"step": step, "elapsed_s": 1.5 * step, "overhead_s": 0.25,
+            "generated_tokens": 100 * step, "run_file": run_bytes,
+            "method": copy.deepcopy(method_state)}
+
+
+def accept(state, path):
+    """What run_loop's ``accept`` does, with ESSA's method state on a fresh optimizer."""
+    resume_fields(state, path)
+    fresh_optimizer().load_state_dict(state["method"])
+
+
+def plant_raw(directory, step: int, data: bytes) -> str:
+    """A checkpoint file of ``data`` bytes with a matching checksum (a crafted file)."""
+    path = os.path.join(str(directory), f"step-{step:08d}.safetensors")
+    with open(path, "wb") as fh:
+        fh.write(data)
+    with open(path[:-len(".safetensors")] + ".sha256", "w") as fh:
+        fh.write(hashlib.sha256(data).hexdigest())
+    return path
+
+
+def one_line(err: UserError, *words):
+    text = str(err)
+    assert "\n" not in text, text
+    for word in words:
+        assert word in text, text
+
+
+def assert_fallback(ckpts, capsys, *words):
+    """load_latest uses step 1 and warns once about the crafted step 2 (named); without step 1
+    it is one UserError line."""
+    capsys.readouterr()
+    state = load_latest(str(ckpts), accept=accept)
+    assert state["step"] == 1
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(warnings) == 1 and warnings[0].startswith("warning:"), warnings
+    for word in ("step-00000002",) + words:
+        assert word in warnings[0], warnings[0]
+    for name in os.listdir(ckpts):
+        if name.startswith("step-00000001"):
+            os.remove(os.path.join(ckpts, name))
+    with pytest.raises(UserError) as caught:
+        load_latest(str(ckpts), accept=accept)
+    one_line(caught.value, "step-00000002", *words)
+
+
+# --- crafted checkpoint fields -------------------------------------------------------------
+
+def _set(path: str, value):
+    """A crafting: put ``value`` at the key path ``path`` ("a/b/c") of the state."""
+    def craft(state):
+        *parents, last = path.split("/")
+        node = state
+        for key in parents:
+            node = node[key]
+        node[last] = value
+    return craft
+
+
+ES = "method/optimizer/es"
+FIELD_CRAFTS = {
+    "step as a string": (_set("step", "2"), "'step'"),
+    "negative step": (_set("step", -1), "'step'"),
+    "step 2^70": (_set("step", 2 ** 70), "'step'"),
+    "step as a float": (_set("step", 2.0), "'step'"),
+    "elapsed as a string": (_set("elapsed_s", "3.0"), "'elapsed_s'"),
+    "elapsed NaN": (_set("elapsed_s", float("nan")), "'elapsed_s'"),
+    "overhead negative": (_set("overhead_s", -1.0), "'overhead_s'"),
+    "tokens as a string": (_set("generated_tokens", "200"), "'generated_tokens'"),
+    "tokens infinite": (_set("generated_tokens", float("inf")), "'generated_tokens'"),
+    "run file as a string": (_set("run_file", "essa.h5"), "'run_file'"),
+    "run file not HDF5": (_set("run_file", b"not an HDF5 file"), "'run_file'"),
+    "no method state": (lambda s: s.pop("method"), "'method'"),
+    "rng keys of the wrong shape": (_set("method/optimizer/rng_keys",
+                                         np.zeros(3, np.uint32)), "'rng_keys'"),
+    "rng position out of range": (_set("method/optimizer/rng_pos", 10 ** 6), "'rng_pos'"),
+    "best_x of the wrong shape": (_set("method/best_x", np.zeros(3)), "'best_x'"),
+    "best fitness a string": (_set("method/best_fitness", "high"), "'best_fitness'"),
+    "CMA mean of the wrong shape": (_set(f"{ES}/values/mean", np.zeros(DIM + 1)), "'mean'"),
+    "CMA sigma a string": (_set(f"{ES}/values/sigma", "large"), "'sigma'"),
+    "CMA unknown path": (_set(f"{ES}/values/no_such_thing", 1.0), "'no_such_thing'"),
+    "CMA unknown nested path": (_set(f"{ES}/values/sm.no_such_thing", 1.0),
+                                "'sm.no_such_thing'"),
+    "CMA method overwritten": (_set(f"{ES}/values/tell", 1.0), "'tell'"),
+    "CMA dunder name": (_set(f"{ES}/values/__class__", "x"), "'__class__'"),
+    "CMA nested dunder": (_set(f"{ES}/values/sm.__dict__", 1.0), "'sm.__dict__'"),
+    "CMA alias tell -> ask": (_set(f"{ES}/aliases/tell", "ask"), "'tell'"),
+    "CMA alias of another shape": (_set(f"{ES}/aliases/mean", "sm.C"), "'mean'"),
+    "CMA object of another class": (_set(f"{ES}/objects/sm", "CMAOptions"), "'sm'"),
+    "CMA object at a new path": (_set(f"{ES}/objects/sm.extra", "CMAOptions"), "'sm.extra'"),
+    "CMA range at a new path": (_set(f"{ES}/ranges/tell", [0, 1, 1]), "'tell'"),
+    "CMA state not a dict": (_set(ES, [1, 2]), "CMA-ES checkpoint"),
+}
+
+
+@pytest.mark.parametrize("name", list(FIELD_CRAFTS))
+def test_a_crafted_checkpoint_field_falls_back_or_is_one_line(name, tmp_path, capsys, outside,
+                                                             valid_method_state):
+    craft, word = FIELD_CRAFTS[name]
+    ckpts = run_dir(tmp_path) / "checkpoints"
+    run_bytes = make_run_file(str(tmp_path / "make.h5"))
+    save_checkpoint(str(ckpts), 1, loop_state(1, run_bytes, valid_method_state))
+    bad = loop_state(2, run_bytes, valid_method_state)
+    craft(bad)
+    save_checkpoint(str(ckpts), 2, bad)
+    assert_fallback(ckpts, capsys, word)
+
+
+def _deep_skeleton() -> bytes:
+    return save_numpy({"t0": np.zeros(1)}, metadata={
+        "format": FORMAT, "skeleton": "[" * 5000 + "]" * 5000})
+
+
+def _deep_header() -> bytes:
+    header = (b'{"__metadata__":{"format":"' + FORMAT.encode() + b'"},"x":' +
+              b"[" * 200000 + b"]" * 200000 + b"}")
+    return struct.pack("<Q", len(header)) + header
+
+
+@pytest.mark.parametrize("make", [_deep_skeleton, _deep_header], ids=["skeleton", "header"])
+def test_deeply_nested_json_is_refused_without_recursion(make, tmp_path, capsys, outside,
+                                                         valid_method_state):
+    ckpts = run_dir(tmp_path) / "checkpoints"
+    run_bytes = make_run_file(str(tmp_path / "make.h5"))
+    save_checkpoint(str(ckpts), 1, loop_state(1, run_bytes, valid_method_state))
+    plant_raw(ckpts, 2, make())
+    assert_fallback(ckpts, capsys, "levels deep")
+
+
+def test_an_untouched_checkpoint_restores_the_strategy_bitwise(tmp_path, valid_method_state):
+    """The checks accept what the program wrote: the restored CMA-ES asks the same members."""
+    ckpts = run_dir(tmp_path) / "checkpoints"
+    save_checkpoint(str(ckpts), 1, loop_state(1, None, valid_method_state))
+    restored = fresh_optimizer()
+    restored.load_state_dict(load_latest(str(ckpts), accept=accept)["method"])
+    original = fresh_optimizer()
+    original.load_state_dict(copy.deepcopy(valid_method_state))
+    assert np.array_equal(restored.ask(), original.ask())
+
+
+# --- crafted run files ---------------------------------------------------------------------
+
+def _external_dataset(f, outside):
+    del f["metrics/loss"]
+    f["metrics/loss"] = h5py.ExternalLink(str(outside / "other.h5"), "/data")
+
+
+def _external_group(f, outside):
+    del f["metrics"]
+    f["metrics"] = h5py.ExternalLink(str(outside / "other.h5"), "/grp")
+
+
+def _soft_link(f, outside):
+    f["metrics/alias"] = h5py.SoftLink("/metrics/loss")
+
+
+def _virtual(f, outside):
+    layout = h5py.VirtualLayout(shape=(2,), dtype="f8")
+    layout[:] = h5py.VirtualSource(str(outside / "other.h5"), "data", shape=(2,))
+    f["metrics"].create_virtual_dataset("virtual", layout, fillvalue=np.nan)
+
+
+def _external_storage(f, outside):
+    f["metrics"].create_dataset("raw", shape=(2,), dtype="f8",
+                                external=[(str(outside / "raw.bin"), 0, 16)])
+
+
+def _replace(name, **kwargs):
+    def craft(f, outside):
+        del f[name]
+        f.create_dataset(name, **kwargs)
+    return craft
+
+
+def _hard_link_cycle(f, outside):
+    f["metrics/loop"] = f["metrics"]
+
+
+RUN_FILE_CRAFTS = {
+    "external link to a chunked dataset": (_external_dataset, "external link"),
+    "external link as a group": (_external_group, "external link"),
+    "soft link": (_soft_link, "SoftLink"),
+    "virtual dataset": (_virtual, "virtual dataset"),
+    "dataset stored in another file": (_external_storage, "stored in another file"),
+    "2-D step": (_replace("metrics/step", data=np.ones((2, 2), np.int64),
+                          maxshape=(None, 2), chunks=(64, 2)), "/metrics/step"),
+    "step of strings": (_replace("metrics/step", data=np.array([b"1", b"2"]),
+                                 maxshape=(None,), chunks=(64,)), "/metrics/step"),
+    "step 2^50": (_replace("metrics/step", data=np.array([1, 2 ** 50]), maxshape=(None,),
+                           chunks=(64,)), "/metrics/step"),
+    "column of strings": (_replace("metrics/loss", data=np.array([b"a", b"b"]),
+                                   maxshape=(None,), chunks=(64,)), "/metrics/loss"),
+    "column of other length": (_replace("metrics/loss", data=np.ones(5), maxshape=(None,),
+                                        chunks=(64,)), "/metrics/loss"),
+    "hard link cycle": (_hard_link_cycle, "nested"),
+}
+
+
+def crafted_run_file(tmp_path, outside, name) -> tuple:
+    """(path, bytes) of a valid run file crafted by RUN_FILE_CRAFTS[name]."""
+    path = run_dir(tmp_path) / "essa.h5"
+    make_run_file(str(path))
+    with h5py.File(path, "a") as f:
+        RUN_FILE_CRAFTS[name][0](f, outside)
+    return str(path), path.read_bytes()
+
+
+@pytest.mark.parametrize("name", list(RUN_FILE_CRAFTS))
+def test_a_crafted_run_file_is_refused(name, tmp_path, outside):
+    """Resumed without a checkpoint copy: one line naming the file and the object."""
+    path, _ = crafted_run_file(tmp_path, outside, name)
+    with pytest.raises(UserError) as caught:
+        store = RunStore(path, True, {"status": "x"}, resume=True)
+        store.log_step(3, metrics={"loss": 1.0}, timings={"rollout": np.zeros(2)})
+    one_line(caught.value, path, RUN_FILE_CRAFTS[name][1])
+
+
+@pytest.mark.parametrize("name", ["external link to a chunked dataset", "soft link",
+                                  "virtual dataset", "2-D step"])
+def test_a_crafted_run_file_copy_in_a_checkpoint_falls_back(name, tmp_path, capsys, outside,
+                                                            valid_method_state):
+    _, crafted = crafted_run_file(tmp_path, outside, name)
+    ckpts = run_dir(tmp_path) / "checkpoints"
+    save_checkpoint(str(ckpts), 1, loop_state(1, make_run_file(str(tmp_path / "ok.h5")),
+                                              valid_method_state))
+    save_checkpoint(str(ckpts), 2, loop_state(2, crafted, valid_method_state))
+    assert_fallback(ckpts, capsys, RUN_FILE_CRAFTS[name][1])
+
+
+# --- links planted at the names the job writes ---------------------------------------------
+
+def test_links_at_checkpoint_names(tmp_path, capsys, outside, valid_method_state):
+    ckpts = run_dir(tmp_path) / "checkpoints"
+    victim = outside / "victim.txt"
+    state = loop_state(1, None, valid_method_state)
+    save_checkpoint(str(ckpts), 1, state)
+    # The temporary names of earlier versions: not used any more, never followed.
+    for name in ("step-00000002.safetensors.tmp", "step-00000002.sha256.tmp"):
+        os.symlink(victim, ckpts / name)
+    save_checkpoint(str(ckpts), 2, dict(state, step=2))
+    assert sorted(p for p in os.listdir(ckpts) if not p.endswith(".tmp")) == [
+        "step-00000001.safetensors", "step-00000001.sha256",
+        "step-00000002.safetensors", "step-00000002.sha256"]
+    # A link at a final name is refused when writing...
+    for name in ("step-00000003.safetensors", "step-00000004.sha256"):
+        os.symlink(victim, ckpts / name)
+        step = int(name[5:13])
+        with pytest.raises(UserError) as caught:
+            save_checkpoint(str(ckpts), step, dict(state, step=step))
+        one_line(caught.value, name, "symbolic link")
+        assert os.path.islink(ckpts / name)
+        os.remove(ckpts / name)
+    # ... and when reading: step 2 made a link to a copy of itself elsewhere -> step 1.
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    shutil.copy(ckpts / "step-00000002.safetensors", elsewhere)
+    os.remove(ckpts / "step-00000002.safetensors")
+    os.symlink(elsewhere, ckpts / "step-00000002.safetensors")
+    assert_fallback(ckpts, capsys, "symbolic link")
+
+
+def test_links_at_run_file_names(tmp_path, outside):
+    out = run_dir(tmp_path)
+    victim = str(outside / "victim.txt")
+    # <method>.h5.tmp (the old temporary name) is never followed; the file is created.
+    os.symlink(victim, out / "essa.h5.tmp")
+    RunStore(str(out / "essa.h5"), True, {}).close()
+    assert RunFile(str(out / "essa.h5")).attrs["status"] == "complete"
+    # A link at the run file itself: refused, new run or resumed, with or without a copy.
+    os.remove(out / "essa.h5")
+    os.symlink(outside / "other.h5", out / "essa.h5")
+    for resume, backup in ((False, None), (True, None), (True, b"any")):
+        with pytest.raises(UserError) as caught:
+            RunStore(str(out / "essa.h5"), True, {}, resume=resume, backup=backup)
+        one_line(caught.value, "essa.h5", "symbolic link")
+    # A hard link to a file elsewhere (same file system): refused too.
+    os.remove(out / "essa.h5")
+    os.link(outside / "other.h5", out / "essa.h5")
+    with pytest.raises(UserError) as caught:
+        RunStore(str(out / "essa.h5"), True, {}, resume=True)
+    one_line(caught.value, "essa.h5", "link")
+
+
+def test_links_at_lock_and_write_test(tmp_path, outside):
+    out = run_dir(tmp_path)
+    os.symlink(outside / "victim.txt", out / ".write-test")
+    job_module._check_writable(str(out), 0)  # a unique name of its own: the link is left
+    assert os.path.islink(out / ".write-test")
+    for make in (os.symlink, os.link):
+        make(outside / "victim.txt", out / ".lock")
+        with pytest.raises(UserError) as caught:
+            job_module._lock_run_folder(str(out), "job-1")
+        one_line(caught.value, ".lock", "link")
+        os.remove(out / ".lock")
+
+
+# --- the same through the real CLI ---------------------------------------------------------
+
+def sft_args(out, steps, *extra):
+    return ["-m", "hpc.sft", "model.path=toy", "task.n_train=200", "task.n_eval=16",
+            "sft.batch_size=8", f"sft.steps={steps}", "eval.every=0", "eval.n_samples=2",
+            "run.progress=false", "run.checkpoint_every=1", f"run.out={out}", *extra]
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory):
+    """A finished 2-step toy SFT run (checkpoints 1 and 2), one process."""
+    out = tmp_path_factory.mktemp("sft") / "run"
+    proc = run_cli(sft_args(out, 2))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def copy_run(sft_run, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(sft_run, out, symlinks=True)
+    return out
+
+
+def assert_one_error_line(proc, *words):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in our_lines(proc.stderr) if line.startswith("error")]
+    assert len(errors) == 1, our_lines(proc.stderr)
+    for word in words:
+        assert word in errors[0], errors[0]
+
+
+def test_cli_external_link_in_the_run_file_is_refused_under_mpirun(sft_run, tmp_path, outside):
+    out = copy_run(sft_run, tmp_path)
+    shutil.rmtree(out / "checkpoints")  # no copy to restore: the run file itself is opened
+    with h5py.File(out / "sft.h5", "a") as f:
+        name = next(k for k in f["metrics"] if k != "step")
+        del f["metrics"][name]
+        f["metrics"][name] = h5py.ExternalLink(str(outside / "other.h5"), "/data")
+    proc = run_mpi(2, sft_args(out, 3, "--resume"))
+    assert_one_error_line(proc, "sft.h5", "external link")
+
+
+def test_cli_crafted_newest_checkpoint_falls_back(sft_run, tmp_path, outside):
+    out = copy_run(sft_run, tmp_path)
+    ckpts = str(out / "checkpoints")
+    state = load_latest(ckpts)
+    save_checkpoint(ckpts, 2, dict(state, step="2"))
+    for name in (".write-test", "sft.h5.tmp", "checkpoints/step-00000003.safetensors.tmp",
+                 "checkpoints/step-00000003.sha256.tmp"):
+        os.symlink(outside / "victim.txt", out / name)
+    proc = run_cli(sft_args(out, 3, "--resume"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    warnings = [line for line in our_lines(proc.stderr) if line.startswith("warning")]
+    assert len(warnings) == 1 and "step-00000002" in warnings[0] and "'step'" in warnings[0], \
+        warnings
+    assert RunFile(str(out / "sft.h5")).group("metrics")["step"].tolist() == [1, 2, 3]
+    assert [os.path.basename(p) for p in list_checkpoints(ckpts)][-1] == \
+        "step-00000003.safetensors"
+
+
+def test_cli_link_at_the_lock_is_one_line(sft_run, tmp_path, outside):
+    out = copy_run(sft_run, tmp_path)
+    os.remove(out / ".lock")
+    os.symlink(outside / "victim.txt", out / ".lock")
+    proc = run_cli(sft_args(out, 3, "--resume"))
+    assert_one_error_line(proc, ".lock", "symbolic link")
+    assert RunFile(str(out / "sft.h5")).attrs["status"] == "complete"
