@@ -207,7 +207,7 @@ def test_deeply_nested_json_is_refused_without_recursion(make, tmp_path, capsys,
     run_bytes = make_run_file(str(tmp_path / "make.h5"))
     save_checkpoint(str(ckpts), 1, loop_state(1, run_bytes, valid_method_state))
     plant_raw(ckpts, 2, make())
-    assert_fallback(ckpts, capsys, "levels deep")
+    assert_fallback(ckpts, capsys, "not one this program wrote", "levels deep")
 
 
 def test_an_untouched_checkpoint_restores_the_strategy_bitwise(tmp_path, valid_method_state):

@@ -31,7 +31,7 @@ from safetensors.torch import save as save_tensors
 from hpc.runtime.atomic import open_plain, write_bytes
 from hpc.runtime.errors import UserError
 from hpc.runtime.flatstate import flatten, unflatten
-from hpc.runtime.readback import parse_json
+from hpc.runtime.readback import bounded_json
 
 SUFFIX = ".safetensors"
 FORMAT = "essa-hpc-checkpoint/1"
@@ -89,7 +89,7 @@ def _decode(path: str, data: bytes) -> dict:
 
     try:
         (header_len,) = struct.unpack("<Q", data[:8])
-        header = parse_json(data[8:8 + header_len], path, "safetensors header")
+        header = bounded_json(data[8:8 + header_len])
         metadata = (header.get("__metadata__") if isinstance(header, dict) else None) or {}
         tensors = load_tensors(data)
     except (struct.error, ValueError, AttributeError, SafetensorError) as err:
@@ -97,9 +97,10 @@ def _decode(path: str, data: bytes) -> dict:
     if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
         raise refuse(f"format {getattr(metadata, 'get', lambda _: None)('format')!r}, "
                      f"expected {FORMAT!r}")
-    if not isinstance(metadata.get("skeleton"), str):
-        raise refuse("no skeleton")
-    skeleton = parse_json(metadata["skeleton"], path, "skeleton")
+    try:
+        skeleton = bounded_json(metadata["skeleton"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise refuse(f"no readable skeleton: {err}") from None
     state = unflatten(tensors, skeleton, f"checkpoint {path}")
     if not isinstance(state, dict):
         raise refuse("its state is not a dict")

@@ -116,7 +116,8 @@ def _check_writable(out_dir: str, min_free_mb: float) -> None:
     try:
         os.makedirs(out_dir, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=out_dir)  # follows no link
-        os.close(fd)
+        with os.fdopen(fd, "w") as fh:
+            fh.write("ok")
         os.remove(probe)
     except OSError as err:
         raise UserError(f"output folder {out_dir} is not writable: {err.strerror or err}")

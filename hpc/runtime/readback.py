@@ -28,23 +28,19 @@ def bad_field(source: str, field: str, why: str) -> UserError:
                      f"program")
 
 
-def parse_json(text, source: str, field: str):
-    """``json.loads(text)`` (str or bytes) refusing more than MAX_JSON_BYTES or nesting deeper
-    than MAX_JSON_DEPTH, and any malformed text, as :func:`bad_field`."""
+def bounded_json(text):
+    """``json.loads(text)`` (str or bytes); ValueError (with the reason) for malformed JSON, more
+    than MAX_JSON_BYTES or nesting deeper than MAX_JSON_DEPTH, never a RecursionError."""
     data = text.encode() if isinstance(text, str) else bytes(text)
     if len(data) > MAX_JSON_BYTES:
-        raise bad_field(source, field, f"is {len(data)} bytes of JSON, more than "
-                                       f"{MAX_JSON_BYTES}")
+        raise ValueError(f"{len(data)} bytes of JSON, more than {MAX_JSON_BYTES}")
     brackets = np.frombuffer(_JSON_STRING.sub(b'""', data), dtype=np.uint8)
     depth = np.cumsum(np.isin(brackets, (ord("["), ord("{"))).astype(np.int64) -
                       np.isin(brackets, (ord("]"), ord("}"))))
     if depth.size and depth.max() > MAX_JSON_DEPTH:
-        raise bad_field(source, field, f"nests JSON {int(depth.max())} levels deep, more than "
-                                       f"{MAX_JSON_DEPTH}")
-    try:
-        return json.loads(data)
-    except ValueError as err:
-        raise bad_field(source, field, f"is not valid JSON ({err})") from None
+        raise ValueError(f"JSON nested {int(depth.max())} levels deep, more than "
+                         f"{MAX_JSON_DEPTH}")
+    return json.loads(data)
 
 
 def count(value, source: str, field: str, maximum: int = MAX_STEP) -> int:
