@@ -341,6 +341,17 @@ def test_links_at_checkpoint_names(tmp_path, capsys, outside, valid_method_state
     assert_fallback(ckpts, capsys, "symbolic link")
 
 
+def test_a_linked_checkpoint_folder_is_refused(tmp_path, outside, valid_method_state):
+    out = tmp_path / "run"
+    out.mkdir()
+    os.symlink(outside, out / "checkpoints")
+    for use in (lambda: save_checkpoint(str(out / "checkpoints"), 1, {"step": 1}),
+                lambda: load_latest(str(out / "checkpoints"))):
+        with pytest.raises(UserError) as caught:
+            use()
+        one_line(caught.value, "checkpoints", "symbolic link")
+
+
 def test_links_at_run_file_names(tmp_path, outside):
     out = run_dir(tmp_path)
     victim = str(outside / "victim.txt")

@@ -15,14 +15,14 @@ import tempfile
 from hpc.runtime.errors import UserError
 
 
-def refuse_link(path: str) -> None:
+def refuse_link(path: str, same_on_all_ranks: bool = False) -> None:
     """UserError if ``path`` is a symbolic link: a job reads and writes only plain files of its
     run folder (on a shared, group-writable folder a planted link would make it write wherever
-    the link points)."""
+    the link points). ``same_on_all_ranks``: every rank checks it (see UserError)."""
     if os.path.islink(path):
         raise UserError(f"{path} is a symbolic link (to {os.readlink(path)!r}); a job reads and "
                         f"writes only plain files of its run folder: remove the link",
-                        same_on_all_ranks=False)
+                        same_on_all_ranks=same_on_all_ranks)
 
 
 def open_plain(path: str, flags: int = os.O_RDONLY):

@@ -28,7 +28,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from hpc.runtime.atomic import open_plain, write_bytes
+from hpc.runtime.atomic import open_plain, refuse_link, write_bytes
 from hpc.runtime.errors import UserError
 from hpc.runtime.flatstate import flatten, unflatten
 from hpc.runtime.readback import bounded_json
@@ -47,6 +47,7 @@ def _sha_path(path: str) -> str:
 
 def save_checkpoint(directory: str, step: int, state: dict, keep: int = 3) -> str:
     """Write ``state`` for ``step`` atomically with its sha256; keep the newest ``keep``."""
+    refuse_link(directory)
     os.makedirs(directory, exist_ok=True)
     tensors, skeleton = flatten(state)
     data = save_tensors(tensors, metadata={"format": FORMAT, "skeleton": json.dumps(skeleton)})
@@ -134,6 +135,7 @@ def load_latest(directory: str, warn=True, accept=None) -> dict | None:
     raises UserError when none is usable and when the folder holds only checkpoints of an
     earlier version (pickles, which this version never loads).
     """
+    refuse_link(directory, same_on_all_ranks=True)  # every rank reads the checkpoints
     paths = list_checkpoints(directory)
     if not paths:
         old = sorted(glob.glob(os.path.join(directory, "step-*.pt")))
