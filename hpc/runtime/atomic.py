@@ -28,9 +28,10 @@ def refuse_link(path: str, same_on_all_ranks: bool = False) -> None:
 def open_plain(path: str, flags: int = os.O_RDONLY):
     """``os.open(path, flags)`` that refuses to follow a symbolic link at ``path`` (UserError,
     as :func:`refuse_link`); with ``O_CREAT`` it refuses a regular file that is a hard link to
-    another name too. Returns the descriptor."""
+    another name too, and anything but a regular file (a FIFO there does not block: opened
+    with ``O_NONBLOCK``, which regular files ignore). Returns the descriptor."""
     try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as err:
         if err.errno == errno.ELOOP:
             refuse_link(path)
@@ -46,9 +47,9 @@ def open_plain(path: str, flags: int = os.O_RDONLY):
 
 
 @contextlib.contextmanager
-def replaced_file(path: str, fsync: bool = True):
+def replaced_file(path: str):
     """Yield a new binary file open for writing beside ``path``; when the block ends without
-    error it is fsynced (``fsync``) and renamed over ``path``. On error it is removed and
+    error it is fsynced and renamed over ``path``. On error it is removed and
     ``path`` is left as it was.
 
     The temporary file has an unpredictable name and is created with ``O_EXCL`` (``mkstemp``),
@@ -63,8 +64,7 @@ def replaced_file(path: str, fsync: bool = True):
         with os.fdopen(fd, "wb") as fh:
             yield fh
             fh.flush()
-            if fsync:
-                os.fsync(fh.fileno())
+            os.fsync(fh.fileno())
         refuse_link(path)
         os.replace(tmp, path)
     finally:

@@ -190,13 +190,13 @@ class RunStore:
         with self._writing():
             self.file.flush()
         handle = self.file.id.get_vfd_handle()  # the file opened, whatever is at path now
-        size, chunks = os.fstat(handle).st_size, []
-        while sum(map(len, chunks)) < size:
-            chunks.append(os.pread(handle, size - sum(map(len, chunks)),
-                                   sum(map(len, chunks))))
-            if not chunks[-1]:
+        data, size = bytearray(), os.fstat(handle).st_size
+        while len(data) < size:
+            chunk = os.pread(handle, size - len(data), len(data))
+            if not chunk:
                 break
-        return b"".join(chunks)
+            data += chunk
+        return bytes(data)
 
     def set_attrs(self, **attrs) -> None:
         if self.file is None:
@@ -294,8 +294,8 @@ def check_plain(file: h5py.File, source: str) -> None:
     a group or a plain dataset stored in the file itself, reached by a hard link: no external
     or soft link, no virtual dataset, no external storage, so appending to the file cannot
     write into another file. Each step-indexed group's ``step`` is a 1-D integer dataset in
-    [-1, MAX_STEP], and every dataset of the group is numeric, extendible along its first axis
-    and has as many rows."""
+    [-1, MAX_STEP], and every dataset of the group is numeric and extendible along its first
+    axis (a row is appended at ``len(step)`` whatever its length)."""
     def refuse(name: str, what: str) -> UserError:
         return UserError(f"the run file {source} holds {what} at /{name}; the job appends only "
                          f"to plain datasets of its own file: move the file away (a checkpoint "
@@ -351,10 +351,10 @@ def _check_step_group(group: h5py.Group, prefix: str, refuse) -> None:
     for name in group:
         ds = group[name]
         if isinstance(ds, h5py.Dataset) and (
-                ds.ndim < 1 or ds.dtype.kind not in "iuf" or ds.shape[0] != len(steps) or
-                ds.chunks is None or ds.maxshape[0] is not None):
+                ds.ndim < 1 or ds.dtype.kind not in "iuf" or ds.chunks is None or
+                ds.maxshape[0] is not None):
             raise refuse(prefix + name, f"a dataset of shape {ds.shape} and type {ds.dtype} "
-                         f"that is not an extendible numeric column of {len(steps)} rows")
+                         f"that is not an extendible numeric column")
 
 
 def _errno_in(message: str) -> int | None:
