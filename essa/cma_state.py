@@ -113,7 +113,7 @@ def _same_kind(value, likes: list) -> bool:
                     (value.shape == like.shape or like.shape == () and value.shape == (1,))):
                 return True
         elif isinstance(like, (list, tuple)):
-            items = [item for like in likes if type(like) is type(value) for item in like]
+            items = [item for other in likes if type(other) is type(value) for item in other]
             if type(value) is type(like) and all(
                     _same_kind(v, items) if items else isinstance(v, _NUMBERS) for v in value):
                 return True
