@@ -18,7 +18,7 @@ from hpc.data.tasks import load_task
 from hpc.evaluate import evaluate
 from hpc.models.loading import load_adapter, load_model
 from hpc.runtime.errors import UserError, user_errors_exit
-from hpc.runtime.job import finish, on_all_ranks, start_job
+from hpc.runtime.job import finish, on_all_ranks, start_job, stop_if_preempted
 from hpc.runtime.loop import Method, run_loop
 from hpc.runtime.world import split_evenly
 
@@ -50,7 +50,9 @@ class ESSA(Method):
             raise UserError(f"task {cfg.task.name} has an empty training or held-out split")
         base, self.tok = on_all_ranks(world, lambda: load_model(cfg.model.path, cfg.model.dtype,
                                                                 job.device))
+        stop_if_preempted(job, "model loading")
         self.model = on_all_ranks(world, lambda: load_adapter(base, cfg.lora.adapter))
+        stop_if_preempted(job, "adapter loading")
         self.space = on_all_ranks(world, lambda: SingularValueSpace.from_peft(
             self.model, e.alpha, cfg.lora.targets) if e.space == "sv" else
             LoraEntrySpace.from_peft(self.model))

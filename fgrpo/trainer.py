@@ -25,7 +25,7 @@ from hpc.gradient_method import GradientMethod, step_seed
 from hpc.models.adapter_space import SingularValueSpace
 from hpc.runtime.dist import all_reduce_mean_, init_process_group
 from hpc.runtime.errors import UserError, user_errors_exit
-from hpc.runtime.job import finish, on_all_ranks, start_job
+from hpc.runtime.job import finish, on_all_ranks, start_job, stop_if_preempted
 from hpc.runtime.loop import run_loop
 from hpc.runtime.readback import count
 from hpc.runtime.world import my_slice
@@ -51,6 +51,7 @@ class FGRPO(GradientMethod):
         torch.manual_seed(cfg.run.seed)
         self.model, self.ref_model, self.tok = on_all_ranks(world, lambda: build_model(
             cfg, job.device))
+        stop_if_preempted(job, "model and adapter loading")
         init_process_group(world, job.device)
         self.space = None
         if f.space == "sv":  # ESSA's search space, trained by gradient

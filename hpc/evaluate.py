@@ -16,11 +16,22 @@ from hpc.runtime.results import EvalResult, format_table, log_eval
 from hpc.runtime.world import World, split_evenly
 
 
+def _count(name: str, value) -> int:
+    """``value`` as an int if it is an integer (Python or numpy; not a bool, not 2.0), else a
+    ValueError naming it."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"pass@k needs integer counts, got {name}={value!r}")
+    return int(value)
+
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k for one problem with ``c`` correct of ``n`` samples (Chen et al. 2021).
 
     1 - C(n-c, k) / C(n, k), computed as the stable product 1 - prod_{i=n-c+1}^{n} (1 - k/i).
+    ``n``, ``c``, ``k``: integers (Python or numpy), 1 <= k <= n and 0 <= c <= n, else a
+    ValueError.
     """
+    n, c, k = _count("n", n), _count("c", c), _count("k", k)
     if not 1 <= k <= n:
         raise ValueError(f"pass@k needs 1 <= k <= n, got k={k}, n={n}")
     if not 0 <= c <= n:
@@ -31,8 +42,14 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def pass_at_k_curve(correct_counts: np.ndarray, n: int) -> np.ndarray:
-    """Mean pass@k over problems for k = 1..n: float64 (n,). ``correct_counts``: (problems,)."""
-    return np.array([np.mean([pass_at_k(n, int(c), k) for c in correct_counts])
+    """Mean pass@k over problems for k = 1..n: float64 (n,). ``correct_counts``: integers
+    (problems,), each in 0..n; anything else (floats such as 2.5 or 2.0, bools) is a
+    ValueError."""
+    counts = np.asarray(correct_counts)
+    if counts.dtype.kind not in "iu":
+        raise ValueError(f"pass@k needs integer correct counts, got dtype {counts.dtype}")
+    n = _count("n", n)
+    return np.array([np.mean([pass_at_k(n, c, k) for c in counts.tolist()])
                      for k in range(1, n + 1)])
 
 

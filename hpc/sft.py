@@ -20,7 +20,7 @@ from hpc.models.loading import attach_lora, load_model
 from hpc.runtime.dist import all_reduce_mean_, init_process_group
 from hpc.data.prompts import completion_batch
 from hpc.runtime.errors import UserError, user_errors_exit
-from hpc.runtime.job import finish, on_all_ranks, start_job
+from hpc.runtime.job import finish, on_all_ranks, start_job, stop_if_preempted
 from hpc.runtime.loop import run_loop
 from hpc.runtime.readback import bad_field
 from hpc.runtime.world import my_slice
@@ -44,6 +44,7 @@ class SFT(GradientMethod):
         torch.manual_seed(cfg.run.seed)
         model, self.tok = on_all_ranks(world, lambda: load_model(cfg.model.path,
                                                                  cfg.model.dtype, job.device))
+        stop_if_preempted(job, "model loading")
         self.model = on_all_ranks(world, lambda: attach_lora(
             model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets, cfg.lora.dropout,
             seed=cfg.run.seed))

@@ -3,7 +3,10 @@ completions written the way a model writes them, from the public GSM8K and MATH-
 
 Faults: 1 the last "answer is" wins; 2 an empty final answer scores 0; 3 scientific notation
 compares by value; 4 LaTeX fractions, powers, Unicode minus, '- 3' and units are read alike by
-both graders; 5 golds with (parenthesised) units match.
+both graders; 5 golds with (parenthesised) units match. Issue 22: 6 golds below 1e-12 (physical
+constants) accept only answers within the relative tolerance (an absolute 1e-12 accepted any
+tiny answer); 7 golds with hyphenated or parenthesised multi-word units; 8 signed golds ('+2',
+'-2') against unsigned answers with units.
 """
 import json
 import os
@@ -79,6 +82,38 @@ TABLE = [
     (5, "The answer is 8.", "9 (apples)", 0.0, 0.0),
     (5, "The answer is 12.", "12 dollars", 1.0, 1.0),
     (5, "The answer is 12.", "12 square feet", 1.0, 1.0),
+    # 6: tiny golds: twice, negated, ten times and 0 are refused; the value in any notation is not
+    (6, "The answer is 1.3252e-33.", "6.626e-34", 0.0, 0.0),
+    (6, "The answer is -6.626e-34.", "6.626e-34", 0.0, 0.0),
+    (6, "The answer is 6.626e-33.", "6.626e-34", 0.0, 0.0),
+    (6, "The answer is 0.", "6.626e-34", 0.0, 0.0),
+    (6, "The answer is 6.63e-34.", "6.626e-34", 0.0, 0.0),
+    (6, "The answer is 6.626e-34.", "6.626e-34", 1.0, 1.0),
+    (6, "\\boxed{6.626 \\times 10^{-34}}", "6.626e-34", 1.0, 1.0),
+    (6, "The answer is 6.626e-34.", "6.626 \\times 10^{-34}", 1.0, 1.0),
+    (6, "\\boxed{6.626 \\cdot 10^{-34} \\text{ J s}}", "6.626 \\times 10^{-34}", 1.0, 1.0),
+    (6, "The answer is 1.602e-19 coulombs.", "1.602 \\times 10^{-19}", 1.0, 1.0),
+    (6, "The answer is 1.6e-19.", "1.602 \\times 10^{-19}", 0.0, 0.0),
+    (6, "The answer is 1e-13.", "0", 0.0, 0.0),
+    (6, "The answer is 0.", "0", 1.0, 1.0),
+    (6, "The answer is 3e-400.", "1e-400", 0.0, 0.0),  # below float: compared exactly
+    # 7: golds with hyphenated or parenthesised multi-word units
+    (7, "The answer is 12.", "12 (star-shaped stones)", 1.0, 1.0),
+    (7, "\\boxed{12}", "12 (star-shaped stones)", 1.0, 1.0),
+    (7, "The answer is 12 star-shaped stones.", "12 (star-shaped stones)", 1.0, 1.0),
+    (7, "The answer is 13.", "12 (star-shaped stones)", 0.0, 0.0),
+    (7, "The answer is 40.", "40 (km/h)", 1.0, 1.0),
+    (7, "The answer is 7.", "7 two-digit numbers", 1.0, 1.0),
+    (7, "The answer is 7 two-digit numbers.", "7", 1.0, 1.0),
+    # 8: signed golds against unsigned answers with units
+    (8, "The answer is 2 dollars.", "+2", 1.0, 1.0),
+    (8, "The answer is 2.", "+2", 1.0, 1.0),
+    (8, "The answer is +2 dollars.", "2", 1.0, 1.0),
+    (8, "The answer is 2 dollars.", "-2", 0.0, 0.0),
+    (8, "The answer is -2 dollars.", "-2", 1.0, 1.0),
+    (8, "The answer is 3 dollars.", "+2", 0.0, 0.0),
+    (8, "The answer is 5 degrees.", "-5 (degrees)", 0.0, 0.0),
+    (8, f"The answer is {MINUS}5 degrees.", "-5 (degrees)", 1.0, 1.0),
     # more: forms that already worked and must keep working
     (0, "The answer is 18, since 3 * 6 = 18.", "18", 1.0, SKIP),
     (0, "The answer is 1,000,000.", "1000000", 1.0, 1.0),
@@ -224,3 +259,20 @@ def test_math500_last_answer_is_wins(shared_data):
               golds[i]) for i, j in pairs]
     assert accepted(math_reward, right) == len(pairs)
     assert accepted(math_reward, wrong) == 0
+
+
+def test_gsm8k_golds_as_tiny_constants(shared_data):
+    """Fault 6 at scale: every GSM8K gold g (not 0) as a physical-constant-sized gold g e-40;
+    answers of the same value in two notations are accepted, twice, minus, ten times the gold
+    and 0 are refused: 0 false accepts (an absolute tolerance of 1e-12 accepted all four). The
+    LaTeX notation (math-verify, slow) for the first 100 golds."""
+    golds = [int(g) for _, g in gsm8k_items(shared_data) if int(g) != 0]
+    assert len(golds) == 1319
+    tiny = [(f"{g}e-40", g) for g in golds]
+    right = [(f"The answer is {g}e-40.", gold) for gold, g in tiny]
+    right += [(f"\\boxed{{{g} \\times 10^{{-40}}}}", gold) for gold, g in tiny[:100]]
+    wrong = [(f"The answer is {bad}.", gold) for gold, g in tiny
+             for bad in (f"{2 * g}e-40", f"{-g}e-40", f"{g}e-39", "0")]
+    for grader in (numeric_reward, math_reward):
+        assert accepted(grader, right) == len(right), grader.__name__
+        assert accepted(grader, wrong) == 0, grader.__name__

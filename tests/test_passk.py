@@ -41,3 +41,30 @@ def test_k_out_of_range():
 def test_correct_count_out_of_range(c):
     with pytest.raises(ValueError, match=f"0 <= c <= n.*c={c}, n=3"):
         pass_at_k(3, c, 1)
+
+
+@pytest.mark.parametrize("n, c, k", [
+    (8, 2.5, 1), (8.0, 2, 1), (8, 2, 1.0), (8, 2, 1.5), (True, 0, 1), (8, True, 1),
+    (8, 2, np.True_), (8, "2", 1), (8, None, 1), (8, np.float64(2), 1),
+])
+def test_non_integer_counts_are_refused(n, c, k):
+    with pytest.raises(ValueError, match="integer counts"):
+        pass_at_k(n, c, k)
+
+
+def test_numpy_integers_are_counts():
+    assert pass_at_k(np.int64(8), np.int32(2), np.uint8(1)) == pytest.approx(2 / 8)
+
+
+@pytest.mark.parametrize("counts, n", [
+    ([1.5, 2], 4), ([1.0, 2.0], 4), ([True, False], 4), ([1, 2], 4.0), ([1, 2], True),
+])
+def test_curve_refuses_non_integer_counts(counts, n):
+    with pytest.raises(ValueError, match="integer"):
+        pass_at_k_curve(np.array(counts), n)
+
+
+def test_curve_takes_numpy_integer_counts_and_checks_their_range():
+    assert pass_at_k_curve(np.array([0, 4], dtype=np.int32), np.int64(4))[-1] == 0.5
+    with pytest.raises(ValueError, match="0 <= c <= n"):
+        pass_at_k_curve(np.array([5]), 4)

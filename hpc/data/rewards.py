@@ -9,7 +9,8 @@ The final answer is what the LAST final-answer marker gives: ``\\boxed{...}``, "
 is ...", and (numeric only) ``#### ...``; a marker with nothing after it ("The answer is .")
 is an empty answer and scores 0. Both graders read a value with :func:`to_number`: plain
 numbers, '1,000', '$5', '50%', '1/2', scientific notation ('4.5e33', '4.5E33'), a leading
-minus written '\u2212' or '- 3', trailing units ('5 dollars', '9 (apples)', '18 \\text{ cm}'),
+minus written '\u2212' or '- 3', a leading plus ('+2'), trailing units ('5 dollars',
+'9 (apples)', '12 (star-shaped stones)', '5 (km/h)', '18 \\text{ cm}'),
 and through math-verify the LaTeX forms ``\\frac{1}{2}``, ``\\frac12``, ``2^{10}``,
 ``4.5 \\times 10^{33}`` and ``4.5 \\cdot 10^{33}``.
 """
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import re
 import threading
 from fractions import Fraction
@@ -44,9 +44,12 @@ _VERDICT_RE = re.compile(r"(?:correct|right|wrong|incorrect|indeed|consistent|ve
                          r"confirmed|reasonable|valid)\b", re.IGNORECASE)
 _TEXT_RE = re.compile(r"\\(?:text|textbf|mathrm|mbox)\s*\{[^{}]*\}")
 _LATEX_NOISE_RE = re.compile(r"\\[,;!: ]|\\\$|\$|\\%|%|\\left|\\right|\^\s*\{?\\circ\}?")
-# Trailing units: '9 (apples)', '5 dollars', '18 square feet'; words of 2+ letters, not 'pi'.
-_UNITS_RE = re.compile(r"\s*(?:\(\s*(?!pi\b)[A-Za-z]{2,}[A-Za-z .]*\)"
-                       r"|(?<=[\d\s])(?!pi\b)[A-Za-z]{2,}(?:\s+[A-Za-z]+)*)\s*$")
+# Trailing units: '9 (apples)', '12 (star-shaped stones)', '5 (km/h)', '5 dollars',
+# '18 square feet', '3 two-digit numbers'; starting with a word of 2+ letters, not 'pi'.
+_WORD = r"[A-Za-z]+(?:-[A-Za-z]+)*"  # 'star-shaped'
+_UNITS_RE = re.compile(rf"\s*(?:\(\s*(?!pi\b)[A-Za-z]{{2,}}[-A-Za-z ./]*\)"
+                       rf"|(?<=[\d\s])(?!pi\b)[A-Za-z]{{2,}}(?:-[A-Za-z]+)*(?:\s+{_WORD})*)\s*$")
+_PLUS_RE = re.compile(r"^\+\s*(?=[\d.\\])")  # '+2' is 2 (a leading plus sign, not a sum)
 _SCIENTIFIC_RE = re.compile(r"(?<![\w.\\])(\d+(?:\.\d+)?)[eE]([-+]?\d{1,3})(?![\w.])")
 _BOX_RE = re.compile(r"\\(?:boxed|fbox|framebox)(?![A-Za-z])(\s*)")
 _TIMEOUT_S = 2
@@ -151,7 +154,7 @@ def to_number(text: str):
         return None
     text = _LATEX_NOISE_RE.sub("", _TEXT_RE.sub("", str(text))).replace(_MINUS, "-")
     text = _UNITS_RE.sub("", text.strip().rstrip("."))
-    text = re.sub(r"^-\s+", "-", text.strip())
+    text = _PLUS_RE.sub("", re.sub(r"^-\s+", "-", text.strip()))
     if _LATEX_RE.fullmatch(text):
         return _latex_number(text)
     text = text.replace("(", "").replace(")", "").strip()
@@ -185,11 +188,16 @@ def _numeric_answer(text: str):
     return to_number(numbers[-1]) if numbers else None
 
 
+_REL_TOL = Fraction(1, 10 ** 6)
+
+
 def _close(a: Fraction, b: Fraction) -> bool:
-    """Integers must match exactly; otherwise a relative tolerance of 1e-6 ('0.3333333' ~ 1/3)."""
+    """Integers must match exactly; otherwise a relative tolerance of 1e-6 ('0.3333333' ~ 1/3),
+    in exact arithmetic and with no absolute floor: a gold of 6.626e-34 accepts
+    6.6260001e-34, not 0, its negative or ten times it, and a gold of 0 only 0."""
     if a.denominator == 1 and b.denominator == 1:
         return a == b
-    return math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1e-12)
+    return abs(a - b) <= _REL_TOL * max(abs(a), abs(b))
 
 
 def numeric_reward(completion: str, gold: str) -> float:

@@ -15,7 +15,7 @@ import textwrap
 
 from hpc.runtime.config import rule_text
 from hpc.runtime.errors import EXIT_USER_ERROR
-from hpc.runtime.preempt import EXIT_PREEMPTED
+from hpc.runtime.preempt import EXIT_PREEMPTED, stop_signals
 
 EXIT_CODES_HELP = (f"exit codes: 0 done; {EXIT_USER_ERROR} user error (one line on stderr naming "
                    f"the problem)")
@@ -63,13 +63,16 @@ def job_help(prog: str, about: str, job_cls) -> str:
 
 def job_command(prog: str, config_ref: str, run_ref: str, about: str):
     """A console entry point: ``--help`` from the config class at ``config_ref``; anything else
-    runs ``run_ref`` (``'module:function'``, called with the argument list)."""
+    installs the preemption handler (:func:`hpc.runtime.preempt.stop_signals`: a signal from
+    here on is honoured at the job's next safe point, however long the imports and the model
+    loading take), then runs ``run_ref`` (``'module:function'``, called with the arguments)."""
 
     def main(argv=None):
         argv = sys.argv[1:] if argv is None else list(argv)
         if any(arg in HELP_FLAGS for arg in argv):
             print(job_help(prog, about, _load(config_ref)))
             return 0
+        stop_signals()
         return _load(run_ref)(argv)
 
     main.__doc__ = f"``{prog}``: {about}"

@@ -27,8 +27,9 @@ from hpc.models.memory_plan import check_job_memory
 from hpc.runtime.atomic import open_plain
 from hpc.runtime.config import config_to_yaml, load_config
 from hpc.runtime.errors import EXIT_USER_ERROR, UserError
-from hpc.runtime.preempt import EXIT_PREEMPTED, StopSignals
+from hpc.runtime.preempt import EXIT_PREEMPTED, any_rank_signalled, startup_delay, stop_signals
 from hpc.runtime.results import format_table
+from hpc.runtime.runstore import RunStore, environment_attrs, readable
 from hpc.runtime.world import World, get_world, select_device
 
 
@@ -194,12 +195,16 @@ class Job:
     method: str
     signals: object  # hpc.runtime.preempt.StopSignals, installed before any loading
 
+    @property
+    def run_file(self) -> str:
+        return os.path.join(self.out_dir, f"{self.method}.h5")
+
 
 def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
     """Parse, validate and prepare a job on every rank (see the module docstring)."""
-    # First of all: a preemption signal during start-up (model loading can take minutes) must
-    # not kill the ranks; it is honoured at the end of the first step.
-    signals = StopSignals()
+    # First of all (if the entry point has not already): a preemption signal during start-up
+    # (model loading can take minutes) must not kill the ranks; stop_if_preempted honours it.
+    signals = stop_signals()
     config_path, overrides, resume = parse_args(prog, argv)
     cfg = load_config(job_cls, config_path, overrides)
     configure_generation(cfg.model)
@@ -221,6 +226,46 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
     on_all_ranks(world, claim_folder)
     return Job(cfg=cfg, world=world, device=device, out_dir=out_dir, resume=resume,
                config_text=config_to_yaml(cfg), method=method, signals=signals)
+
+
+def stop_if_preempted(job: Job, after: str, store: RunStore | None = None) -> None:
+    """A safe point of start-up, after ``after`` (e.g. ``"model loading"``); collective.
+
+    If a preemption signal reached any rank since the job started, the job stops here before
+    its first step: rank 0 marks the run file (``store`` once the loop has opened it, else
+    ``<run.out>/<method>.h5``, created afresh unless ``--resume`` finds one) ``preempted`` with the attribute
+    ``preempted_before_first_step`` true, and every rank exits with code 3, so the job is
+    requeued and ``--resume`` starts it again (from its last checkpoint, or from step 0). No
+    checkpoint is written: no step ran since the last one. A damaged run file is left as it
+    is (the resumed run restores it from the checkpoint, or says it is damaged).
+    """
+    world = job.world
+    startup_delay()
+    if not any_rank_signalled(world, job.signals):
+        return
+    attrs = (dict(environment_attrs(world, job.device), method=job.method,
+                  config=job.config_text) if store is None else {})
+
+    def mark_run_file():
+        if not world.is_root:
+            return
+        marked = store
+        if marked is None:
+            resume = job.resume and os.path.exists(job.run_file)
+            if resume and not readable(job.run_file):
+                return
+            marked = RunStore(job.run_file, True, attrs, resume=resume)
+        marked.set_attrs(preempted_before_first_step=True)
+        marked.close("preempted")
+
+    # Its agreement also keeps every rank here until the file is written: a launcher kills
+    # the other ranks as soon as one exits non-zero.
+    on_all_ranks(world, mark_run_file)
+    if world.is_root:
+        print(f"preempted during start-up, after {after}, before the first step: run file "
+              f"marked; exiting with code {EXIT_PREEMPTED} so the job is requeued and resumes",
+              flush=True)
+    sys.exit(EXIT_PREEMPTED)
 
 
 def finish(job: Job, summary: dict, start_label: str, end_label: str) -> None:

@@ -8,10 +8,13 @@ for every method:
    (:func:`resume_fields`, the method's ``load_state_dict``; else the previous one) and check
    every rank resumes from the same step;
 2. run file ``<run.out>/<method>.h5``: open (restored from the checkpoint's copy on resume),
-   drop rows after the resumed step; its attributes name the method's phases, metrics and
-   what a step is called, so readers need not know the method;
+   drop rows after the resumed step (every row when it starts from step 0); its attributes
+   name the method's phases, metrics and what a step is called, so readers need not know the
+   method;
 3. evaluation at the start (not on resume), a held-out evaluation every ``eval.every`` steps
-   and at the last step, a final evaluation at the end;
+   and at the last step, a final evaluation at the end. A preemption signal during start-up
+   (:class:`Method` construction, model loading, the start evaluation) stops the job before
+   its first step at the next safe point (:func:`hpc.runtime.job.stop_if_preempted`);
 4. per step: phase seconds per rank, payload bytes per tag and the loop's metrics (tokens
    generated, training and wall seconds), then the stop decision (preemption signal on any
    rank; ``run.max_time_s`` or ``run.max_train_s`` on rank 0's clock; the method's target;
@@ -36,7 +39,8 @@ import torch
 
 from hpc.models.generation import take_generated_tokens
 from hpc.runtime.checkpoint import load_latest, save_checkpoint
-from hpc.runtime.job import Job, agree_on_resume_step, on_all_ranks, progress_bar
+from hpc.runtime.job import (Job, agree_on_resume_step, on_all_ranks, progress_bar,
+                             stop_if_preempted)
 from hpc.runtime.preempt import preempted_exit, should_stop
 from hpc.runtime.results import EvalResult, log_eval
 from hpc.runtime.readback import amount, count
@@ -60,6 +64,9 @@ class Method(abc.ABC):
     """What a training method gives :func:`run_loop`. Subclasses set the class attributes and
     the attributes of ``__init__`` and implement the methods that raise here.
 
+    ``__init__`` is the first start-up safe point for preemption; a method calls
+    :func:`hpc.runtime.job.stop_if_preempted` again after each slow stage (model, adapter).
+
     The loop sets ``store`` (the :class:`RunStore`) and ``timer`` (a :class:`PhaseTimer` of
     :attr:`phases` plus ``eval`` and ``checkpoint``) before the first step; a step times its
     phases with ``self.timer.phase(name)`` and may write rows of its own groups to the store.
@@ -72,6 +79,7 @@ class Method(abc.ABC):
     metrics: tuple = ()          # names of step()'s metrics, in order
 
     def __init__(self, job: Job):
+        stop_if_preempted(job, "the job's start (world, run folder)")
         self.job = job
         self.total_steps: int = 0
         self.keep_checkpoints: int = 3
@@ -120,7 +128,8 @@ def run_attrs(job: Job, method: Method) -> dict:
     return dict(environment_attrs(job.world, job.device), method=method.name,
                 config=job.config_text, step_name=method.step_name,
                 phases=json.dumps(phases), metrics=json.dumps(list(method.metrics) + list(LOOP_METRICS)),
-                heldout_accuracy=method.heldout_accuracy, **method.attrs())
+                heldout_accuracy=method.heldout_accuracy, preempted_before_first_step=False,
+                **method.attrs())
 
 
 def resume_fields(state: dict, path: str) -> dict:
@@ -169,13 +178,14 @@ def run_loop(job: Job, method: Method) -> dict:
     store = on_all_ranks(world, lambda: RunStore(
         f"{job.out_dir}/{method.name}.h5", world.is_root, attrs, resume=job.resume,
         backup=resumed["run_file"]))
-    store.truncate_after(start)
+    store.truncate_after(start if start else None)
     sync = torch.cuda.synchronize if job.device.type == "cuda" else None
     method.store, method.timer = store, PhaseTimer(list(method.phases) + list(LOOP_PHASES), sync)
     timer = method.timer
     start_eval = method.evaluate(sampled=True) if start == 0 else None
     if start_eval is not None:
         log_eval(store, -1, start_eval)
+    stop_if_preempted(job, "resuming" if start_eval is None else "the start evaluation", store)
     total = method.total_steps
     progress = progress_bar(job, total, method.name, initial=start)
     t0 = time.perf_counter() - elapsed0

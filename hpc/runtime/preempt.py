@@ -1,21 +1,37 @@
 """Preemption: SIGUSR1 (Slurm's warning before the time limit) or SIGTERM makes every rank
-finish the current step, checkpoint, flush the run file and exit with code 3, which the job
-scripts turn into a requeue; the requeued job resumes with ``--resume``.
+stop at the next safe point, write what it must and exit with code 3, which the job scripts
+turn into a requeue; the requeued job resumes with ``--resume``.
 
-A signal may reach the ranks at different moments, so the decision is taken collectively at
-the end of each step: one Allgather of two bytes per rank (tag ``control``).
+The handler is installed first thing in a job's entry point (:func:`hpc.runtime.cli.job_command`,
+before the slow imports of torch and transformers), so a signal during start-up is recorded,
+never fatal. Safe points:
+
+* during start-up (:func:`hpc.runtime.job.stop_if_preempted`): after the job's world and run
+  folder are ready, after model loading, after adapter loading and after the start evaluation,
+  before the first step. A stop there writes no checkpoint (no step ran since the last one);
+  rank 0 marks the run file ``preempted`` with ``preempted_before_first_step`` true;
+* at the end of every step (:func:`should_stop`): the step finishes, is checkpointed, then
+  :func:`preempted_exit`.
+
+A signal may reach the ranks at different moments, so each decision is taken collectively:
+one Allgather of one or two bytes per rank (tag ``control``).
 """
 from __future__ import annotations
 
+import os
 import signal
+import time
 
 import numpy as np
 
 EXIT_PREEMPTED = 3
+# Test-only: seconds each start-up safe point sleeps first, so that a test's signal lands in
+# start-up even where loading the toy model takes no time. Never set it in a real job.
+STARTUP_DELAY_ENV = "HPC_TEST_STARTUP_DELAY_S"
 
 
 class StopSignals:
-    """Records SIGUSR1/SIGTERM instead of dying, so the step in flight can finish."""
+    """Records SIGUSR1/SIGTERM instead of dying, so the work in flight can reach a safe point."""
 
     def __init__(self, signals=(signal.SIGUSR1, signal.SIGTERM)):
         self.received = None
@@ -24,6 +40,31 @@ class StopSignals:
 
     def _handle(self, signum, _frame):
         self.received = signal.Signals(signum).name
+
+
+_installed: StopSignals | None = None
+
+
+def stop_signals() -> StopSignals:
+    """This process's :class:`StopSignals`, installed by the first call (the entry point's);
+    later calls return the same one, so a signal received in between is not forgotten."""
+    global _installed
+    if _installed is None:
+        _installed = StopSignals()
+    return _installed
+
+
+def any_rank_signalled(world, signals: StopSignals) -> bool:
+    """True on every rank if a stop signal reached any rank (1 byte per rank, tag control)."""
+    return bool(world.allgather(np.array([signals.received is not None], dtype=np.int8),
+                                tag="control").any())
+
+
+def startup_delay() -> None:
+    """Sleep ``$HPC_TEST_STARTUP_DELAY_S`` seconds (tests only; see STARTUP_DELAY_ENV)."""
+    seconds = float(os.environ.get(STARTUP_DELAY_ENV) or 0)
+    if seconds > 0:
+        time.sleep(seconds)
 
 
 def should_stop(world, signals: StopSignals, out_of_time: bool) -> tuple:
@@ -38,7 +79,7 @@ def should_stop(world, signals: StopSignals, out_of_time: bool) -> tuple:
 def preempted_exit(world, store, step: int, wall_s: float) -> dict:
     """Close the run file as ``preempted`` (the checkpoint is already written) and wait until
     every rank is here, since a launcher kills the rest as soon as one rank exits non-zero."""
-    store.set_attrs(wall_seconds=wall_s)
+    store.set_attrs(wall_seconds=wall_s, preempted_before_first_step=False)
     store.close("preempted")
     world.barrier()
     if world.is_root:

@@ -97,7 +97,7 @@ class RunStore:
         refuse_link(path)
         if resume and backup is not None:
             self._restore(backup)
-        elif resume and os.path.exists(path) and not _readable(path):
+        elif resume and os.path.exists(path) and not readable(path):
             raise UserError(f"--resume: the run file {path} is damaged and there is no copy of "
                             f"it in a checkpoint; move it away to start a new one",
                             same_on_all_ranks=False)
@@ -143,7 +143,7 @@ class RunStore:
         truncated anyway, so the copy is used even when the file reads; a warning only says
         when it was missing or damaged (then a failed write left it so)."""
         damage = ("missing" if not os.path.exists(self.path) else
-                  None if _readable(self.path) else "damaged")
+                  None if readable(self.path) else "damaged")
         with self._writing():
             write_bytes(self.path, backup)
         if damage:
@@ -255,15 +255,17 @@ class RunStore:
             with self._writing():
                 self.file.flush()
 
-    def truncate_after(self, step: int) -> None:
+    def truncate_after(self, step: int | None) -> None:
         """Drop the rows from the first whose step is > ``step`` on (used when resuming from a
-        checkpoint; rows are in step order)."""
+        checkpoint; rows are in step order); ``None`` drops every row (a run restarting from
+        step 0 redoes its start evaluation too)."""
         if self.file is None:
             return
 
         def visit(_, obj):
             if isinstance(obj, h5py.Group) and "step" in obj:
-                later = obj["step"][:] > step
+                later = obj["step"][:] > step if step is not None else \
+                    np.ones(obj["step"].shape, dtype=bool)
                 keep = int(np.argmax(later)) if later.any() else len(later)
                 for name in obj:
                     if isinstance(obj[name], h5py.Dataset):
@@ -363,7 +365,7 @@ def _errno_in(message: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def _readable(path: str) -> bool:
+def readable(path: str) -> bool:
     """True if ``path`` opens and every dataset in it reads."""
     try:
         RunFile(path)
