@@ -17,6 +17,7 @@ from hpc.models.adapter_space import LoraEntrySpace, SingularValueSpace
 from hpc.data.tasks import load_task
 from hpc.evaluate import evaluate
 from hpc.models.loading import load_adapter, load_model
+from hpc.models.quantize import quantize_base
 from hpc.runtime.errors import UserError, user_errors_exit
 from hpc.runtime.job import finish, on_all_ranks, start_job, stop_if_preempted
 from hpc.runtime.loop import Method, run_loop
@@ -51,7 +52,8 @@ class ESSA(Method):
         base, self.tok = on_all_ranks(world, lambda: load_model(cfg.model.path, cfg.model.dtype,
                                                                 job.device))
         stop_if_preempted(job, "model loading")
-        self.model = on_all_ranks(world, lambda: load_adapter(base, cfg.lora.adapter))
+        self.model = quantize_base(on_all_ranks(world, lambda: load_adapter(
+            base, cfg.lora.adapter)), cfg.model.quantize)
         stop_if_preempted(job, "adapter loading")
         self.space = on_all_ranks(world, lambda: SingularValueSpace.from_peft(
             self.model, e.alpha, cfg.lora.targets) if e.space == "sv" else

@@ -17,6 +17,7 @@ import torch
 from hpc.data.tasks import load_task
 from hpc.gradient_method import GradientMethod
 from hpc.models.loading import attach_lora, load_model
+from hpc.models.quantize import attach_generation_copy
 from hpc.runtime.dist import all_reduce_mean_, init_process_group
 from hpc.data.prompts import completion_batch
 from hpc.runtime.errors import UserError, user_errors_exit
@@ -45,9 +46,9 @@ class SFT(GradientMethod):
         model, self.tok = on_all_ranks(world, lambda: load_model(cfg.model.path,
                                                                  cfg.model.dtype, job.device))
         stop_if_preempted(job, "model loading")
-        self.model = on_all_ranks(world, lambda: attach_lora(
+        self.model = attach_generation_copy(on_all_ranks(world, lambda: attach_lora(
             model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets, cfg.lora.dropout,
-            seed=cfg.run.seed))
+            seed=cfg.run.seed)), cfg.model.quantize)
         init_process_group(world, job.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.sft.lr,

@@ -46,6 +46,11 @@ class ModelConfig:
                         choices=["engine", "hf"])
     cuda_graphs: bool = param(True, "engine on CUDA: replay each decode step from a CUDA "
                               "graph (one per batch/context bucket); false runs it eagerly")
+    quantize: str = param("none", "weight-only quantisation (torchao, extra 'quant') of the "
+                          "decoder layers' base linears for generation: ESSA scoring and "
+                          "evaluation in place; F-GRPO/SFT rollouts and evaluation from a "
+                          "quantised copy, training on the unquantised weights. int4: CUDA and "
+                          "bfloat16 only", choices=["none", "int8", "int4"])
 
 
 @dataclass
