@@ -28,6 +28,7 @@ from hpc.runtime.errors import EXIT_USER_ERROR, UserError
 from hpc.runtime.preempt import EXIT_PREEMPTED, StopSignals
 from hpc.runtime.results import format_table
 from hpc.runtime.world import World, get_world, select_device
+from hpc.toys.builtin import model_folder
 
 
 class PeerFailed(SystemExit):
@@ -205,6 +206,7 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
     world.timeout_s = cfg.run.collective_timeout_s
     cfg.validate_world(world)
     device = on_all_ranks(world, lambda: select_device(world, cfg.model.device))
+    cfg.model.path = on_all_ranks(world, lambda: model_folder(cfg.model.path))  # 'toy': folder
     on_all_ranks(world, lambda: check_job_memory(cfg, method, world.size, device.type))
     job_id = _job_id(world)
     out_dir = run_folder(cfg.run.out, method, job_id)
