@@ -49,8 +49,8 @@ def machine() -> str:
 def model_path(scratch: str) -> tuple:
     """(model folder, description): the cached toy model if built, else a random tiny Qwen2
     of the toy's shape saved under ``scratch``."""
-    from hpc.models.loading import tiny_model
-    from hpc.models.toy import INFO_FILE, cache_dir
+    from hpc.toys.cache import INFO_FILE
+    from hpc.toys.toy import cache_dir, tiny_model
 
     if os.path.isfile(os.path.join(cache_dir(), INFO_FILE)):
         return cache_dir(), f"toy model ({cache_dir()})"

@@ -15,7 +15,7 @@ MPIRUN=(mpirun -n "$RANKS" --oversubscribe)
 
 rm -rf "$OUT"
 echo "== toy-chat model"
-$PY -m hpc.models.toy_chat
+$PY -m hpc.toys.toy_chat
 echo "== LoRA SFT ($RANKS ranks)"
 "${MPIRUN[@]}" $PY -m hpc.sft configs/demo-chat/sft.yaml "run.out=$OUT/sft"
 echo "== ESSA ($RANKS ranks)"

@@ -13,7 +13,7 @@ MPIRUN=(mpirun -n "$RANKS" --oversubscribe)
 
 rm -rf "$OUT"
 echo "== toy model"
-$PY -m hpc.models.toy
+$PY -m hpc.toys.toy
 echo "== LoRA SFT ($RANKS ranks)"
 "${MPIRUN[@]}" $PY -m hpc.sft configs/demo/sft.yaml "run.out=$OUT/sft"
 echo "== ESSA ($RANKS ranks)"

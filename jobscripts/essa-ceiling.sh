@@ -22,7 +22,7 @@ ESSA=(essa.generations=100000)  # the time budget stops it
 FGRPO=(fgrpo.steps=100000)
 
 rm -rf "$OUT"
-$PY -m hpc.models.toy
+$PY -m hpc.toys.toy
 echo "== LoRA SFT, rank 16 (the demo's) and rank 64 ($RANKS ranks)"
 "${MPIRUN[@]}" $PY -m hpc.sft configs/demo/sft.yaml "run.out=$OUT/sft-r16" run.progress=false
 # alpha 32 (scale alpha/r = 0.5): with the demo's scale 2 (alpha 128), 10 SFT steps at rank 64

@@ -38,7 +38,7 @@ began=$SECONDS
 stage() { echo "== [$((SECONDS - began)) s] $*"; }
 
 stage "toy model"
-$PY -m hpc.models.toy
+$PY -m hpc.toys.toy
 stage "LoRA SFT: the one start of every run"
 "${MPIRUN[@]}" $PY -m hpc.sft configs/demo/sft.yaml "run.out=$OUT/sft" "${QUIET[@]}" >"$OUT/sft.log"
 adapter=$OUT/sft/adapter

@@ -97,7 +97,8 @@ def tiny_models(tmp_path_factory):
     whose B factors are random (so every singular value is non-zero)."""
     import torch
 
-    from hpc.models.loading import attach_lora, randomize_lora_b, save_adapter, tiny_model
+    from hpc.models.loading import attach_lora, randomize_lora_b, save_adapter
+    from hpc.toys.toy import tiny_model
 
     root = tmp_path_factory.mktemp("tiny")
     out = {}

@@ -3,7 +3,7 @@ import json
 import os
 
 from hpc.data.check import main
-from hpc.models.toy import toy_model_path
+from hpc.toys.toy import toy_model_path
 
 
 def run(capsys, *args):

@@ -17,6 +17,7 @@ from hpc.models.generation import eos_ids, generate, generate_tokens, run_reques
 from hpc.models.loading import load_model
 from hpc.models.sampling import Sampling, keyed_gumbel, pick_tokens, top_p_filter
 from hpc.runtime.timing import PhaseTimer
+from hpc.toys.toy import toy_model_path
 from mpi.batched_check import HashTask
 from mpi.engine_check import adapted_toy, engine_member_texts, mixed_prompts, toy_members
 
@@ -33,7 +34,7 @@ def threads():
 
 @pytest.fixture(scope="module")
 def toy():
-    return load_model("toy")
+    return load_model(toy_model_path())
 
 
 @pytest.fixture(scope="module")

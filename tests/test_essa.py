@@ -114,7 +114,7 @@ def test_learning_and_exported_adapter(toy_adapter, tmp_path):
 
     from hpc.models.generation import generate
     from hpc.data.tasks import arith_task
-    from hpc.models.toy import toy_model_path
+    from hpc.toys.toy import toy_model_path
 
     out = tmp_path / "run"
     proc = run_mpi(2, essa_args(toy_adapter, out, "task.n_eval=256", "essa.population=16",

@@ -14,7 +14,8 @@ from conftest import REPO, run_cli, run_mpi
 from essa.batched import choose_k, mean_reward, members_on_device, members_that_fit
 from essa.member_lora import MemberLora
 from hpc.models.adapter_space import SingularValueSpace
-from hpc.models.loading import attach_lora, randomize_lora_b, tiny_model
+from hpc.models.loading import attach_lora, randomize_lora_b
+from hpc.toys.toy import tiny_model
 from mpi.batched_check import N_MEMBERS, N_PROMPTS, HashTask, build_case, completions, score
 
 BENCHMARKS = os.path.join(REPO, "benchmarks")

@@ -7,7 +7,8 @@ import torch
 
 from hpc.runtime.errors import UserError
 from hpc.models.generation import generate, generate_tokens
-from hpc.models.loading import attach_lora, load_adapter, load_model, save_adapter, tiny_model
+from hpc.models.loading import attach_lora, load_adapter, load_model, save_adapter
+from hpc.toys.toy import tiny_model
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 PROMPTS = ["47+38=", "12+90=", "55+55=", "10+11=", "99+99=", "31+64="]
@@ -181,41 +182,3 @@ def test_sampling_reproducible_and_prompt_major():
     assert len(set(first[:5])) > 1  # temperature 1.5 on a random model: varied samples
     assert generate(model, tok, PROMPTS[:2], 6, do_sample=True, temperature=0.0,
                     num_return_sequences=3) == [g for g in greedy[:2] for _ in range(3)]
-
-
-def test_toy_data_never_trains_on_the_demo_heldout_set():
-    from hpc.data.tasks import arith_task
-    from hpc.models.toy import _problem_sets
-
-    train, heldout, probe = _problem_sets()
-    demo = arith_task(n_train=2000, n_eval=256, digits=2, ops="+", seed=0)
-    assert [p for p, _ in heldout] == demo.eval.prompts
-    assert [a for _, a in heldout] == demo.eval.answers
-    train_prompts = {p for p, _ in train}
-    assert not train_prompts & {p for p, _ in heldout + probe}
-    assert not {p for p, _ in probe} & set(demo.eval.prompts)
-    assert len(train_prompts) == len(train) == 90 * 90 - 1024
-
-
-def test_toy_build_is_atomic_and_loadable(tmp_path, monkeypatch):
-    from hpc.models import toy
-
-    monkeypatch.setenv("HPC_CACHE", str(tmp_path))
-    final = toy.cache_dir()
-    assert final == str(tmp_path / toy.VERSION)
-    real_train, threads = toy.train_toy, torch.get_num_threads()
-    monkeypatch.setattr(toy, "train_toy",
-                        lambda out, budget_s, log: real_train(out, budget_s=1.0, log=log))
-    assert toy.toy_model_path(log=lambda msg: None) == final
-    assert torch.get_num_threads() == threads
-    info = toy.toy_info(final)
-    assert info["stopped_by"] == "budget_s" and 0 <= info["heldout_accuracy"] <= 1
-    assert info["parameters"] == 598656
-    model, tok = load_model(final)
-    assert len(generate(model, tok, ["12+34="], 4)) == 1
-    # a second builder that loses the race keeps the winner's folder and cleans up after itself
-    monkeypatch.setattr(toy, "train_toy", lambda out, budget_s, log: open(
-        os.path.join(out, toy.INFO_FILE), "w").write("{}"))
-    toy.build_toy(final, log=lambda msg: None)
-    assert toy.toy_info(final) == info
-    assert os.listdir(tmp_path) == [toy.VERSION]

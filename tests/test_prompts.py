@@ -11,9 +11,9 @@ from hpc.data.tasks import load_task
 from hpc.data.wordproblems import word_problems
 from hpc.models.chat import end_of_turn_id, stop_token_ids
 from hpc.models.generation import eos_ids
-from hpc.models.loading import tiny_model
-from hpc.models.toy_chat import IM_END, build_chat_tokenizer, chat_qwen2_config
 from hpc.runtime.config import TaskConfig
+from hpc.toys.toy import tiny_model
+from hpc.toys.toy_chat import IM_END, build_chat_tokenizer, chat_qwen2_config
 
 
 @pytest.fixture(scope="module")

@@ -99,7 +99,7 @@ def slurm():
 @pytest.fixture(scope="module")
 def toy_model(slurm):
     """Build the cached toy model if absent (2-3 minutes) before any job, not inside one."""
-    proc = subprocess.run([sys.executable, "-m", "hpc.models.toy"], env=slurm, cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "hpc.toys.toy"], env=slurm, cwd=REPO,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 

@@ -1,1 +1,2 @@
-"""Models and generation: loading, LoRA adapters, the toy model, decoding."""
+"""Models and generation: loading, LoRA adapters, decoding, memory plan (the built-in toy
+models are in :mod:`hpc.toys`)."""

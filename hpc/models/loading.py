@@ -13,9 +13,8 @@ import torch
 import transformers
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors import SafetensorError
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hpc.models.toy import build_tokenizer, qwen2_config, toy_model_path
 from hpc.runtime.atomic import replaced_dir
 from hpc.runtime.errors import UserError
 
@@ -63,28 +62,14 @@ def check_model_folder(path: str) -> None:
         (f"tokenizer files ({', '.join(TOKENIZER_FILES)})", TOKENIZER_FILES)])
 
 
-def resolve_model_path(path: str) -> str:
-    """The folder for ``model.path``: the built-in ``'toy'`` and ``'toy-chat'`` models are
-    built and cached on first use; any other path is returned as it is."""
-    if path == "toy":
-        from hpc.models.toy import toy_model_path
-
-        return toy_model_path()
-    if path == "toy-chat":
-        from hpc.models.toy_chat import toy_chat_model_path
-
-        return toy_chat_model_path()
-    return path
-
-
 def load_model(path: str, dtype: str = "float32", device="cpu"):
-    """Load ``(model, tokenizer)`` from a local Hugging Face folder, ``'toy'`` or ``'toy-chat'``.
+    """Load ``(model, tokenizer)`` from a local Hugging Face folder (the job start turns
+    ``model.path`` 'toy' / 'toy-chat' into their folders: :mod:`hpc.toys.builtin`).
 
     ``dtype`` is ``float32``, ``bfloat16`` or ``float16``; ``device`` a torch device or
     ``'auto'`` (CUDA if present). The model is in eval mode. The tokenizer always has a pad
     token (eos when it has none) and pads on the left (generation).
     """
-    path = resolve_model_path(path)
     if dtype not in DTYPES:
         raise UserError(f"model dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     check_model_folder(path)
@@ -187,21 +172,3 @@ def save_adapter(peft_model, out_dir: str) -> None:
     then renamed, so a reader never sees a half-written adapter. Replaces an existing one."""
     with replaced_dir(out_dir) as tmp:
         peft_model.save_pretrained(tmp)
-
-
-def tiny_model(hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-               seed: int = 0, save_dir: str | None = None):
-    """A randomly initialised small Qwen2ForCausalLM and the toy character tokenizer (tests).
-
-    Built in well under a second; ``save_dir`` saves both (loadable by :func:`load_model`).
-    Returns ``(model, tokenizer)`` with the model in eval mode on CPU, float32.
-    """
-    tokenizer = build_tokenizer()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(qwen2_config(len(tokenizer), hidden, layers, heads, kv_heads))
-    model.eval()
-    if save_dir:
-        model.save_pretrained(save_dir)
-        tokenizer.save_pretrained(save_dir)
-    return model, tokenizer

@@ -90,11 +90,12 @@ def toy(argv=None):
     """``hpc-toy``: build the toy model if needed; print its folder and held-out accuracy."""
     parser = argparse.ArgumentParser(
         prog="hpc-toy", epilog=EXIT_CODES_HELP,
-        description="Build (about 1.5 minutes, once) or load the cached toy model (Qwen2 shape, "
-                    "character tokenizer, 2-digit additions) and print its folder.")
+        description="Build (a fixed 1,250 seeded steps, about a CPU minute, once) or load the "
+                    "cached toy model (Qwen2 shape, character tokenizer, 2-digit additions) "
+                    "and print its folder.")
     parser.add_argument("--rebuild", action="store_true", help="delete the cached model first")
     args = parser.parse_args(argv)
-    return _load("hpc.models.toy:show")(rebuild=args.rebuild)
+    return _load("hpc.toys.toy:show")(rebuild=args.rebuild)
 
 
 def toy_chat(argv=None):
@@ -106,4 +107,4 @@ def toy_chat(argv=None):
                     "and print its folder.")
     parser.add_argument("--rebuild", action="store_true", help="delete the cached model first")
     args = parser.parse_args(argv)
-    return _load("hpc.models.toy_chat:show")(rebuild=args.rebuild)
+    return _load("hpc.toys.toy_chat:show")(rebuild=args.rebuild)

@@ -16,7 +16,8 @@ from essa.batched import member_completions
 from essa.population import owners, score_members
 from hpc.models.adapter_space import SingularValueSpace
 from hpc.models.generation import generate, using_path
-from hpc.models.loading import attach_lora, randomize_lora_b, tiny_model
+from hpc.models.loading import attach_lora, randomize_lora_b
+from hpc.toys.toy import tiny_model
 from hpc.runtime.timing import PhaseTimer
 
 N_MEMBERS = 5

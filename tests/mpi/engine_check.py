@@ -17,6 +17,7 @@ from hpc.models.adapter_space import SingularValueSpace
 from hpc.models.engine import Request
 from hpc.models.generation import eos_ids, run_requests
 from hpc.models.loading import attach_lora, load_model, randomize_lora_b
+from hpc.toys.toy import toy_model_path
 
 MAX_NEW = 8
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -31,7 +32,7 @@ def mixed_prompts(n: int) -> list:
 
 def adapted_toy():
     """The trained toy with a small random LoRA (rank 4) on every linear of its layers."""
-    model, tok = load_model("toy")
+    model, tok = load_model(toy_model_path())
     peft = attach_lora(model, 4, 8.0, TARGETS)
     randomize_lora_b(peft, 0.02, torch.Generator().manual_seed(3))
     return peft, tok
@@ -74,7 +75,7 @@ def main(out_path: str, members: bool) -> None:
     torch.set_num_threads(1)
     if members:
         check_members(world)
-    model, tok = load_model("toy")
+    model, tok = load_model(toy_model_path())
     task = arith_task(n_train=10, n_eval=24, digits=2, ops="+-", seed=5)
     cfg = EvalConfig(n_samples=4, temperature=1.5, batch_size=5)
     result = evaluate(model, tok, task, task.eval, cfg, MAX_NEW, world, seed=9)

@@ -15,7 +15,8 @@ from fgrpo.config import FGRPOConfig
 from fgrpo.rollout import Rollouts
 from fgrpo.gradients import accumulate_gradients
 from hpc.runtime.dist import all_reduce_mean_, init_process_group
-from hpc.models.loading import attach_lora, randomize_lora_b, tiny_model
+from hpc.models.loading import attach_lora, randomize_lora_b
+from hpc.toys.toy import tiny_model
 from hpc.runtime.world import get_world, split_evenly
 
 world = get_world()

@@ -8,16 +8,17 @@ as in Qwen2.5 base models), digits are single tokens, and worked solutions run f
 to over 100 tokens.
 
 Built once and cached in ``$HPC_CACHE/toy-chat-v1`` (default ``<repo>/.cache/toy-chat-v1``);
-``toy_info.json`` records the accuracy, steps and seconds (README: what the build took here).
+``toy_info.json`` records the version, steps, accuracy, weights hash and seconds (README: what
+the build took here; :mod:`hpc.toys.cache`).
 The tokenizer is trained on GSM8K text: the file named by ``$HPC_TOKENIZER_CORPUS``, default
 ``<repo>/../shared/data/gsm8k/train.jsonl`` (the repo never copies data).
 
 Training: chat-format ``wordprob`` problems from the seed ``DATA_SEED`` stream, excluding the
 first ``N_RESERVED`` problems of the seed-0 stream (the task's held-out split for
 ``task.seed=0``); loss on the assistant turn and its ``<|im_end|>``. Reserved problems
-0..255 are the reported held-out set, 512..575 the early-stopping probe. Training stops when
-greedy probe accuracy reaches ``TARGET_ACCURACY`` (so that the model stays far from perfect)
-or after ``MAX_STEPS``; both are deterministic for a fixed torch build and thread count.
+0..255 are the reported held-out set, 512..575 the probe, logged every ``PROBE_EVERY`` steps.
+Training is ``STEPS`` seeded optimizer steps, few enough that the model stays far from
+perfect; neither the clock nor the probe ends it early.
 """
 from __future__ import annotations
 
@@ -34,11 +35,13 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from hpc.data.prompts import chat_messages, completion_batch
 from hpc.data.rewards import math_reward
 from hpc.data.wordproblems import MAX_STEPS as MAX_PROBLEM_STEPS, word_problems
-from hpc.models.toy import (INFO_FILE, build_into, cached_folder, save_model_folder,
-                            train_until)
+from hpc.models.generation import generate
 from hpc.runtime.errors import UserError, user_errors_exit
+from hpc.toys.cache import (build_into, cached_folder, check_built, read_info,
+                            save_model_folder, train_steps)
 
 VERSION = "toy-chat-v1"
+REBUILD = "hpc-toy-chat --rebuild"
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 VOCAB_SIZE = 2048
 # Qwen2's pre-tokenizer split: words, single digits, punctuation runs, newlines, spaces.
@@ -56,13 +59,12 @@ DEFAULT_CORPUS = os.path.join(os.path.dirname(_REPO), "shared", "data", "gsm8k",
 DATA_SEED = 1234
 N_RESERVED = 1024
 N_TRAIN = 20000
-TARGET_ACCURACY = 0.35
-BUDGET_S = 3600.0  # safety cap only: the accuracy target or MAX_STEPS ends a normal build
-MAX_STEPS = 349  # where the cached build stopped (its wall cap, on 2 shared cores)
+STEPS = 349  # optimizer steps of a build (the step cap of the earlier, probe-stopped builds)
 BATCH = 16
 LR = 3e-3
 PROBE_EVERY = 100
 MAX_NEW_TOKENS = 144
+WAIT_S = 4 * 3600.0  # how long a local rank > 0 waits for local rank 0's build
 
 
 def corpus_path() -> str:
@@ -121,16 +123,16 @@ def _prompt(tokenizer, question: str) -> str:
 def greedy_accuracy(model, tokenizer, problems) -> float:
     """Fraction of ``(question, answer, solution)`` problems whose greedy chat completion
     scores 1 with :func:`math_reward`."""
-    from hpc.models.generation import generate
-
     outs = generate(model, tokenizer, [_prompt(tokenizer, q) for q, _, _ in problems],
                     MAX_NEW_TOKENS, batch_size=64)
     return sum(math_reward(o, a) for o, (_, a, _) in zip(outs, problems)) / len(problems)
 
 
-def train_toy_chat(out_dir: str, budget_s: float = BUDGET_S, log=print) -> dict:
-    """Train the tokenizer and the model and save both (and ``toy_info.json``) in ``out_dir``."""
-    start, threads = time.time(), torch.get_num_threads()
+def train_toy_chat(out_dir: str, steps: int = STEPS, log=print) -> dict:
+    """Train the tokenizer and the model (``steps`` optimizer steps) and save both (and
+    ``toy_info.json``) in ``out_dir``. The same weights bitwise for a fixed torch build, CPU
+    model and ``steps``, however long the steps take (the clock is only reported)."""
+    start, threads = time.monotonic(), torch.get_num_threads()
     torch.set_num_threads(2)
     transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bar
     try:
@@ -163,28 +165,31 @@ def train_toy_chat(out_dir: str, budget_s: float = BUDGET_S, log=print) -> dict:
                 schedule.step()
                 return loss.item()
 
-            step, probe_acc, stop = train_until(
-                train_step, lambda: greedy_accuracy(model, tokenizer, probe), MAX_STEPS,
-                PROBE_EVERY, TARGET_ACCURACY, start + budget_s,
-                lambda msg: log(f"toy-chat {msg} ({time.time() - start:.0f} s)"))
+            probe_acc = train_steps(
+                train_step, lambda: greedy_accuracy(model, tokenizer, probe), steps, PROBE_EVERY,
+                lambda msg: log(f"toy-chat {msg} ({time.monotonic() - start:.0f} s)"))
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         info = {"version": VERSION, "parameters": sum(p.numel() for p in model.parameters()),
-                "vocab_size": len(tokenizer), "steps": step, "batch": BATCH, "lr": LR,
-                "stopped_by": stop, "probe_accuracy": probe_acc,
+                "vocab_size": len(tokenizer), "steps": steps, "batch": BATCH, "lr": LR,
+                "probe_accuracy": probe_acc,
                 "heldout_accuracy": greedy_accuracy(model, tokenizer, heldout),
                 "heldout": "wordprob, seed 0, first 256 problems, chat format, greedy",
                 "tokenizer_corpus": os.path.basename(corpus_path()), "seed": DATA_SEED,
-                "build_seconds": round(time.time() - start, 1)}
+                "build_seconds": round(time.monotonic() - start, 1)}
         save_model_folder(out_dir, model, tokenizer, info)
         return info
     finally:
         torch.set_num_threads(threads)
 
 
-def toy_chat_model_path(wait_s: float = 4 * BUDGET_S, log=print) -> str:
-    """Folder of the cached chat toy model, building it (several CPU minutes) if absent."""
-    return cached_folder(cache_dir(), lambda final: build_into(
-        final, lambda tmp: train_toy_chat(tmp, BUDGET_S, log)), "the toy-chat model", wait_s, log)
+def toy_chat_model_path(wait_s: float = WAIT_S, log=print) -> str:
+    """Folder of the cached chat toy model, building it (several CPU minutes) if absent;
+    UserError (one line: rebuild with ``hpc-toy-chat --rebuild``) if the cached one is not the
+    intended build."""
+    final = cached_folder(cache_dir(), lambda final: build_into(
+        final, lambda tmp: train_toy_chat(tmp, STEPS, log)), "the toy-chat model", wait_s, log)
+    check_built(final, VERSION, STEPS, REBUILD)
+    return final
 
 
 @user_errors_exit
@@ -194,8 +199,7 @@ def show(rebuild: bool = False) -> None:
     if rebuild:
         shutil.rmtree(cache_dir(), ignore_errors=True)
     path = toy_chat_model_path()
-    with open(os.path.join(path, INFO_FILE)) as fh:
-        info = json.load(fh)
+    info = read_info(path)
     print(f"{path}\nheld-out greedy accuracy {info['heldout_accuracy']:.3f} "
           f"({info['parameters']} parameters, vocab {info['vocab_size']}, {info['steps']} "
           f"steps, built in {info['build_seconds']} s)")

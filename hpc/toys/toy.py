@@ -1,19 +1,20 @@
 """The built-in toy model: a ~0.6M-parameter Qwen2 with a character tokenizer, half-taught
 2-digit addition, so that LoRA SFT, ESSA and F-GRPO have headroom to show progress on CPU.
 
-Built once (about two CPU minutes) and cached in ``$HPC_CACHE/toy-model-v1`` (default
+Built once (about a CPU minute) and cached in ``$HPC_CACHE/toy-model-v1`` (default
 ``<repo>/.cache/toy-model-v1``) as a standard Hugging Face folder: ``config.json``,
-``model.safetensors``, tokenizer files and ``toy_info.json`` (accuracy, steps, seconds).
+``model.safetensors``, tokenizer files and ``toy_info.json`` (version, steps, accuracy,
+weights hash, seconds; see :mod:`hpc.toys.cache`).
 
 Training data: all 2-digit ``a+b=`` problems except the first 1024 distinct problems of the
 ``arith`` stream with seed 0, so the demo task's held-out set (``task.seed=0``, ``n_eval`` up
 to 1024) is never seen. Of those reserved problems, 0..255 are the demo held-out set (the
-reported accuracy) and 512..767 the early-stopping probe. Training stops as soon as greedy
-accuracy on the probe reaches ``TARGET_ACCURACY``, so the model stays far from perfect.
+reported accuracy) and 512..767 the probe, logged every ``PROBE_EVERY`` steps. Training is
+``STEPS`` seeded optimizer steps, few enough that the model stays far from perfect; neither
+the clock nor the probe ends it early.
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -25,23 +26,22 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from hpc.data.tasks import ARITH_TEMPLATE, _arith_problem
 from hpc.models.generation import generate
-from hpc.runtime.atomic import replaced_dir
 from hpc.runtime.errors import user_errors_exit
-from hpc.runtime.world import _LOCAL_RANK_VARS
+from hpc.toys.cache import (INFO_FILE, build_into, cached_folder, check_built, read_info,
+                            save_model_folder, train_steps)
 
 VERSION = "toy-model-v1"
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
 CHARACTERS = "0123456789+-*= abcdefghijklmnopqrstuvwxyz.,:?!()\n"
-INFO_FILE = "toy_info.json"
+REBUILD = "hpc-toy --rebuild"
 
 DATA_SEED = 1234  # toy training order/init; the demo task uses seed 0 for its problems
 N_RESERVED = 1024  # first distinct problems of the seed-0 arith stream, never trained on
-TARGET_ACCURACY = 0.40  # early stop once the held-out probe reaches this greedy accuracy
-BUDGET_S = 600.0  # safety cap only: the accuracy target, not the clock, ends a normal build
-MAX_STEPS = 4000
+STEPS = 1250  # optimizer steps of a build: where the earlier, probe-stopped build stopped
 BATCH = 64
 LR = 1e-3
 PROBE_EVERY = 50
+WAIT_S = 2400.0  # how long a local rank > 0 waits for local rank 0's build
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -112,13 +112,14 @@ def greedy_accuracy(model, tokenizer, pairs) -> float:
     return sum(o.strip() == a for o, (_, a) in zip(outs, pairs)) / len(pairs)
 
 
-def train_toy(out_dir: str, budget_s: float = BUDGET_S, log=print) -> dict:
-    """Train the toy model and save it (model, tokenizer, ``toy_info.json``) into ``out_dir``.
+def train_toy(out_dir: str, steps: int = STEPS, log=print) -> dict:
+    """Train the toy model for ``steps`` optimizer steps and save it (model, tokenizer,
+    ``toy_info.json``) into ``out_dir``. Returns the info dict.
 
-    Deterministic for a fixed torch build and thread count unless the ``budget_s`` wall-time
-    cap is what stops it (then the step count varies). Returns the info dict.
+    The same weights bitwise for a fixed torch build, CPU model and ``steps``, however long
+    the steps take (the clock is only reported).
     """
-    start, threads = time.time(), torch.get_num_threads()
+    start, threads = time.monotonic(), torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         tokenizer = build_tokenizer()
@@ -139,98 +140,57 @@ def train_toy(out_dir: str, budget_s: float = BUDGET_S, log=print) -> dict:
                 opt.step()
                 return loss.item()
 
-            step, probe_acc, stop = train_until(
-                train_step, lambda: greedy_accuracy(model, tokenizer, probe), MAX_STEPS,
-                PROBE_EVERY, TARGET_ACCURACY, start + budget_s, lambda msg: log("toy " + msg))
+            probe_acc = train_steps(train_step, lambda: greedy_accuracy(model, tokenizer, probe),
+                                    steps, PROBE_EVERY, lambda msg: log("toy " + msg))
         info = {"version": VERSION, "parameters": sum(p.numel() for p in model.parameters()),
-                "steps": step, "batch": BATCH, "lr": LR, "stopped_by": stop,
-                "probe_accuracy": probe_acc,
+                "steps": steps, "batch": BATCH, "lr": LR, "probe_accuracy": probe_acc,
                 "heldout_accuracy": greedy_accuracy(model, tokenizer, heldout),
                 "heldout": "arith 2-digit '+', seed 0, first 256 problems (demo eval set)",
                 "train_problems": len(train), "seed": DATA_SEED,
-                "build_seconds": round(time.time() - start, 1)}
+                "build_seconds": round(time.monotonic() - start, 1)}
         save_model_folder(out_dir, model, tokenizer, info)
         return info
     finally:
         torch.set_num_threads(threads)
 
 
-def train_until(train_step, probe, max_steps: int, probe_every: int, target: float,
-                deadline: float, log) -> tuple[int, float, str]:
-    """Call ``train_step()`` (one optimizer step; returns its loss) until ``probe()`` (held-out
-    probe accuracy, every ``probe_every`` steps) reaches ``target``, ``max_steps`` are done or
-    the clock passes ``deadline`` (``time.time()``, a safety cap). Returns (steps, last probe
-    accuracy, why it stopped: target_accuracy, max_steps or budget_s)."""
-    step, probe_acc = 0, 0.0
-    while step < max_steps:
-        loss = train_step()
-        step += 1
-        if step % probe_every == 0:
-            probe_acc = probe()
-            log(f"step {step}: loss {loss:.3f}, probe accuracy {probe_acc:.3f}")
-            if probe_acc >= target:
-                return step, probe_acc, "target_accuracy"
-        if time.time() > deadline:
-            return step, probe_acc, "budget_s"
-    return step, probe_acc, "max_steps"
+def build_toy(final: str, steps: int = STEPS, log=print) -> None:
+    """Train the toy model into ``final`` (see :func:`hpc.toys.cache.build_into`)."""
+    build_into(final, lambda tmp: train_toy(tmp, steps, log))
 
 
-def save_model_folder(out_dir: str, model, tokenizer, info: dict) -> None:
-    """Write a built model folder: weights, tokenizer, then ``INFO_FILE`` last, whose presence
-    marks the folder complete."""
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    with open(os.path.join(out_dir, INFO_FILE), "w") as fh:
-        json.dump(info, fh, indent=1)
-
-
-def _local_rank() -> int:
-    return next((int(os.environ[v]) for v in _LOCAL_RANK_VARS if v in os.environ), 0)
-
-
-def build_into(final: str, train) -> None:
-    """Run ``train(tmp)`` in a temporary sibling folder, then rename it to ``final`` (atomic).
-    If another process finished first, its folder is kept and this build is discarded."""
-    try:
-        with replaced_dir(final, keep_existing=True) as tmp:
-            train(tmp)
-    except OSError:  # another process renamed its build into place between check and rename
-        if not os.path.isfile(os.path.join(final, INFO_FILE)):
-            raise
-
-
-def cached_folder(final: str, build, what: str, wait_s: float, log=print) -> str:
-    """``final``, after ``build(final)`` if it holds no complete build yet.
-
-    Local rank 0 of a node builds; other local ranks wait up to ``wait_s`` seconds for the
-    folder to appear (then build it themselves, which is safe, if it still has not).
-    """
-    info_file = os.path.join(final, INFO_FILE)  # written last, inside the renamed folder
-    if not os.path.isfile(info_file) and _local_rank() != 0:
-        deadline = time.time() + wait_s
-        while not os.path.isfile(info_file) and time.time() < deadline:
-            time.sleep(1.0)
-    if not os.path.isfile(info_file):
-        log(f"building {what} in {final} (once)")
-        build(final)
+def toy_model_path(wait_s: float = WAIT_S, log=print) -> str:
+    """Folder of the cached toy model, building it (about a CPU minute) if absent; UserError
+    (one line: rebuild with ``hpc-toy --rebuild``) if the cached one is not the intended
+    build."""
+    final = cached_folder(cache_dir(), lambda final: build_toy(final, STEPS, log),
+                          "the toy model", wait_s, log)
+    check_built(final, VERSION, STEPS, REBUILD)
     return final
-
-
-def build_toy(final: str, budget_s: float = BUDGET_S, log=print) -> None:
-    """Train the toy model into ``final`` (see :func:`build_into`)."""
-    build_into(final, lambda tmp: train_toy(tmp, budget_s, log))
-
-
-def toy_model_path(wait_s: float = 4 * BUDGET_S, log=print) -> str:
-    """Folder of the cached toy model, building it (about a minute) if absent."""
-    return cached_folder(cache_dir(), lambda final: build_toy(final, log=log),
-                         "the toy model", wait_s, log)
 
 
 def toy_info(path: str | None = None) -> dict:
     """The ``toy_info.json`` of a built toy model folder (default: the cached one)."""
-    with open(os.path.join(path or toy_model_path(), INFO_FILE)) as fh:
-        return json.load(fh)
+    return read_info(path or toy_model_path())
+
+
+def tiny_model(hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+               seed: int = 0, save_dir: str | None = None):
+    """A randomly initialised small Qwen2ForCausalLM and the toy character tokenizer (tests).
+
+    Built in well under a second; ``save_dir`` saves both (loadable by
+    :func:`hpc.models.loading.load_model`). Returns ``(model, tokenizer)`` with the model in
+    eval mode on CPU, float32.
+    """
+    tokenizer = build_tokenizer()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(qwen2_config(len(tokenizer), hidden, layers, heads, kv_heads))
+    model.eval()
+    if save_dir:
+        model.save_pretrained(save_dir)
+        tokenizer.save_pretrained(save_dir)
+    return model, tokenizer
 
 
 @user_errors_exit

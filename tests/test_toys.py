@@ -1,0 +1,147 @@
+"""The built-in toy builds: a fixed, seeded amount of work whatever the machine's speed, cached
+only when complete, refused (one line, exit 2) when the cached build is not the intended one.
+
+Builds here are short (``steps`` of 30) so that the tests take seconds, not the full build."""
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from conftest import our_lines, run_cli
+from hpc.models.generation import generate
+from hpc.models.loading import load_model
+from hpc.runtime.errors import UserError
+from hpc.toys import cache, toy
+
+SHORT = 30  # optimizer steps of a test build
+QUIET = dict(log=lambda msg: None)
+
+
+def _weights(folder: str) -> bytes:
+    with open(os.path.join(folder, cache.WEIGHTS_FILE), "rb") as fh:
+        return fh.read()
+
+
+@pytest.fixture(scope="module")
+def short_build(tmp_path_factory):
+    """A 30-step toy build (probe every 10 steps) on this machine as it is."""
+    folder = str(tmp_path_factory.mktemp("toy-short") / toy.VERSION)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(toy, "PROBE_EVERY", 10)
+        toy.build_toy(folder, SHORT, **QUIET)
+    return folder
+
+
+def test_a_slowed_machine_builds_the_same_model_bitwise(short_build, tmp_path, monkeypatch):
+    """Each step sleeps and every clock read jumps 1000 s (any wall-clock budget would end
+    the build after its first step): the weights are the same bytes."""
+    fake_now = [time.time()]
+
+    def jumping_clock():
+        fake_now[0] += 1000.0
+        return fake_now[0]
+
+    for name in ("time", "monotonic", "perf_counter"):
+        monkeypatch.setattr(time, name, jumping_clock)
+    real_step = torch.optim.AdamW.step
+    real_sleep = time.sleep
+
+    def slow_step(self, *args, **kwargs):
+        real_sleep(0.02)
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", slow_step)
+    monkeypatch.setattr(toy, "PROBE_EVERY", 10)
+    slowed = str(tmp_path / toy.VERSION)
+    toy.build_toy(slowed, SHORT, **QUIET)
+    assert _weights(slowed) == _weights(short_build)
+    info, reference = cache.read_info(slowed), cache.read_info(short_build)
+    assert info["steps"] == reference["steps"] == SHORT
+    assert info["weights_sha256"] == reference["weights_sha256"] == cache.weights_sha256(slowed)
+    assert info["probe_accuracy"] == reference["probe_accuracy"]
+    assert info["build_seconds"] >= 1000  # the clock is reported, never obeyed
+
+
+def test_the_cached_build_is_checked(short_build, tmp_path):
+    assert cache.check_built(short_build, toy.VERSION, SHORT, "REBUILD")["steps"] == SHORT
+    with pytest.raises(UserError, match=f"{toy.VERSION}, {SHORT} steps; the intended build "
+                                        f"is {toy.VERSION}, {toy.STEPS} steps; rebuild it "
+                                        f"with: REBUILD"):
+        cache.check_built(short_build, toy.VERSION, toy.STEPS, "REBUILD")
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    for name in os.listdir(short_build):
+        data = open(os.path.join(short_build, name), "rb").read()
+        if name == cache.WEIGHTS_FILE:
+            data = data[:-1] + bytes([data[-1] ^ 1])
+        (damaged / name).write_bytes(data)
+    with pytest.raises(UserError, match="does not match the SHA-256"):
+        cache.check_built(str(damaged), toy.VERSION, SHORT, "REBUILD")
+    (damaged / cache.INFO_FILE).write_text("[1, 2]")
+    with pytest.raises(UserError, match="unreadable"):
+        cache.check_built(str(damaged), toy.VERSION, SHORT, "REBUILD")
+
+
+def test_an_interrupted_build_is_never_cached(tmp_path, monkeypatch):
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(toy, "PROBE_EVERY", 10)
+    monkeypatch.setattr(toy, "greedy_accuracy", interrupted)  # the first probe, at step 10
+    with pytest.raises(KeyboardInterrupt):
+        toy.build_toy(str(tmp_path / toy.VERSION), SHORT, **QUIET)
+    assert os.listdir(tmp_path) == []
+
+
+def test_build_is_atomic_and_loadable(short_build, tmp_path, monkeypatch):
+    monkeypatch.setenv("HPC_CACHE", str(tmp_path))
+    final = toy.cache_dir()
+    assert final == str(tmp_path / toy.VERSION)
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(toy, "STEPS", SHORT)
+    monkeypatch.setattr(toy, "PROBE_EVERY", 10)
+    assert toy.toy_model_path(**QUIET) == final
+    assert torch.get_num_threads() == threads
+    info = toy.toy_info(final)
+    assert 0 <= info["heldout_accuracy"] <= 1 and info["parameters"] == 598656
+    assert _weights(final) == _weights(short_build)
+    model, tok = load_model(final)
+    assert len(generate(model, tok, ["12+34="], 4)) == 1
+    # a second builder that loses the race keeps the winner's folder and cleans up after itself
+    monkeypatch.setattr(toy, "train_toy", lambda out, steps, log: open(
+        os.path.join(out, cache.INFO_FILE), "w").write("{}"))
+    toy.build_toy(final, **QUIET)
+    assert toy.toy_info(final) == info
+    assert os.listdir(tmp_path) == [toy.VERSION]
+
+
+@pytest.mark.parametrize("command", [["-m", "hpc.toys.toy"],
+                                     ["-m", "hpc.evaluate", "model.path=toy", "task.n_eval=4"]])
+def test_a_cache_of_another_build_is_refused_in_one_line(tmp_path, command):
+    """What an old build, stopped by its wall-clock budget on a busy machine, left behind."""
+    folder = tmp_path / toy.VERSION
+    folder.mkdir()
+    (folder / cache.INFO_FILE).write_text(json.dumps(
+        {"version": toy.VERSION, "steps": 373, "stopped_by": "budget_s"}))
+    proc = run_cli(command + [f"run.out={tmp_path / 'run'}"] * (len(command) > 2),
+                   env={"HPC_CACHE": str(tmp_path)}, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = our_lines(proc.stderr)
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, lines
+    assert "373 steps" in lines[0] and "rebuild it with: hpc-toy --rebuild" in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_toy_data_never_trains_on_the_demo_heldout_set():
+    from hpc.data.tasks import arith_task
+
+    train, heldout, probe = toy._problem_sets()
+    demo = arith_task(n_train=2000, n_eval=256, digits=2, ops="+", seed=0)
+    assert [p for p, _ in heldout] == demo.eval.prompts
+    assert [a for _, a in heldout] == demo.eval.answers
+    train_prompts = {p for p, _ in train}
+    assert not train_prompts & {p for p, _ in heldout + probe}
+    assert not {p for p, _ in probe} & set(demo.eval.prompts)
+    assert len(train_prompts) == len(train) == 90 * 90 - 1024
