@@ -142,6 +142,18 @@ class ModelShape:
                 + self.vocab * (elem + 4))
 
 
+def essa_members_per_pass(cfg, ranks: int) -> int:
+    """k: the members ESSA decodes in one pass (``essa.members_per_pass``, at most this rank's
+    share of the population)."""
+    return max(1, min(cfg.essa.members_per_pass, math.ceil(cfg.essa.population / ranks)))
+
+
+def evaluation_rows(cfg) -> int:
+    """Rows the held-out evaluation's sampled pass decodes at once: ``eval.batch_size`` prompts
+    x ``eval.n_samples`` samples."""
+    return cfg.eval.batch_size * cfg.eval.n_samples
+
+
 def gib(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f} GiB"
 

@@ -1,0 +1,260 @@
+"""Peak GPU memory of the package's own code paths, measured by torch's memory tracker on fake
+tensors: no weights, no GPU, any model shape (Qwen2.5-1.5B to 32B) in seconds.
+
+    python benchmarks/memory_tracker.py CONFIG.json [job config items ...] [--ranks N]
+        [--cases essa,evaluation,after_evaluation,fgrpo]
+
+Each case builds the model from ``config.json`` under ``FakeTensorMode`` (``from_config`` in
+the config's ``model.dtype``; tensors on the ``cpu`` device: on a CPU-only torch a fake ``cuda``
+leaf that needs a gradient aborts the process) and runs, under
+``torch.distributed._tools.mem_tracker.MemTracker``, what a job runs:
+
+* ``essa``: one scoring pass as :func:`essa.batched.score_members_engine` drives the decoding
+  engine: ``engine_for`` with ``eval.batch_size * k`` slots of ``plan.max_prompt_tokens +
+  task.max_new_tokens`` positions and k stacked members, one prefill of as many prompts as the
+  scheduler admits at once (``PREFILL_TOKENS``), then one decode step over every slot at the
+  full context;
+* ``evaluation``: the held-out evaluation's sampled pass (``eval.batch_size * eval.n_samples``
+  rows) on the job's own adapter (k = 1);
+* ``after_evaluation``: the evaluation, then an ESSA scoring pass: what the job holds once the
+  start evaluation's engine has (or has not) been given back;
+* ``fgrpo``: F-GRPO's training phase on one rank as :mod:`fgrpo.trainer` runs it: AdamW on the
+  trainable parameters (fgrpo.policy.build_model's LoRA or full fine-tuning),
+  :func:`fgrpo.gradients.accumulate_gradients` over two micro-batches of full-length rows, the
+  gradient all-reduce (:func:`hpc.runtime.dist.all_reduce_mean_` over torch's fake process
+  group when ``--ranks`` > 1) and :func:`fgrpo.gradients.optimizer_step`.
+
+Host reads of tensor values (``float(loss)``, ``.tolist()``) get 1 (:class:`HostReadsOne`):
+memory does not depend on them. Figures are live tensor bytes only: no CUDA context, library
+workspaces or allocator fragmentation (the plan's ``USABLE_SHARE`` keeps room for those).
+
+Layers: ``layers=n`` builds n decoder layers only; :func:`peak_bytes` with ``layers_from``
+measures two small layer counts and extends the line through them to the model's count (exact
+for a case whose peak is affine in the layer count, which tests/test_memory_plan.py checks).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import sys
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils._python_dispatch import TorchDispatchMode
+
+GIB = 2 ** 30
+CASES = ("essa", "evaluation", "after_evaluation", "fgrpo")
+
+
+class HostReadsOne(TorchDispatchMode):
+    """Under FakeTensorMode: every read of a tensor's value on the host (``item``, ``float``,
+    ``bool``, ``tolist``) gives 1, so code that logs statistics or checks finiteness runs."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def fake_tensors():
+    with FakeTensorMode(allow_non_fake_inputs=True), HostReadsOne():
+        yield
+
+
+def fake_model(config: dict, cfg, lora: bool, stack: contextlib.ExitStack,
+               layers: int | None = None):
+    """A Qwen2ForCausalLM of ``config`` (a config.json dict) in ``cfg.model.dtype``, with the
+    job's fresh LoRA adapter when ``lora`` (fgrpo.policy.build_model's), in eval mode: built on
+    the meta device, then given fake storage under :func:`fake_tensors` (entered here and
+    left active: the caller exits ``stack``). ``layers`` overrides ``num_hidden_layers``."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from hpc.models.loading import DTYPES, attach_lora
+
+    shape = Qwen2Config(**dict(config, num_hidden_layers=layers or config["num_hidden_layers"]))
+    shape._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM._from_config(shape, dtype=DTYPES[cfg.model.dtype])
+        if lora:
+            model = attach_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)
+    stack.enter_context(fake_tensors())
+    return model.to_empty(device="cpu").eval()
+
+
+def _member_factors(model, k: int) -> dict:
+    """{module: (A (k, r, in), B (k, out, r))} of k members, the adapter's dtype."""
+    from hpc.models.engine import adapter_ranks
+
+    out = {}
+    for name in adapter_ranks(model):
+        module = model.get_submodule(name)
+        a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+        out[name] = (a.new_zeros((k,) + a.shape), b.new_zeros((k,) + b.shape))
+    return out
+
+
+def _decode_pass(model, cfg, slots: int, k: int, prompt: int, seq: int) -> None:
+    """One pass as the engine's scheduler runs it: ``engine_for`` (kept on the model), members
+    loaded, one prefill of the rows admitted at once, one decode step over every slot."""
+    from hpc.models.engine import PREFILL_TOKENS, engine_for
+
+    engine = engine_for(model, slots, seq, k, cuda_graphs=False)
+    with torch.inference_mode():
+        if k:
+            engine.set_members(_member_factors(model, k) if k > 1 else None)
+        n = max(1, min(slots, PREFILL_TOKENS // prompt))
+        ids = torch.zeros((n, prompt), dtype=torch.int64)
+        rows = torch.arange(n)
+        engine.prefill(ids, torch.full((n,), prompt), rows, rows % max(k, 1))
+        engine.positions[:slots] = seq - 1
+        engine.decode_step(engine.slots, engine.cache.max_len)
+
+
+def _lengths(cfg) -> tuple:
+    prompt = cfg.plan.max_prompt_tokens
+    return prompt, prompt + cfg.task.max_new_tokens
+
+
+def essa_pass(model, cfg, ranks: int) -> None:
+    from hpc.models.memory_plan import essa_members_per_pass
+
+    prompt, seq = _lengths(cfg)
+    k = essa_members_per_pass(cfg, ranks)
+    _decode_pass(model, cfg, min(cfg.eval.batch_size, cfg.essa.minibatch) * k, k, prompt, seq)
+
+
+def evaluation_pass(model, cfg, ranks: int) -> None:
+    from hpc.models.memory_plan import evaluation_rows
+
+    prompt, seq = _lengths(cfg)
+    _decode_pass(model, cfg, evaluation_rows(cfg), 1, prompt, seq)
+
+
+class LiveBytesTracker(MemTracker):
+    """MemTracker of the whole process's live tensor bytes, without its per-module statistics:
+    the engine calls a model's modules many times and one by one (the module statistics refuse
+    a second call), and a frozen parameter refuses the gradient hooks they install."""
+
+    def _pre_fw_hook(self, *args):
+        pass
+
+    _post_fw_hook = _pre_bw_hook = _post_bw_hook = _pre_fw_hook
+
+
+class _OneRankWorld:
+    """The World that accumulate_gradients needs: ``size`` ranks with identical counts."""
+
+    def __init__(self, size: int):
+        self.size, self.rank, self.timeout_s = size, 0, 60.0
+
+    def allgather(self, value, tag=""):
+        return [value] * self.size
+
+    def arrive(self, *args, **kwargs):
+        pass
+
+    def count(self, *args, **kwargs):
+        pass
+
+
+@contextlib.contextmanager
+def fake_process_group(ranks: int):
+    """torch's fake process group of ``ranks`` (collectives return at once) for the duration."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if ranks == 1:
+        yield
+        return
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def fgrpo_training(model, cfg, ranks: int, tracker: LiveBytesTracker) -> None:
+    """F-GRPO's training phase on rank 0 of ``ranks`` (module docstring)."""
+    from fgrpo.gradients import accumulate_gradients, optimizer_step
+    from fgrpo.rollout import Rollouts
+    from hpc.runtime.dist import all_reduce_mean_
+
+    f = cfg.fgrpo
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=f.learning_rate, weight_decay=f.weight_decay)
+    tracker.track_external(model, opt)
+    _, seq = _lengths(cfg)
+    rows = 2 * f.micro_batch
+    ids = torch.zeros((rows, seq), dtype=torch.int64)
+    rollouts = Rollouts(ids, torch.ones_like(ids), torch.ones((rows, seq)),
+                        torch.zeros((rows // f.num_generations or 1, f.num_generations)),
+                        torch.full((rows,), seq))
+    world = _OneRankWorld(ranks)
+    with fake_process_group(ranks), tracker:
+        opt.zero_grad(set_to_none=False)
+        accumulate_gradients(model, rollouts, torch.ones(rows), cfg, world,
+                             cfg.task.max_new_tokens)
+        all_reduce_mean_([p.grad for p in params], world)
+        optimizer_step(params, opt, f.max_grad_norm)
+
+
+def measure(case: str, config: dict, cfg, ranks: int = 1, layers: int | None = None) -> int:
+    """Peak live bytes of ``case`` (:data:`CASES`) for the model of ``config`` (a config.json
+    dict) under job config ``cfg`` (with essa and fgrpo sections) on rank 0 of ``ranks``."""
+    if case not in CASES:
+        raise ValueError(f"case {case!r} is not one of {CASES}")
+    with contextlib.ExitStack() as stack:
+        lora = case != "fgrpo" or not cfg.fgrpo.full_finetune
+        model = fake_model(config, cfg, lora, stack, layers)
+        tracker = LiveBytesTracker()
+        if case == "fgrpo":
+            fgrpo_training(model, cfg, ranks, tracker)
+        else:  # ESSA loads its adapter frozen (is_trainable=False)
+            model.requires_grad_(False)
+            tracker.track_external(model)
+            with tracker:
+                if case in ("evaluation", "after_evaluation"):
+                    evaluation_pass(model, cfg, ranks)
+                if case in ("essa", "after_evaluation"):
+                    essa_pass(model, cfg, ranks)
+        return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+def peak_bytes(case: str, config: dict, cfg, ranks: int = 1, layers_from: tuple = ()) -> int:
+    """:func:`measure` at the model's layer count; with ``layers_from`` (two small counts)
+    measured at those and extended linearly to it."""
+    if not layers_from:
+        return measure(case, config, cfg, ranks)
+    (l1, l2), target = layers_from, config["num_hidden_layers"]
+    p1, p2 = (measure(case, config, cfg, ranks, n) for n in (l1, l2))
+    return p1 + (p2 - p1) * (target - l1) // (l2 - l1)
+
+
+def main(argv=None):
+    from hpc.models.memory_plan import plan_job_class
+    from hpc.runtime.config import load_config
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("config_json", help="a model's config.json (no weights needed)")
+    p.add_argument("items", nargs="*", metavar="CONFIG.yaml | section.key=value")
+    p.add_argument("--ranks", type=int, default=1)
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--layers-from", type=int, nargs=2, default=(2, 4), metavar=("L1", "L2"),
+                   help="measure at these layer counts and extend linearly (0 0: every layer)")
+    args = p.parse_args(argv)
+    with open(args.config_json) as fh:
+        config = json.load(fh)
+    cfg = load_config(plan_job_class(), next((i for i in args.items if "=" not in i), None),
+                      [i for i in args.items if "=" in i])
+    layers = tuple(args.layers_from) if all(args.layers_from) else ()
+    for case in args.cases.split(","):
+        print(f"{case:<18} {peak_bytes(case, config, cfg, args.ranks, layers) / GIB:8.2f} GiB")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
