@@ -7,8 +7,8 @@ import copy
 
 import torch
 
-from fgrpo.loss import sequence_logprobs
 from hpc.models.loading import attach_lora, load_adapter, load_model
+from hpc.models.logprobs import sequence_logprobs
 
 
 def build_model(cfg, device):
@@ -24,9 +24,10 @@ def build_model(cfg, device):
 
 
 @torch.no_grad()
-def frozen_logprobs(model, rollouts, micro_batch: int) -> torch.Tensor:
-    """Log-probs of all rollouts without gradient: (rows, T-1) float32."""
-    parts = [sequence_logprobs(model, *rollouts.rows(s, s + micro_batch)[:2])
+def frozen_logprobs(model, rollouts, micro_batch: int, chunk: int) -> torch.Tensor:
+    """Log-probs of all rollouts without gradient: (rows, T-1) float32; ``chunk``: positions
+    per LM-head chunk (model.logprob_chunk, 0 = full logits)."""
+    parts = [sequence_logprobs(model, *rollouts.rows(s, s + micro_batch)[:2], chunk)[0]
              for s in range(0, rollouts.input_ids.shape[0], micro_batch)]
     return torch.cat(parts)
 

@@ -50,6 +50,7 @@ class FGRPO(GradientMethod):
         torch.manual_seed(cfg.run.seed)
         self.model, self.ref_model, self.tok = on_all_ranks(world, lambda: build_model(
             cfg, job.device))
+        self.checkpointed = self.checkpoint_activations()
         init_process_group(world, job.device)
         self.space = None
         if f.space == "sv":  # ESSA's search space, trained by gradient
@@ -62,7 +63,8 @@ class FGRPO(GradientMethod):
         self.total_steps, self.keep_checkpoints, self.skipped = f.steps, f.keep_checkpoints, 0
 
     def attrs(self) -> dict:
-        return {"trainable_parameters": sum(p.numel() for p in self.params)}
+        return {"trainable_parameters": sum(p.numel() for p in self.params),
+                "activation_checkpointing": self.checkpointed}
 
     def step(self, i: int) -> dict:
         cfg, f, world, task, timer = self.job.cfg, self.f, self.job.world, self.task, self.timer
@@ -84,12 +86,14 @@ class FGRPO(GradientMethod):
                                success_threshold=f.success_threshold)
         row_adv = adv.advantages.reshape(-1).to(self.job.device)
         with timer.phase("forward_backward"):
-            old_logp = frozen_logprobs(self.model, rollouts, f.micro_batch) \
+            old_logp = frozen_logprobs(self.model, rollouts, f.micro_batch,
+                                       cfg.model.logprob_chunk) \
                 if f.num_iterations > 1 else None
             ref_logp = None
             if f.beta > 0:
                 with reference_model(self.model, self.ref_model) as ref:
-                    ref_logp = frozen_logprobs(ref, rollouts, f.micro_batch)
+                    ref_logp = frozen_logprobs(ref, rollouts, f.micro_batch,
+                                               cfg.model.logprob_chunk)
         self.train_mode(i)
         for _ in range(f.num_iterations):
             self.opt.zero_grad(set_to_none=False)

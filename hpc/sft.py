@@ -17,6 +17,7 @@ import torch
 from hpc.data.tasks import load_task
 from hpc.gradient_method import GradientMethod
 from hpc.models.loading import attach_lora, load_model
+from hpc.models.logprobs import sequence_logprobs
 from hpc.runtime.dist import all_reduce_mean_, init_process_group
 from hpc.data.prompts import completion_batch
 from hpc.runtime.errors import UserError, user_errors_exit
@@ -46,6 +47,7 @@ class SFT(GradientMethod):
         self.model = on_all_ranks(world, lambda: attach_lora(
             model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets, cfg.lora.dropout,
             seed=cfg.run.seed))
+        self.checkpointed = self.checkpoint_activations()
         init_process_group(world, job.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.sft.lr,
@@ -62,7 +64,7 @@ class SFT(GradientMethod):
             ids, mask, labels = completion_batch(self.tok, [train.prompts[j] for j in mine],
                                                  [train.solutions[j] for j in mine],
                                                  self.job.device, chat=self.task.chat)
-            loss = self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss = completion_loss(self.model, ids, mask, labels, cfg.model.logprob_chunk)
             self.opt.zero_grad(set_to_none=False)
             loss.backward()
         with timer.phase("allreduce"):
@@ -73,6 +75,9 @@ class SFT(GradientMethod):
             self.opt.step()
         return {"loss": float(world.allgather(np.array([loss.item()]), tag="metrics").mean())}
 
+    def attrs(self) -> dict:
+        return {"activation_checkpointing": self.checkpointed}
+
     def state_dict(self) -> dict:
         """LoRA weights, AdamW state and the data position (the batch generator's state)."""
         return dict(super().state_dict(), data_rng=self.data_rng.bit_generator.state)
@@ -80,6 +85,18 @@ class SFT(GradientMethod):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.data_rng.bit_generator.state = state["data_rng"]
+
+
+def completion_loss(model, input_ids, attention_mask, labels, chunk: int):
+    """Mean cross-entropy (nats) of the labelled tokens: ``input_ids``, ``attention_mask``,
+    ``labels`` (B, T), labels -100 where not learned. ``chunk`` 0: transformers' own loss over
+    the full logits (the reference); > 0: log-probs through the LM head in chunks of positions
+    (:mod:`hpc.models.logprobs`), the same value without (B, T, V) logits."""
+    if chunk == 0:
+        return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+    logp, _ = sequence_logprobs(model, input_ids, attention_mask, chunk)
+    learned = labels[:, 1:] != -100
+    return -torch.where(learned, logp, torch.zeros_like(logp)).sum() / learned.sum().clamp(min=1)
 
 
 @user_errors_exit

@@ -308,6 +308,35 @@ def check_job_memory(cfg, method: str, ranks: int, device_type: str) -> None:
                         f"with the same config)")
 
 
+def activation_checkpointing(cfg, method: str, ranks: int, device_type: str) -> bool:
+    """``model.activation_checkpointing`` resolved for a job of ``method`` (sft or fgrpo) on
+    ``ranks`` ranks: on / off as given; auto = on exactly when, on CUDA with a local model
+    folder and ``plan.gpu_memory_gib`` > 0, the weights, the trainable state and one
+    micro-batch's activations kept without checkpointing (sft: ``ceil(sft.batch_size /
+    ranks)`` sequences, fgrpo: ``fgrpo.micro_batch``; a sequence = ``plan.max_prompt_tokens``
+    + ``task.max_new_tokens`` tokens) exceed the usable memory."""
+    choice = cfg.model.activation_checkpointing
+    if choice != "auto":
+        return choice == "on"
+    path = cfg.model.path
+    if (device_type != "cuda" or cfg.plan.gpu_memory_gib <= 0
+            or not os.path.isfile(os.path.join(path, "config.json"))):
+        return False
+    shape = ModelShape.from_folder(path)
+    elem = DTYPE_BYTES[cfg.model.dtype]
+    full = method == "fgrpo" and cfg.fgrpo.full_finetune
+    if full:
+        state = shape.parameters() * elem * 4  # weights, gradients, two AdamW moments
+    else:
+        state = (shape.parameters() * elem + LORA_TRAIN_BYTES_PER_PARAM
+                 * shape.lora_parameters(cfg.lora.rank, cfg.lora.targets))
+    rows = cfg.fgrpo.micro_batch if method == "fgrpo" else math.ceil(cfg.sft.batch_size / ranks)
+    seq = cfg.plan.max_prompt_tokens + cfg.task.max_new_tokens
+    targets = () if full else cfg.lora.targets
+    train = rows * seq * shape.training_token_bytes(elem, targets, full)
+    return state + train > USABLE_SHARE * cfg.plan.gpu_memory_gib * GIB
+
+
 def plan_text(cfg, ranks: int) -> str:
     """The full plan of both methods for ``cfg`` (a config with essa and fgrpo sections)."""
     shape = ModelShape.from_folder(cfg.model.path)

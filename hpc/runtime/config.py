@@ -46,6 +46,16 @@ class ModelConfig:
                         choices=["engine", "hf"])
     cuda_graphs: bool = param(True, "engine on CUDA: replay each decode step from a CUDA "
                               "graph (one per batch/context bucket); false runs it eagerly")
+    activation_checkpointing: str = param(
+        "auto", "SFT and F-GRPO training: keep only each decoder layer's input and recompute "
+        "the layer in the backward (torch.utils.checkpoint, non-reentrant, dropout replayed); "
+        "auto: on where the memory plan's training figure without it exceeds plan.gpu_memory_gib "
+        "on CUDA", choices=["auto", "on", "off"])
+    logprob_chunk: int = param(
+        1024, "SFT and F-GRPO: positions per chunk through the LM head for token log-probs and "
+        "entropy, each chunk's logits recomputed in the backward, so no (batch, T, vocabulary) "
+        "logits exist; 0 = the model's full logits (the reference path)", min=0,
+        max=1_048_576)
 
 
 @dataclass

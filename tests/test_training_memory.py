@@ -1,0 +1,171 @@
+"""Activation checkpointing and chunked log-probs (hpc/models/logprobs.py) against the reference
+paths: same values and gradients, and what each keeps alive, counted tensor by tensor."""
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from transformers import Qwen2ForCausalLM
+
+from hpc.models.loading import attach_lora, enable_activation_checkpointing, randomize_lora_b
+from hpc.models.logprobs import masked_mean, sequence_logprobs
+from hpc.models.toy import qwen2_config
+from hpc.sft import completion_loss
+
+TARGETS = ["q_proj", "v_proj", "up_proj"]
+
+
+def tiny(vocab=50, lora=True, dropout=0.0, checkpointed=False, seed=0):
+    """A random 2-layer Qwen2 (hidden 32) in training mode: LoRA with tied embeddings (as
+    Qwen2.5-1.5B) or full fine-tuning with an untied LM head (as 7B and 32B)."""
+    torch.manual_seed(seed)
+    config = qwen2_config(vocab, hidden=32, layers=2, heads=4, kv_heads=2)
+    config.tie_word_embeddings = lora
+    model = Qwen2ForCausalLM(config)
+    if lora:
+        model = attach_lora(model, 4, 8.0, TARGETS, dropout, seed=seed)
+        randomize_lora_b(model, 0.1, torch.Generator().manual_seed(seed))
+    if checkpointed:
+        enable_activation_checkpointing(model)
+    return model.train()
+
+
+def batch(vocab=50, rows=3, length=11, seed=1):
+    """Random ids (rows, length) with left padding on row 1 (3 tokens) as rollouts have."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, vocab, (rows, length), generator=gen)
+    attn = torch.ones_like(ids)
+    attn[1, :3] = 0
+    ids[1, :3] = 0
+    return ids, attn
+
+
+def logprobs_and_grads(model, ids, attn, chunk, seed=5):
+    """Log-probs, entropies (valid positions) and the gradients of a weighted sum of the
+    log-probs, with torch's RNG seeded (dropout) as the trainer does."""
+    torch.manual_seed(seed)
+    logp, entropy = sequence_logprobs(model, ids, attn, chunk, with_entropy=True)
+    valid = attn[:, 1:].bool()
+    weights = torch.linspace(-1.0, 2.0, logp.numel()).view(logp.shape)
+    torch.where(valid, logp * weights, torch.zeros_like(logp)).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return logp[valid].detach(), entropy[valid], grads
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+@pytest.mark.parametrize("chunk", [1, 7, 16, 1000])  # 7 does not divide the 30 positions
+def test_chunked_logprobs_and_entropy_equal_the_full_logits(lora, chunk):
+    ids, attn = batch()
+    ref_logp, ref_entropy, ref_grads = logprobs_and_grads(tiny(lora=lora), ids, attn, 0)
+    logp, entropy, grads = logprobs_and_grads(tiny(lora=lora), ids, attn, chunk)
+    torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-6)
+    torch.testing.assert_close(entropy, ref_entropy, rtol=0, atol=1e-6)
+    assert grads.keys() == ref_grads.keys()
+    if not lora:  # the LM head trains through the chunks' recompute
+        assert grads["lm_head.weight"].abs().sum() > 0
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_no_grad_chunked_logprobs_equal_the_full_logits():
+    ids, attn = batch()
+    model = tiny().eval()
+    with torch.no_grad():
+        ref, _ = sequence_logprobs(model, ids, attn, 0)
+        logp, _ = sequence_logprobs(model, ids, attn, 4)
+    valid = attn[:, 1:].bool()
+    torch.testing.assert_close(logp[valid], ref[valid], rtol=0, atol=1e-6)
+    assert masked_mean(torch.tensor([[1.0, float("nan")]]), torch.tensor([[1, 0]])) == 1.0
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+@pytest.mark.parametrize("chunk", [0, 8])
+def test_checkpointed_gradients_equal_unchecked_ones(lora, chunk):
+    """With LoRA dropout 0.3 the recompute must replay the forward's masks; torch's RNG ends
+    where it ends without checkpointing, so the next step draws the same (resume stays
+    bitwise)."""
+    ids, attn = batch()
+    results, rng_after = [], []
+    for checkpointed in (False, True):
+        model = tiny(lora=lora, dropout=0.3 if lora else 0.0, checkpointed=checkpointed)
+        results.append(logprobs_and_grads(model, ids, attn, chunk))
+        rng_after.append(torch.get_rng_state())
+    (ref_logp, _, ref_grads), (logp, _, grads) = results
+    assert torch.equal(logp, ref_logp)
+    assert torch.equal(rng_after[0], rng_after[1])
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=0, atol=1e-6, msg=name)
+    if lora:  # dropout really acted: another seed gives other gradients
+        other = logprobs_and_grads(tiny(lora=lora, dropout=0.3, checkpointed=True), ids, attn,
+                                   chunk, seed=6)[2]
+        assert any(not torch.equal(other[n], ref_grads[n]) for n in ref_grads)
+
+
+@pytest.mark.parametrize("chunk", [5, 64])
+def test_sft_chunked_loss_equals_transformers_loss(chunk):
+    ids, attn = batch()
+    labels = ids.masked_fill(attn == 0, -100)
+    labels[:, :4] = -100  # the prompt
+    losses, grads = [], []
+    for c in (0, chunk):
+        model = tiny()
+        loss = completion_loss(model, ids, attn, labels, c)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append([p.grad for p in model.parameters() if p.requires_grad])
+    torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=1e-6)
+    for ref, got in zip(*grads):
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Bytes of the tensor storages allocated inside the mode and alive at once: ``peak``
+    (the most at any time) and ``now``. Storages of ``existing`` tensors (the model's
+    parameters) are not counted when an op returns a view of them."""
+
+    def __init__(self, existing):
+        super().__init__()
+        self.live = {t.untyped_storage().data_ptr(): 0 for t in existing}
+        self.now = self.peak = 0
+
+    def _free(self, key):
+        self.now -= self.live.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key not in self.live:
+                    self.live[key] = storage.nbytes()
+                    self.now += storage.nbytes()
+                    self.peak = max(self.peak, self.now)
+                    weakref.finalize(storage, self._free, key)
+        return out
+
+
+def micro_batch_peak(vocab, chunk, rows=2, length=64):
+    """Peak bytes allocated by one micro-batch's log-probs + entropy + backward (LoRA)."""
+    model = tiny(vocab=vocab)
+    ids, attn = batch(vocab, rows, length)
+    with LiveTensorBytes(list(model.parameters()) + list(model.buffers())) as tracker:
+        logp, entropy = sequence_logprobs(model, ids, attn, chunk, with_entropy=True)
+        (logp * attn[:, 1:]).sum().backward()
+        del logp, entropy
+    return tracker.peak
+
+
+def test_chunked_peak_does_not_grow_with_the_vocabulary_beyond_one_chunk():
+    """Vocabulary 512 -> 2048 (4x), 2 x 63 positions: the full logits' peak grows by more
+    than the fp32 logits of the micro-batch; the chunked one (16 positions) only by the
+    chunk's handful of fp32 (chunk, V) tensors (logits, softmax and gradient temporaries),
+    under four chunks' logits at the larger vocabulary."""
+    small, large, positions, chunk = 512, 2048, 2 * 63, 16
+    full_growth = micro_batch_peak(large, 0) - micro_batch_peak(small, 0)
+    chunked_growth = micro_batch_peak(large, chunk) - micro_batch_peak(small, chunk)
+    assert full_growth > positions * (large - small) * 4
+    assert 0 < chunked_growth < 4 * chunk * large * 4
+    assert micro_batch_peak(large, chunk) < micro_batch_peak(large, 0) / 2
