@@ -1,10 +1,10 @@
 """Peak GPU memory of the package's own code paths, measured by torch's memory tracker on fake
 tensors: no weights, no GPU, any model shape (Qwen2.5-1.5B to 32B) in seconds.
 
-    python benchmarks/memory_tracker.py CONFIG.json [job config items ...] [--ranks N]
-        [--cases essa,evaluation,after_evaluation,fgrpo]
+    python benchmarks/memory_tracker.py [CONFIG.yaml] model.path=FOLDER [key=value ...]
+        [--ranks N] [--cases essa,evaluation,after_evaluation,fgrpo]
 
-Each case builds the model from ``config.json`` under ``FakeTensorMode`` (``from_config`` in
+Each case builds the model from ``model.path``'s ``config.json`` (no weights needed) under ``FakeTensorMode`` (``from_config`` in
 the config's ``model.dtype``; tensors on the ``cpu`` device: on a CPU-only torch a fake ``cuda``
 leaf that needs a gradient aborts the process) and runs, under
 ``torch.distributed._tools.mem_tracker.MemTracker``, what a job runs:
@@ -18,8 +18,8 @@ leaf that needs a gradient aborts the process) and runs, under
   rows) on the job's own adapter (k = 1);
 * ``after_evaluation``: the evaluation, then an ESSA scoring pass: what the job holds once the
   start evaluation's engine has (or has not) been given back;
-* ``fgrpo``: F-GRPO's training phase on one rank as :mod:`fgrpo.trainer` runs it: AdamW on the
-  trainable parameters (fgrpo.policy.build_model's LoRA or full fine-tuning),
+* ``fgrpo``: one F-GRPO step on one rank as :mod:`fgrpo.trainer` runs it from its second step
+  on: the rollout's engine pass (``min(eval.batch_size, prompts per rank) * G`` rows), then (gradients and AdamW moments allocated): AdamW on the trainable parameters (fgrpo.policy.build_model's LoRA or full fine-tuning),
   :func:`fgrpo.gradients.accumulate_gradients` over two micro-batches of full-length rows, the
   gradient all-reduce (:func:`hpc.runtime.dist.all_reduce_mean_` over torch's fake process
   group when ``--ranks`` > 1) and :func:`fgrpo.gradients.optimizer_step`.
@@ -134,15 +134,36 @@ def evaluation_pass(model, cfg, ranks: int) -> None:
     _decode_pass(model, cfg, evaluation_rows(cfg), 1, prompt, seq)
 
 
+class _NoModules:
+    """Stands in for MemTracker's ModTracker: no module hooks, no module statistics."""
+
+    parents: set = set()
+    is_bw = False
+
+    def register_user_hooks(self, *hooks):
+        pass
+
+    def clear_user_hooks(self):
+        pass
+
+    def get_known_fqn(self, module):
+        return ""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
 class LiveBytesTracker(MemTracker):
     """MemTracker of the whole process's live tensor bytes, without its per-module statistics:
     the engine calls a model's modules many times and one by one (the module statistics refuse
-    a second call), and a frozen parameter refuses the gradient hooks they install."""
+    a second call), and under inference mode their gradient hooks fail."""
 
-    def _pre_fw_hook(self, *args):
-        pass
-
-    _post_fw_hook = _pre_bw_hook = _post_bw_hook = _pre_fw_hook
+    def __init__(self):
+        super().__init__()
+        self._mod_tracker = _NoModules()
 
 
 class _OneRankWorld:
@@ -177,25 +198,34 @@ def fake_process_group(ranks: int):
         dist.destroy_process_group()
 
 
-def fgrpo_training(model, cfg, ranks: int, tracker: LiveBytesTracker) -> None:
-    """F-GRPO's training phase on rank 0 of ``ranks`` (module docstring)."""
+def fgrpo_step(model, cfg, ranks: int, tracker: LiveBytesTracker) -> None:
+    """One F-GRPO step on rank 0 of ``ranks`` (module docstring)."""
     from fgrpo.gradients import accumulate_gradients, optimizer_step
     from fgrpo.rollout import Rollouts
+    from hpc.models.loading import enable_activation_checkpointing
+    from hpc.models.memory_plan import activation_checkpointing, fgrpo_rollout_rows
     from hpc.runtime.dist import all_reduce_mean_
 
     f = cfg.fgrpo
-    model.train()
+    prompt, seq = _lengths(cfg)
+    if activation_checkpointing(cfg, "fgrpo", ranks, "cuda"):
+        enable_activation_checkpointing(model)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=f.learning_rate, weight_decay=f.weight_decay)
     tracker.track_external(model, opt)
-    _, seq = _lengths(cfg)
     rows = 2 * f.micro_batch
     ids = torch.zeros((rows, seq), dtype=torch.int64)
     rollouts = Rollouts(ids, torch.ones_like(ids), torch.ones((rows, seq)),
-                        torch.zeros((rows // f.num_generations or 1, f.num_generations)),
+                        torch.zeros((max(1, rows // f.num_generations), f.num_generations)),
                         torch.full((rows,), seq))
     world = _OneRankWorld(ranks)
     with fake_process_group(ranks), tracker:
+        for p in params:  # the state of a step after the first: gradients, AdamW moments
+            p.grad = torch.zeros_like(p)
+        optimizer_step(params, opt, f.max_grad_norm)
+        _decode_pass(model, cfg, fgrpo_rollout_rows(cfg, ranks), 0 if f.full_finetune else 1,
+                     prompt, seq)
+        model.train()
         opt.zero_grad(set_to_none=False)
         accumulate_gradients(model, rollouts, torch.ones(rows), cfg, world,
                              cfg.task.max_new_tokens)
@@ -203,17 +233,23 @@ def fgrpo_training(model, cfg, ranks: int, tracker: LiveBytesTracker) -> None:
         optimizer_step(params, opt, f.max_grad_norm)
 
 
-def measure(case: str, config: dict, cfg, ranks: int = 1, layers: int | None = None) -> int:
-    """Peak live bytes of ``case`` (:data:`CASES`) for the model of ``config`` (a config.json
-    dict) under job config ``cfg`` (with essa and fgrpo sections) on rank 0 of ``ranks``."""
+def model_config(cfg) -> dict:
+    with open(f"{cfg.model.path}/config.json") as fh:
+        return json.load(fh)
+
+
+def measure(case: str, cfg, ranks: int = 1, layers: int | None = None) -> int:
+    """Peak live bytes of ``case`` (:data:`CASES`) for the model of ``cfg.model.path`` under
+    job config ``cfg`` (with essa and fgrpo sections) on rank 0 of ``ranks``."""
     if case not in CASES:
         raise ValueError(f"case {case!r} is not one of {CASES}")
+    config = model_config(cfg)
     with contextlib.ExitStack() as stack:
         lora = case != "fgrpo" or not cfg.fgrpo.full_finetune
         model = fake_model(config, cfg, lora, stack, layers)
         tracker = LiveBytesTracker()
         if case == "fgrpo":
-            fgrpo_training(model, cfg, ranks, tracker)
+            fgrpo_step(model, cfg, ranks, tracker)
         else:  # ESSA loads its adapter frozen (is_trainable=False)
             model.requires_grad_(False)
             tracker.track_external(model)
@@ -225,13 +261,13 @@ def measure(case: str, config: dict, cfg, ranks: int = 1, layers: int | None = N
         return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
-def peak_bytes(case: str, config: dict, cfg, ranks: int = 1, layers_from: tuple = ()) -> int:
+def peak_bytes(case: str, cfg, ranks: int = 1, layers_from: tuple = ()) -> int:
     """:func:`measure` at the model's layer count; with ``layers_from`` (two small counts)
     measured at those and extended linearly to it."""
     if not layers_from:
-        return measure(case, config, cfg, ranks)
-    (l1, l2), target = layers_from, config["num_hidden_layers"]
-    p1, p2 = (measure(case, config, cfg, ranks, n) for n in (l1, l2))
+        return measure(case, cfg, ranks)
+    (l1, l2), target = layers_from, model_config(cfg)["num_hidden_layers"]
+    p1, p2 = (measure(case, cfg, ranks, n) for n in (l1, l2))
     return p1 + (p2 - p1) * (target - l1) // (l2 - l1)
 
 
@@ -240,20 +276,17 @@ def main(argv=None):
     from hpc.runtime.config import load_config
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("config_json", help="a model's config.json (no weights needed)")
     p.add_argument("items", nargs="*", metavar="CONFIG.yaml | section.key=value")
     p.add_argument("--ranks", type=int, default=1)
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--layers-from", type=int, nargs=2, default=(2, 4), metavar=("L1", "L2"),
                    help="measure at these layer counts and extend linearly (0 0: every layer)")
     args = p.parse_args(argv)
-    with open(args.config_json) as fh:
-        config = json.load(fh)
     cfg = load_config(plan_job_class(), next((i for i in args.items if "=" not in i), None),
                       [i for i in args.items if "=" in i])
     layers = tuple(args.layers_from) if all(args.layers_from) else ()
     for case in args.cases.split(","):
-        print(f"{case:<18} {peak_bytes(case, config, cfg, args.ranks, layers) / GIB:8.2f} GiB")
+        print(f"{case:<18} {peak_bytes(case, cfg, args.ranks, layers) / GIB:8.2f} GiB")
 
 
 if __name__ == "__main__":

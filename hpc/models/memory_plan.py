@@ -38,6 +38,7 @@ fragmentation):
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import math
@@ -54,7 +55,7 @@ ESSA_MEMBER_SHARE = 0.5  # essa.batched.MEMORY_SHARE: the share of free memory k
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LORA_BYTES_PER_PARAM = 4  # peft keeps adapter weights in fp32
 LORA_TRAIN_BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW exp_avg + exp_avg_sq
-PLANNED_METHODS = ("essa", "fgrpo")
+PREFILL_TOKENS = 8192  # hpc.models.engine.PREFILL_TOKENS (this module stays free of torch)
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ class ModelShape:
         """Activations one decoder layer keeps for backward, per token (see the module doc);
         ``full``: every weight trains, so the inputs of the linear layers are kept too."""
         h_coef = 5 if elem == 4 else 6  # the RMSNorms' fp32 upcasts cost one more h in 16 bits
-        kv = self.kv_heads * self.head_dim
+        kv = self.heads * self.head_dim  # K and V saved at all heads (repeat_kv, padded path)
         values = h_coef * self.hidden + 2 * kv + 3 * self.intermediate
         if full:  # measured: (3*h + I) more in fp32, (4*h + I) in 16 bits
             values += (h_coef - 2) * self.hidden + self.intermediate
@@ -158,123 +159,258 @@ def gib(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f} GiB"
 
 
+def _bytes(cfg) -> int:
+    return DTYPE_BYTES[cfg.model.dtype]
+
+
+def _seq(cfg) -> int:
+    return cfg.plan.max_prompt_tokens + cfg.task.max_new_tokens
+
+
+def weight_bytes(shape: ModelShape, cfg) -> int:
+    """The base weights on one GPU in ``model.dtype``."""
+    return shape.parameters() * _bytes(cfg)
+
+
+def engine_bytes(shape: ModelShape, cfg, slots: int, k: int) -> int:
+    """What a decoding engine of ``slots`` rows and k stacked members holds while it lives:
+    the KV cache (``slots`` x the sequence rounded up to 64 positions x 2 L g d values in
+    ``model.dtype``), the stacked member factors (k LoRA adapters in fp32) and the fp32 logits
+    of every slot."""
+    max_len = -(-_seq(cfg) // 64) * 64
+    kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * max_len * slots * _bytes(cfg)
+    members = k * shape.lora_parameters(cfg.lora.rank, cfg.lora.targets) * LORA_BYTES_PER_PARAM
+    return kv + members + 4 * shape.vocab * slots
+
+
+def decode_transient_bytes(shape: ModelShape, cfg, slots: int) -> int:
+    """The larger transient of an engine pass: a prefill of PREFILL_TOKENS prompt tokens
+    (one layer's activations, 4h + 3I values a token) or a decode step over every slot (its
+    logits in ``model.dtype``)."""
+    e = _bytes(cfg)
+    prefill = PREFILL_TOKENS * (4 * shape.hidden + 3 * shape.intermediate) * e
+    return max(prefill, slots * shape.vocab * e)
+
+
+@dataclass
+class Phase:
+    """One phase of a job on one GPU: what is alive at its peak, (label, bytes) pairs."""
+
+    name: str
+    parts: list
+
+    @property
+    def peak(self) -> int:
+        return sum(b for _, b in self.parts)
+
+
 @dataclass
 class MethodPlan:
-    """One method's memory on one GPU: named parts (bytes), the peak, verdict, advice."""
+    """One method's memory on one GPU: its phases, the peak over them, verdict, advice."""
 
     method: str
-    parts: list  # (label, bytes)
-    peak: int
+    phases: list
     usable: int
     notes: list
     advice: str = ""
 
     @property
+    def peak(self) -> int:
+        return max(p.peak for p in self.phases)
+
+    @property
     def fits(self) -> bool:
         return self.peak <= self.usable
 
+    def phase(self, name: str) -> Phase:
+        return next(p for p in self.phases if p.name == name)
+
     def lines(self) -> list:
         out = [f"{self.method} per GPU:"]
-        out += [f"  {label:<72} {gib(nbytes):>11}" for label, nbytes in self.parts]
+        for p in self.phases:
+            out.append(f"  phase {p.name}: {gib(p.peak)}")
+            out += [f"    {label:<74} {gib(nbytes):>11}" for label, nbytes in p.parts]
         verdict = "fits" if self.fits else "DOES NOT FIT"
-        out.append(f"  {'peak':<72} {gib(self.peak):>11}  of {gib(self.usable)} usable: {verdict}")
+        out.append(f"  {'peak':<76} {gib(self.peak):>11}  of {gib(self.usable)} usable: "
+                   f"{verdict}")
         out += [f"  {note}" for note in self.notes]
         if not self.fits:
             out.append(f"  to fit: {self.advice}")
         return out
 
 
-def _rows_that_fit(room: float, row_bytes: int) -> int:
-    return max(0, int(room // row_bytes))
+def _usable(cfg) -> int:
+    return int(USABLE_SHARE * cfg.plan.gpu_memory_gib * GIB)
 
 
-def essa_plan(shape: ModelShape, cfg, essa, ranks: int) -> MethodPlan:
-    """ESSA on one GPU (``cfg``: a job config; ``essa``: its essa section)."""
-    elem = DTYPE_BYTES[cfg.model.dtype]
-    usable = int(USABLE_SHARE * cfg.plan.gpu_memory_gib * GIB)
-    seq = cfg.plan.max_prompt_tokens + cfg.task.max_new_tokens
-    weights = shape.parameters() * elem
-    members = math.ceil(essa.population / ranks)
+def _with(cfg, **changes):
+    """A copy of ``cfg`` with ``section__key=value`` changes."""
+    out = copy.deepcopy(cfg)
+    for name, value in changes.items():
+        section, key = name.split("__")
+        setattr(getattr(out, section), key, value)
+    return out
+
+
+def _smallest_fix(build, shape, cfg, ranks: int, candidates: list) -> str:
+    """The first of ``candidates`` ((advice, {section__key: value}, ranks or None)) under
+    which ``build``'s plan fits, or ''."""
+    for advice, changes, new_ranks in candidates:
+        if build(shape, _with(cfg, **changes), new_ranks or ranks, advise=False).fits:
+            return advice
+    return ""
+
+
+def evaluation_phase(shape: ModelShape, cfg, resident: list) -> Phase:
+    """The held-out evaluation's sampled pass on top of ``resident`` parts."""
+    rows = evaluation_rows(cfg)
+    return Phase("evaluation", resident + [
+        (f"engine: {rows} rows (eval.batch_size x eval.n_samples) x {_seq(cfg)} tokens, "
+         f"own adapter", engine_bytes(shape, cfg, rows, 1)),
+        ("its prefill or decode-step temporaries", decode_transient_bytes(shape, cfg, rows))])
+
+
+def essa_scoring_phase(shape: ModelShape, cfg, ranks: int, k: int) -> Phase:
+    members = math.ceil(cfg.essa.population / ranks)
     lora = shape.lora_parameters(cfg.lora.rank, cfg.lora.targets) * LORA_BYTES_PER_PARAM
-    rows = min(cfg.eval.batch_size, essa.minibatch)
-    row_bytes = seq * shape.inference_token_bytes(elem) + 4 * shape.vocab
-    member_pass = rows * row_bytes
-    free = usable - weights
-    fit = max(0, int((ESSA_MEMBER_SHARE * free - members * lora) // member_pass))
-    k = max(1, min(essa.members_per_pass, members, fit))
-    parts = [(f"weights ({shape.parameters():,} parameters, {cfg.model.dtype})", weights),
-             (f"LoRA factors of this rank's {members} members (fp32)", members * lora),
-             (f"{k} member(s) per pass x {rows} rows x {seq} tokens (KV, activations, logits)",
-              k * member_pass)]
-    peak = sum(b for _, b in parts)
-    notes = [f"one member's pass: {gib(member_pass)} (KV cache "
-             f"{gib(rows * seq * 2 * shape.layers * shape.kv_heads * shape.head_dim * elem)}); "
-             f"members that fit per pass: {fit} (essa.members_per_pass={essa.members_per_pass}; "
-             f"run time caps k at {ESSA_MEMBER_SHARE:.0%} of the free memory)"]
-    room = usable - weights - members * lora
-    if weights > usable:
-        advice = (f"the weights alone need {gib(weights)}: use GPUs with more memory"
-                  + (" or model.dtype=bfloat16" if elem == 4 else ""))
+    rows = min(cfg.eval.batch_size, cfg.essa.minibatch) * k
+    return Phase("ESSA scoring", [
+        (f"weights ({cfg.model.dtype})", weight_bytes(shape, cfg)),
+        (f"LoRA factors of this rank's {members} members (fp32)", members * lora),
+        (f"engine: {k} member(s) x {rows // k} rows x {_seq(cfg)} tokens",
+         engine_bytes(shape, cfg, rows, k)),
+        ("its prefill or decode-step temporaries", decode_transient_bytes(shape, cfg, rows))])
+
+
+def essa_members_that_fit(shape: ModelShape, cfg, ranks: int) -> int:
+    """The most members per pass whose scoring phase fits (0: not even one)."""
+    k = 0
+    while k < 4096 and essa_scoring_phase(shape, cfg, ranks, k + 1).peak <= _usable(cfg):
+        k += 1
+    return k
+
+
+def essa_plan(shape: ModelShape, cfg, ranks: int, advise: bool = True) -> MethodPlan:
+    """ESSA on one GPU: scoring passes of k members (``essa.members_per_pass``), and the
+    held-out evaluation."""
+    k = essa_members_per_pass(cfg, ranks)
+    scoring = essa_scoring_phase(shape, cfg, ranks, k)
+    phases = [scoring, evaluation_phase(shape, cfg, scoring.parts[:1])]
+    fit = essa_members_that_fit(shape, cfg, ranks)
+    notes = [f"members per pass that fit: {fit} (essa.members_per_pass="
+             f"{cfg.essa.members_per_pass}; run time caps k at {ESSA_MEMBER_SHARE:.0%} of the "
+             f"free memory)"]
+    plan = MethodPlan("ESSA", phases, _usable(cfg), notes)
+    if advise and not plan.fits:
+        plan.advice = _smallest_fix(essa_plan, shape, cfg, ranks, [
+            *[(f"essa.members_per_pass={k2}", {"essa__members_per_pass": k2}, None)
+              for k2 in range(k - 1, 0, -1)],
+            *[(f"eval.batch_size={b}", {"eval__batch_size": b}, None)
+              for b in (32, 16, 8, 4, 2, 1) if b < cfg.eval.batch_size],
+        ]) or (f"the weights alone need {gib(weight_bytes(shape, cfg))}: use GPUs with more "
+               f"memory, or shorten plan.max_prompt_tokens / task.max_new_tokens")
+    return plan
+
+
+def _checkpointed(cfg, ranks: int) -> bool:
+    return activation_checkpointing(cfg, "fgrpo", ranks, "cuda", planned=True)
+
+
+def training_activation_parts(shape: ModelShape, cfg, ranks: int) -> list:
+    """(label, bytes) of one F-GRPO micro-batch's forward/backward at its peak: what the
+    forward keeps for the backward plus the larger backward transient."""
+    e, f = _bytes(cfg), cfg.fgrpo
+    tokens = f.micro_batch * _seq(cfg)
+    targets = () if f.full_finetune else cfg.lora.targets
+    layer = shape.training_layer_bytes(e, targets, f.full_finetune)
+    chunk = cfg.model.logprob_chunk
+    upcast = 4 if e < 4 else 0
+    if chunk:  # the final norm's input (+ fp32 upcast), the flattened hidden, one head chunk
+        head = [(f"final norm and hidden for the LM head ({tokens} positions)",
+                 tokens * shape.hidden * (2 * e + upcast))]
+        head_transient = 16 * min(chunk, tokens) * shape.vocab + 2 * tokens * shape.hidden * e
+        head_label = f"one LM-head chunk of {min(chunk, tokens)} positions (model.logprob_chunk)"
+    else:  # logits, their fp32 copy and three fp32 backward temporaries
+        head, head_transient = [], 16 * tokens * shape.vocab
+        head_label = f"full-vocabulary logits of {tokens} positions (model.logprob_chunk=0)"
+    if _checkpointed(cfg, ranks):
+        kept = [(f"checkpointed layer inputs ({shape.layers} layers x {tokens} tokens)",
+                 shape.layers * tokens * shape.hidden * e)]
+        layer_transient = tokens * layer + 2 * tokens * shape.hidden * e
     else:
-        advice = (f"lower eval.batch_size to {_rows_that_fit(room, row_bytes)} (rows per pass) "
-                  f"or shorten plan.max_prompt_tokens / task.max_new_tokens")
-    return MethodPlan("ESSA", parts, peak, usable, notes, advice)
+        kept = [(f"activations of {shape.layers} layers x {tokens} tokens (no checkpointing)",
+                 shape.layers * tokens * layer)]
+        layer_transient = 0
+    peak = ((head_label, head_transient) if head_transient >= layer_transient else
+            ("one layer's recomputation and its gradients", layer_transient))
+    return kept + head + [peak]
 
 
-def fgrpo_plan(shape: ModelShape, cfg, fgrpo, ranks: int) -> MethodPlan:
-    """F-GRPO on one GPU (``cfg``: a job config; ``fgrpo``: its fgrpo section)."""
-    elem = DTYPE_BYTES[cfg.model.dtype]
-    usable = int(USABLE_SHARE * cfg.plan.gpu_memory_gib * GIB)
-    seq = cfg.plan.max_prompt_tokens + cfg.task.max_new_tokens
-    n_params = shape.parameters()
-    weights = n_params * elem
-    parts = [(f"weights ({n_params:,} parameters, {cfg.model.dtype})", weights)]
-    if fgrpo.full_finetune:
-        parts.append(("gradients + AdamW moments, every weight (model dtype)", 3 * elem * n_params))
-        if fgrpo.beta > 0:
-            parts.append(("reference model (fgrpo.beta > 0 with full fine-tuning)", weights))
+def fgrpo_state_parts(shape: ModelShape, cfg) -> list:
+    n, e = shape.parameters(), _bytes(cfg)
+    parts = [(f"weights ({n:,} parameters, {cfg.model.dtype})", weight_bytes(shape, cfg))]
+    if cfg.fgrpo.full_finetune:
+        parts.append(("gradients + AdamW moments, every weight (model dtype)", 3 * e * n))
+        if cfg.fgrpo.beta > 0:
+            parts.append(("reference model (fgrpo.beta > 0 with full fine-tuning)",
+                          weight_bytes(shape, cfg)))
     else:
         n_lora = shape.lora_parameters(cfg.lora.rank, cfg.lora.targets)
         parts.append((f"LoRA {n_lora:,} parameters: fp32 weights, gradients, AdamW",
-                      n_lora * LORA_TRAIN_BYTES_PER_PARAM))
-    state = sum(b for _, b in parts)
-    prompts = min(cfg.eval.batch_size, math.ceil(fgrpo.batch_prompts / ranks))
-    rollout_rows = prompts * fgrpo.num_generations
-    rollout_row = seq * shape.inference_token_bytes(elem) + 4 * shape.vocab
-    lora_targets = () if fgrpo.full_finetune else cfg.lora.targets
-    train_row = seq * shape.training_token_bytes(elem, lora_targets, fgrpo.full_finetune)
-    rollout, train = rollout_rows * rollout_row, fgrpo.micro_batch * train_row
-    parts.append((f"rollout: {prompts} prompts x G={fgrpo.num_generations} rows x {seq} tokens"
-                  if rollout >= train else
-                  f"training: micro_batch {fgrpo.micro_batch} x {seq} tokens (activations, "
-                  f"logits)", max(rollout, train)))
-    other = (f"training phase (micro_batch {fgrpo.micro_batch}): {gib(train)}" if rollout >= train
-             else f"rollout phase ({rollout_rows} rows): {gib(rollout)}")
-    room = usable - state
-    if state > usable:
-        advice = (f"weights and optimizer state alone need {gib(state)}: "
-                  + ("train a LoRA (fgrpo.full_finetune=false)" if fgrpo.full_finetune else
-                     "use GPUs with more memory") + (" or model.dtype=bfloat16" if elem == 4 else ""))
-    else:
-        fixes = []
-        for what, total, row, key in (("training sequence", train, train_row, "fgrpo.micro_batch"),
-                                      ("rollout row", rollout, rollout_row, "eval.batch_size")):
-            if total <= room:
-                continue
-            n = _rows_that_fit(room, row)
-            if key == "eval.batch_size":
-                n //= fgrpo.num_generations
-            fixes.append(f"{key}={n}" if n else
-                         f"one {what} alone needs {gib(row)} with {gib(room)} left (no "
-                         f"activation checkpointing or model sharding here): GPUs with more "
-                         f"memory")
-        advice = ", ".join(fixes + ["or shorten plan.max_prompt_tokens / task.max_new_tokens"])
-    return MethodPlan("F-GRPO", parts, state + max(rollout, train), usable, [other], advice)
+                       n_lora * LORA_TRAIN_BYTES_PER_PARAM))
+    return parts
+
+
+def fgrpo_rollout_rows(cfg, ranks: int) -> int:
+    return min(cfg.eval.batch_size, math.ceil(cfg.fgrpo.batch_prompts / ranks)) * \
+        cfg.fgrpo.num_generations
+
+
+def fgrpo_plan(shape: ModelShape, cfg, ranks: int, advise: bool = True) -> MethodPlan:
+    """F-GRPO on one GPU: rollout, training (micro-batch forward/backward, then the gradient
+    all-reduce and AdamW step) and the held-out evaluation."""
+    f, e = cfg.fgrpo, _bytes(cfg)
+    state = fgrpo_state_parts(shape, cfg)
+    rows = fgrpo_rollout_rows(cfg, ranks)
+    k = 0 if f.full_finetune else 1
+    rollout = Phase("rollout", state + [
+        (f"engine: {rows} rows ({rows // f.num_generations} prompts x G="
+         f"{f.num_generations}) x {_seq(cfg)} tokens", engine_bytes(shape, cfg, rows, k)),
+        ("its prefill or decode-step temporaries", decode_transient_bytes(shape, cfg, rows))])
+    kept = [(f"rollout engine, kept on the model", engine_bytes(shape, cfg, rows, k))]
+    train = Phase(f"training (micro_batch {f.micro_batch})",
+                  state + kept + training_activation_parts(shape, cfg, ranks))
+    phases = [rollout, train]
+    if f.full_finetune:
+        flat = shape.parameters() * e
+        phases.append(Phase("all-reduce and AdamW step", state + kept + [
+            ("flat gradient copy of the all-reduce / AdamW foreach temporaries", flat)]))
+    phases.append(evaluation_phase(shape, cfg, state))
+    chunk = cfg.model.logprob_chunk
+    plan = MethodPlan("F-GRPO", phases, _usable(cfg), [
+        f"activation checkpointing {'on' if _checkpointed(cfg, ranks) else 'off'} "
+        f"(model.activation_checkpointing={cfg.model.activation_checkpointing}); "
+        + (f"log-probs in chunks of {chunk} positions" if chunk else
+           "full-vocabulary logits (model.logprob_chunk=0)")])
+    if advise and not plan.fits:
+        ckpt, chunk = {"model__activation_checkpointing": "on"}, {"model__logprob_chunk": 1024}
+        plan.advice = _smallest_fix(fgrpo_plan, shape, cfg, ranks, [
+            ("set model.activation_checkpointing=on", ckpt, None),
+            ("set model.logprob_chunk=1024", chunk, None),
+            ("set model.activation_checkpointing=on and model.logprob_chunk=1024",
+             dict(ckpt, **chunk), None),
+            *[(f"fgrpo.micro_batch={m}", {"fgrpo__micro_batch": m}, None)
+              for m in (4, 2, 1) if m < f.micro_batch],
+            *[(f"eval.batch_size={b}", {"eval__batch_size": b}, None)
+              for b in (32, 16, 8, 4, 2, 1) if b < cfg.eval.batch_size],
+        ]) or (f"weights and optimizer state alone need {gib(sum(b for _, b in state))}: "
+               + ("train a LoRA (fgrpo.full_finetune=false)" if f.full_finetune else
+                  "use GPUs with more memory"))
+    return plan
 
 
 def model_summary(shape: ModelShape, cfg) -> list:
     n = shape.parameters()
-    seq = cfg.plan.max_prompt_tokens + cfg.task.max_new_tokens
     weights = ", ".join(f"{name} {gib(n * b)}" for name, b in DTYPE_BYTES.items())
     n_lora = shape.lora_parameters(cfg.lora.rank, cfg.lora.targets)
     unknown = [t for t in cfg.lora.targets if t not in shape.module_shapes()]
@@ -286,21 +422,22 @@ def model_summary(shape: ModelShape, cfg) -> list:
             f"LoRA rank {cfg.lora.rank} on {', '.join(cfg.lora.targets)}: {n_lora:,} parameters"
             + (f" (not counted, unknown to the plan: {', '.join(unknown)})" if unknown else ""),
             f"sequence: {cfg.plan.max_prompt_tokens} prompt tokens (plan.max_prompt_tokens) + "
-            f"{cfg.task.max_new_tokens} new (task.max_new_tokens) = {seq} tokens",
+            f"{cfg.task.max_new_tokens} new (task.max_new_tokens) = {_seq(cfg)} tokens",
             f"GPU memory assumed: {cfg.plan.gpu_memory_gib:g} GiB (plan.gpu_memory_gib), "
             f"{USABLE_SHARE:.0%} usable"]
+
+
+PLANS = {"essa": essa_plan, "fgrpo": fgrpo_plan}
 
 
 def check_job_memory(cfg, method: str, ranks: int, device_type: str) -> None:
     """At job start: UserError (one line) when ``method``'s plan does not fit. Only for ESSA and
     F-GRPO on CUDA with a local model folder and ``plan.gpu_memory_gib`` > 0."""
     path = cfg.model.path
-    if (method not in PLANNED_METHODS or device_type != "cuda" or cfg.plan.gpu_memory_gib <= 0
+    if (method not in PLANS or device_type != "cuda" or cfg.plan.gpu_memory_gib <= 0
             or not os.path.isfile(os.path.join(path, "config.json"))):
         return
-    shape = ModelShape.from_folder(path)
-    build = essa_plan if method == "essa" else fgrpo_plan
-    plan = build(shape, cfg, getattr(cfg, method), ranks)
+    plan = PLANS[method](ModelShape.from_folder(path), cfg, ranks)
     if not plan.fits:
         raise UserError(f"memory plan: {plan.method} needs {gib(plan.peak)} per GPU, more than "
                         f"{gib(plan.usable)} usable of plan.gpu_memory_gib="
@@ -308,41 +445,40 @@ def check_job_memory(cfg, method: str, ranks: int, device_type: str) -> None:
                         f"with the same config)")
 
 
-def activation_checkpointing(cfg, method: str, ranks: int, device_type: str) -> bool:
+def activation_checkpointing(cfg, method: str, ranks: int, device_type: str,
+                             planned: bool = False) -> bool:
     """``model.activation_checkpointing`` resolved for a job of ``method`` (sft or fgrpo) on
     ``ranks`` ranks: on / off as given; auto = on exactly when, on CUDA with a local model
-    folder and ``plan.gpu_memory_gib`` > 0, the weights, the trainable state and one
-    micro-batch's activations kept without checkpointing (sft: ``ceil(sft.batch_size /
-    ranks)`` sequences, fgrpo: ``fgrpo.micro_batch``; a sequence = ``plan.max_prompt_tokens``
-    + ``task.max_new_tokens`` tokens) exceed the usable memory."""
+    folder and ``plan.gpu_memory_gib`` > 0, the job does not fit without it (F-GRPO: its plan
+    with checkpointing off; SFT: the weights, the trainable state and ``ceil(sft.batch_size /
+    ranks)`` sequences' activations). ``planned``: for the plan itself, which may assume any
+    model folder."""
     choice = cfg.model.activation_checkpointing
     if choice != "auto":
         return choice == "on"
     path = cfg.model.path
-    if (device_type != "cuda" or cfg.plan.gpu_memory_gib <= 0
+    if ((device_type != "cuda" and not planned) or cfg.plan.gpu_memory_gib <= 0
             or not os.path.isfile(os.path.join(path, "config.json"))):
         return False
     shape = ModelShape.from_folder(path)
+    if method == "fgrpo":
+        plan = fgrpo_plan(shape, _with(cfg, model__activation_checkpointing="off"), ranks,
+                          advise=False)
+        return not plan.fits
     elem = DTYPE_BYTES[cfg.model.dtype]
-    full = method == "fgrpo" and cfg.fgrpo.full_finetune
-    if full:
-        state = shape.parameters() * elem * 4  # weights, gradients, two AdamW moments
-    else:
-        state = (shape.parameters() * elem + LORA_TRAIN_BYTES_PER_PARAM
-                 * shape.lora_parameters(cfg.lora.rank, cfg.lora.targets))
-    rows = cfg.fgrpo.micro_batch if method == "fgrpo" else math.ceil(cfg.sft.batch_size / ranks)
-    seq = cfg.plan.max_prompt_tokens + cfg.task.max_new_tokens
-    targets = () if full else cfg.lora.targets
-    train = rows * seq * shape.training_token_bytes(elem, targets, full)
-    return state + train > USABLE_SHARE * cfg.plan.gpu_memory_gib * GIB
+    state = (shape.parameters() * elem + LORA_TRAIN_BYTES_PER_PARAM
+             * shape.lora_parameters(cfg.lora.rank, cfg.lora.targets))
+    train = math.ceil(cfg.sft.batch_size / ranks) * _seq(cfg) * \
+        shape.training_token_bytes(elem, cfg.lora.targets)
+    return state + train > _usable(cfg)
 
 
 def plan_text(cfg, ranks: int) -> str:
     """The full plan of both methods for ``cfg`` (a config with essa and fgrpo sections)."""
     shape = ModelShape.from_folder(cfg.model.path)
     lines = model_summary(shape, cfg) + [f"ranks: {ranks}", ""]
-    lines += essa_plan(shape, cfg, cfg.essa, ranks).lines() + [""]
-    lines += fgrpo_plan(shape, cfg, cfg.fgrpo, ranks).lines()
+    lines += essa_plan(shape, cfg, ranks).lines() + [""]
+    lines += fgrpo_plan(shape, cfg, ranks).lines()
     return "\n".join(lines)
 
 
