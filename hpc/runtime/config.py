@@ -45,7 +45,16 @@ class ModelConfig:
                         "per row) or 'hf' (Hugging Face generate, the reference)",
                         choices=["engine", "hf"])
     cuda_graphs: bool = param(True, "engine on CUDA: replay each decode step from a CUDA "
-                              "graph (one per batch/context bucket); false runs it eagerly")
+                              "graph (one per batch/context bucket), each checked against the "
+                              "eager step at capture; false runs it eagerly")
+    engine_memory_gib: float = param(0.0, "memory budget of the decoding engine per GPU (GiB: "
+                                     "KV cache, stacked members, per-row buffers, a step's "
+                                     "peak); a phase that asks for more rows decodes them in "
+                                     "waves. 0 = half the device's free memory at the first "
+                                     "generation on CUDA, 8 GiB on CPU", min=0.0, max=1e6)
+    engine_slots: int = param(0, "most rows the decoding engine decodes at once (0 = as many "
+                              "as the phase asks for within model.engine_memory_gib)",
+                              min=0, max=1 << 20)
     activation_checkpointing: str = param(
         "auto", "SFT and F-GRPO training: keep only each decoder layer's input and recompute "
         "the layer in the backward (torch.utils.checkpoint, non-reentrant, dropout replayed); "

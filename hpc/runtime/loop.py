@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import abc
 import json
+import sys
 import time
 
 import numpy as np
 import torch
 
+from hpc.models.engine import disable_cuda_graphs, graph_check_failure, reset_graph_check
 from hpc.models.generation import take_generated_tokens
 from hpc.runtime.checkpoint import load_latest, save_checkpoint
 from hpc.runtime.job import Job, agree_on_resume_step, on_all_ranks, progress_bar
@@ -121,6 +123,30 @@ def run_attrs(job: Job, method: Method) -> dict:
                 heldout_accuracy=method.heldout_accuracy, **method.attrs())
 
 
+def share_graph_check(world, store: RunStore, shared: bool) -> bool:
+    """Collective (every rank, same ``shared``), after each step and the final evaluation:
+    when the decoding engine's self-check failed on any rank
+    (:func:`hpc.models.engine.graph_check_failure`), CUDA graphs go off on every rank, rank 0
+    prints one line and the run file gets the attribute ``cuda_graphs_disabled`` (the rank and
+    the reason). Returns whether that is done (then later calls do nothing)."""
+    if shared:
+        return True
+    failed = world.allgather(np.array([bool(graph_check_failure())], dtype=np.int8),
+                             tag="control")
+    if not failed.any():
+        return False
+    rank = int(np.flatnonzero(failed)[0])
+    message = f"rank {rank}: " + world.comm.bcast(graph_check_failure(), root=rank)  # once
+    reset_graph_check()  # every rank keeps the same reason, the failing rank's included
+    disable_cuda_graphs(message)
+    if world.is_root:
+        print(f"warning: the decoding engine's CUDA-graph self-check failed on {message}; CUDA "
+              f"graphs are off for the rest of the run (decoding goes on eagerly)",
+              file=sys.stderr, flush=True)
+    store.set_attrs(cuda_graphs_disabled=message)
+    return True
+
+
 def out_of_budget(run_cfg, wall_s: float, train_s: float) -> bool:
     """Whether ``run.max_time_s`` (wall) or ``run.max_train_s`` (wall less evaluations and
     checkpoints) is spent; the loop asks on rank 0's clock, which decides for every rank."""
@@ -157,7 +183,7 @@ def run_loop(job: Job, method: Method) -> dict:
     total = method.total_steps
     progress = progress_bar(job, total, method.name, initial=start)
     t0 = time.perf_counter() - elapsed0
-    step, preempted = start, False
+    step, preempted, graphs_shared = start, False, False
     world.take_bytes()  # start-up traffic (bootstrap, start evaluation) is not a step's
     while step < total:
         take_generated_tokens()  # what evaluations decoded is not a step's
@@ -165,6 +191,7 @@ def run_loop(job: Job, method: Method) -> dict:
         step += 1
         tokens += int(world.allgather(np.array([take_generated_tokens()], dtype=np.int64),
                                       tag="control").sum())
+        graphs_shared = share_graph_check(world, store, graphs_shared)
         metrics.update(generated_tokens=tokens, train_s=time.perf_counter() - t0 - overhead,
                        wall_s=time.perf_counter() - t0)
         reached = False
@@ -202,6 +229,7 @@ def run_loop(job: Job, method: Method) -> dict:
         return preempted_exit(world, store, step, wall)
     final = method.evaluate(sampled=True)
     log_eval(store, step, final)
+    share_graph_check(world, store, graphs_shared)
     if world.is_root:
         method.export(job.out_dir, step)
     store.set_attrs(steps_done=step, wall_seconds=wall)
