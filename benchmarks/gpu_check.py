@@ -5,6 +5,14 @@ and the decoding engine against HF eager generate.
         [--minutes 6] [--device cuda|cpu] [--ks 1 2 4 8 16] [--prompts 32]
         [--engine | --engine-only] [--rows 32 256 1024] [--engine-ks 1 2 4 8 16]
     python benchmarks/gpu_check.py OUTDIR --device cpu --tiny     # smoke run of the engine part
+    python benchmarks/gpu_check.py OUTDIR --model qwen2.5-1.5b qwen2.5-7b --int8-only
+
+INT8 part (``--int8``: after the rest; ``--int8-only``: alone): the engine's tokens/s (k = 1
+at every ``--rows``, fixed lengths; then ``--engine-ks`` members per row at the middle row
+count, spread lengths), and the members per pass that fit (:func:`members_on_device`), first
+with the weights in the model dtype, then after :func:`hpc.models.quantize.quantize_base`
+(``model.quantize=int8``: torchao INT8 weight-only decoder linears) on the same rows. The
+``int8`` rows' bound counts the bytes the quantised weights hold (values and scales).
 
 Engine part (``--engine``: after the rest; ``--engine-only``: alone): for each shape, useful
 tokens/s of the engine and of HF eager ``generate`` on the same rows, each against the bound
@@ -48,7 +56,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from common import REPO, TARGETS, machine
-from engine_speed import compare, row_lengths, solution_lengths
+from engine_speed import compare, row_lengths, solution_lengths, stored_bytes
 from hpc.models.engine import Request
 from hpc.models.generation import run_requests
 from hpc.models.sampling import Sampling
@@ -57,6 +65,7 @@ from essa.batched import members_on_device  # common.py: repo on sys.path
 from essa.member_lora import MemberLora
 from hpc.models.adapter_space import SingularValueSpace
 from hpc.models.loading import attach_lora
+from hpc.models.quantize import quantize_base
 
 # Qwen2.5 shapes (config.json of the released models) and a tiny one for CPU runs.
 SHAPES = {
@@ -416,6 +425,10 @@ def check_model(name: str, device, ks, n_prompts, budget, save, args=None) -> di
                                   if device.type == "cuda" else None)  # of 96, choose_k's cap
     save(result)
     print(f"{name}: built in {result['build_s']:.0f} s", flush=True)
+    if args is not None and args.int8_only:
+        result["int8"] = int8_section(model, space, device, args, lengths, n_prompts, budget,
+                                      lambda: save(result))
+        return result
     if args is not None and args.engine_only:
         result["engine"] = engine_section(model, space, device, args, lengths, budget,
                                           lambda: save(result))
@@ -441,7 +454,85 @@ def check_model(name: str, device, ks, n_prompts, budget, save, args=None) -> di
                                           lambda: save(result))
         result["fgrpo_step_engine"] = engine_fgrpo_steps(model, device, lengths,
                                                          budget)["engine"]
+    if args is not None and args.int8:  # last: it quantises the model in place
+        result["int8"] = int8_section(model, space, device, args, lengths, n_prompts, budget,
+                                      lambda: save(result))
     return result
+
+
+def int8_section(model, space, device, args, lengths, n_prompts, budget, save) -> dict:
+    """The INT8 part (module docstring): {"model dtype": {...}, "int8": {...}}, each with
+    ``members_that_fit`` (CUDA) and ``engine`` rows of :func:`engine_speed.compare` (no HF).
+    Quantises ``model`` in place."""
+    pool = solution_lengths(args.data)
+    hw = {"bandwidth": args.bandwidth, "peak_flops": args.peak_tflops * 1e12}
+    prompt_len, fixed = lengths[0], args.fixed_tokens or lengths[1]
+    middle = args.rows[len(args.rows) // 2]
+    plan = [(rows, 1, "fixed") for rows in args.rows]
+    plan += [(middle, k, "spread") for k in args.engine_ks if k > 1]
+    out = {}
+    for weights in ("model dtype", "int8"):
+        if weights == "int8":
+            model.__dict__.pop("_decode_engine", None)
+            quantize_base(model, "int8")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        part = out[weights] = {
+            "weight_bytes": sum(stored_bytes(p) for n, p in model.named_parameters()
+                                if "lora_" not in n),
+            "members_that_fit": (members_on_device(model, 96, n_prompts, sum(lengths))
+                                 if device.type == "cuda" else None),
+            "engine": []}
+        save()
+        gen = torch.Generator().manual_seed(SEED + 3)  # the same prompts for both weights
+        slowest = None
+        for rows, k, kind in plan:
+            if slowest is not None and not budget.fits(3 * slowest):
+                part["engine"].append({"rows": rows, "k": k, "lengths": kind,
+                                       "skipped": f"time budget ({budget.left():.0f} s left)"})
+                continue
+            prompts = torch.randint(2, model.config.vocab_size, (rows, prompt_len),
+                                    generator=gen).to(device)
+            row_len = row_lengths(kind, rows, fixed if kind == "fixed" else args.cap, pool)
+            start = time.perf_counter()
+            try:
+                row = compare(model, space, device, rows, k, kind, row_len, prompts, False, hw)
+            except torch.OutOfMemoryError:
+                part["engine"].append({"rows": rows, "k": k, "lengths": kind,
+                                       "skipped": "out of memory"})
+                model.__dict__.pop("_decode_engine", None)
+                torch.cuda.empty_cache()
+                continue
+            slowest = max(slowest or 0.0, time.perf_counter() - start)
+            part["engine"].append(row)
+            save()
+            print(f"  {weights}: engine rows={rows} k={k} {kind}: "
+                  f"{row['engine']['tokens_per_s']:.0f} tok/s ({budget.left():.0f} s left)",
+                  flush=True)
+        model.__dict__.pop("_decode_engine", None)
+    return out
+
+
+def int8_summary(result: dict) -> str:
+    part = result.get("int8", {})
+    lines = [f"{result['model']}: engine tokens/s, weights in {result['dtype']} vs INT8 "
+             f"weight-only (model.quantize=int8)"]
+    for weights, p in part.items():
+        lines.append(f"  {weights}: weights {p['weight_bytes'] / 2 ** 30:.2f} GiB, members per "
+                     f"pass that fit: {p['members_that_fit']}")
+    lines.append(f"{'rows':>5} {'k':>3} {'lengths':>7} {'dtype tok/s':>11} {'int8 tok/s':>11} "
+                 f"{'int8/dtype':>10}")
+    rows = zip(part.get("model dtype", {}).get("engine", []),
+               part.get("int8", {}).get("engine", []))
+    for a, b in rows:
+        if "skipped" in a or "skipped" in b:
+            lines.append(f"{a['rows']:>5} {a['k']:>3} {a['lengths']:>7} skipped: "
+                         f"{a.get('skipped') or b.get('skipped')}")
+            continue
+        ta, tb = a["engine"]["tokens_per_s"], b["engine"]["tokens_per_s"]
+        lines.append(f"{a['rows']:>5} {a['k']:>3} {a['lengths']:>7} {ta:>11.0f} {tb:>11.0f} "
+                     f"{tb / ta:>10.2f}")
+    return "\n".join(lines)
 
 
 def engine_fgrpo_steps(model, device, lengths, budget) -> dict:
@@ -521,6 +612,8 @@ def main(argv=None) -> None:
     parser.add_argument("--prompts", type=int, default=32, help="prompts per member (P)")
     parser.add_argument("--engine", action="store_true", help="also the engine part")
     parser.add_argument("--engine-only", action="store_true", help="only the engine part")
+    parser.add_argument("--int8", action="store_true", help="also the INT8 part (last)")
+    parser.add_argument("--int8-only", action="store_true", help="only the INT8 part")
     parser.add_argument("--tiny", action="store_true",
                         help="smoke run: tiny shape, engine part only, 4 and 8 rows, k 1 and 2")
     parser.add_argument("--rows", type=int, nargs="+", default=[32, 256, 1024])
@@ -568,9 +661,12 @@ def main(argv=None) -> None:
         finally:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        print(engine_summary(result) if args.engine_only else summary(result), flush=True)
+        if not args.int8_only:
+            print(engine_summary(result) if args.engine_only else summary(result), flush=True)
         if args.engine and not args.engine_only:
             print(engine_summary(result), flush=True)
+        if args.int8 or args.int8_only:
+            print(int8_summary(result), flush=True)
     save()
     print(f"wrote {path}")
 

@@ -17,6 +17,7 @@ from hpc.models.adapter_space import LoraEntrySpace, SingularValueSpace
 from hpc.data.tasks import load_task
 from hpc.evaluate import evaluate
 from hpc.models.loading import load_adapter, load_model
+from hpc.models.quantize import quantize_base
 from hpc.runtime.errors import UserError, user_errors_exit
 from hpc.runtime.job import finish, on_all_ranks, start_job
 from hpc.runtime.loop import Method, run_loop
@@ -50,7 +51,8 @@ class ESSA(Method):
             raise UserError(f"task {cfg.task.name} has an empty training or held-out split")
         base, self.tok = on_all_ranks(world, lambda: load_model(cfg.model.path, cfg.model.dtype,
                                                                 job.device))
-        self.model = on_all_ranks(world, lambda: load_adapter(base, cfg.lora.adapter))
+        self.model = quantize_base(on_all_ranks(world, lambda: load_adapter(
+            base, cfg.lora.adapter)), cfg.model.quantize)
         self.space = on_all_ranks(world, lambda: SingularValueSpace.from_peft(
             self.model, e.alpha, cfg.lora.targets) if e.space == "sv" else
             LoraEntrySpace.from_peft(self.model))

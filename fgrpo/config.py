@@ -71,6 +71,10 @@ class FGRPOJobConfig(JobConfig):
         if self.fgrpo.space == "sv" and self.fgrpo.full_finetune:
             raise UserError("config key 'fgrpo.space': sv trains offsets to a LoRA adapter's "
                             "singular values; it cannot be combined with fgrpo.full_finetune")
+        if self.fgrpo.full_finetune and self.model.quantize != "none":
+            raise UserError(f"config key 'model.quantize': {self.model.quantize} quantises a "
+                            f"frozen base for rollouts; fgrpo.full_finetune trains the base "
+                            f"weights (use LoRA, or model.quantize=none)")
         if self.fgrpo.space == "sv" and not self.lora.adapter:
             raise UserError("config key 'fgrpo.space': sv starts from an SFT adapter; give its "
                             "folder in lora.adapter (hpc-sft writes <run.out>/adapter)")

@@ -9,18 +9,23 @@ import torch
 
 from hpc.models.loading import attach_lora, load_adapter, load_model
 from hpc.models.logprobs import sequence_logprobs
+from hpc.models.quantize import attach_generation_copy
 
 
 def build_model(cfg, device):
-    """(policy, reference or None, tokenizer): LoRA (fresh or from lora.adapter) or full FT."""
+    """(policy, reference or None, tokenizer): LoRA (fresh or from lora.adapter) or full FT.
+    With ``model.quantize`` the LoRA policy decodes from a quantised copy of its frozen base
+    linears (:func:`hpc.models.quantize.attach_generation_copy`) and trains on its own."""
     model, tok = load_model(cfg.model.path, cfg.model.dtype, device)
     if cfg.fgrpo.full_finetune:
         ref = copy.deepcopy(model).eval() if cfg.fgrpo.beta > 0 else None
         return model, ref, tok
     if cfg.lora.adapter:
-        return load_adapter(model, cfg.lora.adapter, is_trainable=True), None, tok
-    return attach_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets, 0.0,
-                       seed=cfg.run.seed), None, tok
+        policy = load_adapter(model, cfg.lora.adapter, is_trainable=True)
+    else:
+        policy = attach_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets, 0.0,
+                             seed=cfg.run.seed)
+    return attach_generation_copy(policy, cfg.model.quantize), None, tok
 
 
 @torch.no_grad()

@@ -75,6 +75,7 @@ def main(argv=None):
     """``hpc-eval [CONFIG.yaml] [key=value ...]``: evaluate a model (+ lora.adapter)."""
     from hpc.runtime.job import on_all_ranks, start_job
     from hpc.models.loading import load_adapter, load_model
+    from hpc.models.quantize import quantize_base
     from hpc.runtime.runstore import RunStore, environment_attrs
     from hpc.runtime.loop import share_graph_check
     from hpc.data.tasks import load_task
@@ -86,6 +87,7 @@ def main(argv=None):
                                                         job.device))
     if cfg.lora.adapter:
         model = on_all_ranks(world, lambda: load_adapter(model, cfg.lora.adapter))
+    quantize_base(model, cfg.model.quantize)
     attrs = environment_attrs(world, job.device)
     store = RunStore(f"{job.out_dir}/eval.h5", world.is_root,
                      dict(attrs, method="eval", config=job.config_text))

@@ -18,6 +18,7 @@ from hpc.data.tasks import load_task
 from hpc.gradient_method import GradientMethod
 from hpc.models.loading import attach_lora, load_model
 from hpc.models.logprobs import sequence_logprobs
+from hpc.models.quantize import attach_generation_copy
 from hpc.runtime.dist import all_reduce_mean_, init_process_group
 from hpc.data.prompts import completion_batch
 from hpc.runtime.errors import UserError, user_errors_exit
@@ -44,9 +45,9 @@ class SFT(GradientMethod):
         torch.manual_seed(cfg.run.seed)
         model, self.tok = on_all_ranks(world, lambda: load_model(cfg.model.path,
                                                                  cfg.model.dtype, job.device))
-        self.model = on_all_ranks(world, lambda: attach_lora(
+        self.model = attach_generation_copy(on_all_ranks(world, lambda: attach_lora(
             model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets, cfg.lora.dropout,
-            seed=cfg.run.seed))
+            seed=cfg.run.seed)), cfg.model.quantize)
         self.checkpointed = self.checkpoint_activations()
         init_process_group(world, job.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]

@@ -29,6 +29,7 @@ from transformers import GenerationConfig, LogitsProcessorList
 
 from hpc.models.engine import (GraphedDecode, Request, adapter_ranks, engine_for,
                                memory_budget, reset_graph_check)
+from hpc.models.quantize import generation_weights
 from hpc.models.sampling import KeyedGumbelProcessor, Sampling
 from hpc.runtime.config import ModelConfig
 
@@ -140,8 +141,9 @@ def generate_tokens(model, tokenizer, prompts: list[str], max_new_tokens: int, *
     model.eval()
     try:
         run = _engine_rows if path == "engine" else _hf_rows
-        rows = run(model, tokenizer, [prompts[p - first_index] for p, _ in keys], keys,
-                   max_new_tokens, sampling, batch_size * n_rows)
+        with generation_weights(model):  # the quantised base copy of a training job, if any
+            rows = run(model, tokenizer, [prompts[p - first_index] for p, _ in keys], keys,
+                       max_new_tokens, sampling, batch_size * n_rows)
     finally:
         model.train(was_training)
     return [row for row in rows for _ in range(num_return_sequences // n_rows)]

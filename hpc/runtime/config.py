@@ -65,6 +65,11 @@ class ModelConfig:
         "entropy, each chunk's logits recomputed in the backward, so no (batch, T, vocabulary) "
         "logits exist; 0 = the model's full logits (the reference path)", min=0,
         max=1_048_576)
+    quantize: str = param("none", "weight-only quantisation (torchao, extra 'quant') of the "
+                          "decoder layers' base linears for generation: ESSA scoring and "
+                          "evaluation in place; F-GRPO/SFT rollouts and evaluation from a "
+                          "quantised copy, training on the unquantised weights. int4: CUDA and "
+                          "bfloat16 only", choices=["none", "int8", "int4"])
 
 
 @dataclass

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from hpc.models.generation import configure as configure_generation
 from hpc.models.memory_plan import check_job_memory
+from hpc.models.quantize import check_quantize
 from hpc.runtime.config import config_to_yaml, load_config
 from hpc.runtime.errors import EXIT_USER_ERROR, UserError
 from hpc.runtime.preempt import EXIT_PREEMPTED, StopSignals
@@ -205,6 +206,7 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
     world.timeout_s = cfg.run.collective_timeout_s
     cfg.validate_world(world)
     device = on_all_ranks(world, lambda: select_device(world, cfg.model.device))
+    on_all_ranks(world, lambda: check_quantize(cfg.model.quantize, cfg.model.dtype, device))
     on_all_ranks(world, lambda: check_job_memory(cfg, method, world.size, device.type))
     job_id = _job_id(world)
     out_dir = run_folder(cfg.run.out, method, job_id)

@@ -1,0 +1,131 @@
+"""model.quantize: torchao INT8 weight-only base linears (hpc/models/quantize.py): accuracy
+against the unquantised model, the training jobs' quantised generation copy, ESSA end to end
+under mpirun (rank-count invariance, resume), and the one-line errors."""
+import copy
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_mpi
+from test_essa import _one_error_line, essa_args
+from hpc.data.tasks import arith_task
+from hpc.models.generation import generate_tokens
+from hpc.models.loading import attach_lora, load_model, randomize_lora_b
+from hpc.models.quantize import (attach_generation_copy, base_linears, check_quantize,
+                                 generation_weights, quantize_base)
+from hpc.runtime.config import load_config
+from hpc.runtime.errors import UserError
+from hpc.runtime.runstore import RunFile
+
+pytest.importorskip("torchao")  # the extra 'quant'; `make test` installs it
+
+
+def _quantised(linear) -> bool:
+    return type(linear.weight).__name__ == "Int8Tensor"
+
+
+def test_int8_greedy_completions_of_the_toy_stay_close():
+    """Measured on 256 held-out arith problems (benchmarks/quantization.py, 2026-12-01): 99.6%
+    of the greedy completions identical, accuracy equal. Asserted on 128: >= 95% identical and
+    accuracy within 3 points."""
+    model, tok = load_model("toy")
+    quantised = quantize_base(copy.deepcopy(model), "int8")
+    linears = base_linears(quantised)
+    assert len(linears) == 7 * model.config.num_hidden_layers
+    assert all(_quantised(m) for m in linears.values())
+    assert not _quantised(quantised.lm_head) and not any(map(_quantised,
+                                                             base_linears(model).values()))
+    task = arith_task(0, 128, seed=3)
+    ids = torch.tensor([tok("12+34=")["input_ids"]])
+    with torch.inference_mode():
+        diff = (model(ids).logits - quantised(ids).logits).abs().max()
+    assert 0 < diff < 0.5, "INT8 must change the logits a little, not a lot"
+    out = {}
+    for name, m in (("fp32", model), ("int8", quantised)):
+        completions = generate_tokens(m, tok, task.eval.prompts, 8)
+        texts = tok.batch_decode(completions, skip_special_tokens=True)
+        out[name] = completions, np.mean(task.rewards(texts, task.eval.answers))
+    identical = np.mean([a == b for a, b in zip(out["fp32"][0], out["int8"][0])])
+    assert identical >= 0.95, identical
+    assert abs(out["fp32"][1] - out["int8"][1]) <= 0.03, (out["fp32"][1], out["int8"][1])
+
+
+def test_generation_copy_leaves_the_training_weights_alone():
+    """F-GRPO/SFT: the training forward runs on the unquantised weights, generation on the
+    quantised copy, which decodes as the in-place quantised model does; LoRA stays on top."""
+    model, tok = load_model("toy")
+    peft = attach_lora(model, 4, 8.0, ["q_proj", "v_proj"])
+    randomize_lora_b(peft, 0.05, torch.Generator().manual_seed(0))
+    reference = quantize_base(copy.deepcopy(peft), "int8")
+    ids = torch.tensor([tok("7+5=")["input_ids"]])
+    with torch.no_grad():
+        before = peft(ids).logits
+    modules = dict(peft.named_modules())
+    n_params = len(list(peft.parameters()))
+    attach_generation_copy(peft, "int8")
+    assert len(list(peft.parameters())) == n_params  # the copy is not a parameter
+    assert not any(map(_quantised, base_linears(peft).values()))
+    with torch.no_grad():
+        assert torch.equal(peft(ids).logits, before)
+    with generation_weights(peft):
+        assert all(map(_quantised, base_linears(peft).values()))
+        assert peft.get_submodule("base_model.model.model.layers.0.self_attn.q_proj").lora_A
+    assert all(modules[n] is m for n, m in peft.named_modules())  # all swapped back
+    prompts = arith_task(0, 32, seed=5).eval.prompts
+    assert generate_tokens(peft, tok, prompts, 8) == generate_tokens(reference, tok, prompts, 8)
+
+
+def test_essa_int8_under_mpirun_rank_invariant_and_resumable(toy_adapter, tmp_path):
+    """ESSA with model.quantize=int8: bitwise the same fitness and mean on 1 and 3 ranks, and
+    a run stopped after 2 generations on 2 ranks and resumed to 4 equals them."""
+    int8 = ("model.quantize=int8", "essa.generations=4")
+    runs = {}
+    for n in (1, 3):
+        proc = run_mpi(n, essa_args(toy_adapter, tmp_path / f"n{n}", *int8))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[n] = RunFile(str(tmp_path / f"n{n}" / "essa.h5"))
+    part = tmp_path / "part"
+    first = run_mpi(2, essa_args(toy_adapter, part, "model.quantize=int8",
+                                 "essa.generations=2"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_mpi(2, essa_args(toy_adapter, part, *int8) + ["--resume"])
+    assert second.returncode == 0, second.stderr[-3000:]
+    runs["resumed"] = RunFile(str(part / "essa.h5"))
+    fit = runs[1].group("essa")["fitness"]
+    assert fit.shape == (4, 6) and fit.std() > 0
+    assert runs["resumed"].group("essa")["step"].tolist() == [1, 2, 3, 4]
+    for key in (3, "resumed"):
+        assert np.array_equal(runs[key].group("essa")["fitness"], fit), key
+        assert np.array_equal(runs[key].group("final")["mean"][-1],
+                              runs[1].group("final")["mean"][-1]), key
+
+
+def test_int4_on_cpu_is_one_line_exit_2(tiny_models, tmp_path):
+    model_dir, adapter, _ = tiny_models["small"]
+    proc = run_mpi(2, essa_args(adapter, tmp_path / "run", "model.quantize=int4",
+                                model=model_dir))
+    _one_error_line(proc, "model.quantize=int4", "device cpu")
+    assert not (tmp_path / "run" / "essa.h5").exists()
+
+
+def test_int4_needs_bfloat16():
+    with pytest.raises(UserError, match="model.dtype=bfloat16"):
+        check_quantize("int4", "float32", torch.device("cuda"))
+
+
+def test_missing_torchao_names_the_extra(monkeypatch):
+    for name in [m for m in sys.modules if m == "torchao" or m.startswith("torchao.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # import torchao... raises ImportError
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    with pytest.raises(UserError, match=r"essa-hpc\[quant\]"):
+        check_quantize("int8", "float32", torch.device("cpu"))
+    check_quantize("none", "float32", torch.device("cpu"))  # needs nothing
+
+
+def test_fgrpo_full_finetune_cannot_quantise():
+    from fgrpo.config import FGRPOJobConfig
+
+    with pytest.raises(UserError, match="model.quantize"):
+        load_config(FGRPOJobConfig, None, ["model.quantize=int8", "fgrpo.full_finetune=true"])
