@@ -9,11 +9,14 @@ import torch
 
 from fgrpo.loss import sequence_logprobs
 from hpc.models.loading import attach_lora, load_adapter, load_model
+from hpc.models.parallelize import load_dtype
 
 
 def build_model(cfg, device):
-    """(policy, reference or None, tokenizer): LoRA (fresh or from lora.adapter) or full FT."""
-    model, tok = load_model(cfg.model.path, cfg.model.dtype, device)
+    """(policy, reference or None, tokenizer): LoRA (fresh or from lora.adapter) or full FT,
+    in fp32 under fgrpo.parallelism=fsdp2 (sharded later; see :mod:`hpc.models.parallelize`)."""
+    model, tok = load_model(cfg.model.path, load_dtype(cfg.fgrpo.parallelism, cfg.model.dtype),
+                            device)
     if cfg.fgrpo.full_finetune:
         ref = copy.deepcopy(model).eval() if cfg.fgrpo.beta > 0 else None
         return model, ref, tok
