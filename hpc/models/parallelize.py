@@ -22,6 +22,7 @@ place). ``fgrpo.parallelism`` picks one.
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -245,10 +246,9 @@ def save_full_model(model, tokenizer, out_dir: str, dtype: str, is_root: bool) -
     tied = [name for name, p in model.named_parameters(remove_duplicate=False)
             if first.setdefault(id(p), name) != name]
     full = {k: v.to(DTYPES[dtype]) for k, v in full.items() if k not in tied}
-    loaded_as, model.config.dtype = model.config.dtype, DTYPES[dtype]
-    try:
-        with replaced_dir(out_dir) as tmp:
-            model.save_pretrained(tmp, state_dict=full)
-            tokenizer.save_pretrained(tmp)
-    finally:
-        model.config.dtype = loaded_as
+    config = copy.deepcopy(model.config)
+    config.dtype = dtype  # save_pretrained records the (fp32 master) parameters' dtype
+    with replaced_dir(out_dir) as tmp:
+        model.save_pretrained(tmp, state_dict=full)
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
