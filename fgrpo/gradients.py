@@ -1,9 +1,9 @@
-"""Gradients of the F-GRPO loss over one step's rollouts, and the step that applies them.
+"""Gradients of the F-GRPO loss over one step's rollouts.
 
 :func:`accumulate_gradients` runs forward/backward in micro-batches with the step's global
 normaliser (:func:`fgrpo.loss.step_normalizer`), so after a MEAN all-reduce every rank holds the
-gradient of the whole step's batch; :func:`optimizer_step` then clips and steps, or skips a
-non-finite gradient.
+gradient of the whole step's batch (the step that applies it:
+:meth:`hpc.models.parallelize.TrainedWeights.step`).
 """
 from __future__ import annotations
 
@@ -65,14 +65,3 @@ def micro_batch_backward(model, rows, advantages, old_logp, ref_logp, cfg, max_n
     loss.backward()
     return dict(stats, loss=float(loss.detach()), entropy=masked_mean(entropy, cm[:, 1:]))
 
-
-def optimizer_step(params, opt, max_grad_norm: float) -> bool:
-    """Clip and step, unless a gradient holds NaN or inf: then leave the weights and the
-    optimizer state untouched and return False (the caller counts a skipped step). Gradients
-    are all-reduced first, so every rank takes the same decision."""
-    if not all(torch.isfinite(p.grad).all() for p in params):
-        return False
-    if max_grad_norm > 0:
-        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    opt.step()
-    return True

@@ -22,7 +22,9 @@ for every method:
    final evaluation, the export (rank 0), and the run file closed as ``complete``.
 
 Checkpoints hold ``{"step", "elapsed_s", "overhead_s", "generated_tokens", "run_file",
-"method": method.state_dict()}``.
+"method": method.state_dict(), "shard_ranks"}``; a :attr:`Method.sharded` method's per-rank state
+goes to per-rank shards (:mod:`hpc.runtime.shards`) written before it, ``shard_ranks`` their
+count (0: none).
 """
 from __future__ import annotations
 
@@ -37,10 +39,12 @@ import torch
 from hpc.models.engine import disable_cuda_graphs, graph_check_failure, reset_graph_check
 from hpc.models.generation import take_generated_tokens
 from hpc.runtime.checkpoint import load_latest, save_checkpoint
+from hpc.runtime.errors import UserError
 from hpc.runtime.job import Job, agree_on_resume_step, on_all_ranks, progress_bar
 from hpc.runtime.preempt import preempted_exit, should_stop
 from hpc.runtime.results import EvalResult, log_eval
 from hpc.runtime.runstore import RunStore, environment_attrs
+from hpc.runtime.shards import load_shard, save_shard
 from hpc.runtime.timing import PhaseTimer, gather_timings
 
 # What a phase's seconds are spent on, for readers of the run file (hpc-report, hpc-scaling):
@@ -70,6 +74,8 @@ class Method(abc.ABC):
     phases: dict = {}            # {phase: kind in PHASE_KINDS}, in the order of a step
     heldout_accuracy: str = "accuracy"  # the held-out column that accuracy curves follow
     metrics: tuple = ()          # names of step()'s metrics, in order
+    sharded: bool = False        # part of the state is per rank (shard_state_dict)
+    collective_export: bool = False  # export() runs on every rank (it gathers), writes on 0
 
     def __init__(self, job: Job):
         self.job = job
@@ -109,6 +115,14 @@ class Method(abc.ABC):
     @abc.abstractmethod
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned."""
+
+    def shard_state_dict(self) -> dict:
+        """This rank's own part of the state (only when :attr:`sharded`)."""
+        raise NotImplementedError
+
+    def load_shard_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`shard_state_dict` returned on this rank."""
+        raise NotImplementedError
 
 
 def run_attrs(job: Job, method: Method) -> dict:
@@ -157,6 +171,17 @@ def _due(every: int, step: int, total: int) -> bool:
     return bool(every) and step % every == 0 or step == total
 
 
+def _load_shards(ckpt_dir: str, world, method: Method, state: dict) -> None:
+    """This rank's shard of checkpoint ``state``, or one line why the run cannot resume."""
+    ranks = state.get("shard_ranks", 0)
+    if bool(ranks) != method.sharded:
+        written = "sharded (fgrpo.parallelism=fsdp2)" if ranks else "replicated (ddp)"
+        raise UserError(f"the checkpoint of step {state['step']} in {ckpt_dir} holds a "
+                        f"{written} state; resume with the parallelism that wrote it")
+    if ranks:
+        method.load_shard_state_dict(load_shard(ckpt_dir, world, state["step"], ranks))
+
+
 def run_loop(job: Job, method: Method) -> dict:
     """Run ``method`` for ``job`` (see the module docstring); returns on every rank a summary:
     ``start`` and ``final`` (EvalResult or None), ``steps``, ``wall_s``, ``preempted``."""
@@ -166,6 +191,7 @@ def run_loop(job: Job, method: Method) -> dict:
     start, elapsed0, overhead, tokens = 0, 0.0, 0.0, 0
     if state is not None:
         method.load_state_dict(state["method"])
+        on_all_ranks(world, lambda: _load_shards(ckpt_dir, world, method, state))
         start, elapsed0 = state["step"], state["elapsed_s"]
         overhead, tokens = state.get("overhead_s", 0.0), state.get("generated_tokens", 0)
     agree_on_resume_step(world, start)
@@ -211,12 +237,17 @@ def run_loop(job: Job, method: Method) -> dict:
         if _due(cfg.run.checkpoint_every, step, total) or stop:
             begin = time.perf_counter()
             with timer.phase("checkpoint"):
+                if method.sharded:
+                    save_shard(ckpt_dir, world, step, method.shard_state_dict(),
+                               keep=method.keep_checkpoints)
                 if world.is_root:
                     save_checkpoint(ckpt_dir, step, {
                         "step": step, "elapsed_s": time.perf_counter() - t0,
                         "overhead_s": overhead + time.perf_counter() - begin,
                         "generated_tokens": tokens, "run_file": store.snapshot(),
-                        "method": method.state_dict()}, keep=method.keep_checkpoints)
+                        "method": method.state_dict(),
+                        "shard_ranks": world.size if method.sharded else 0},
+                        keep=method.keep_checkpoints)
             overhead += time.perf_counter() - begin
         progress.update(1)
         progress.set_postfix({name: f"{metrics[name]:.3f}" for name in method.metrics[:1]},
@@ -230,7 +261,7 @@ def run_loop(job: Job, method: Method) -> dict:
     final = method.evaluate(sampled=True)
     log_eval(store, step, final)
     share_graph_check(world, store, graphs_shared)
-    if world.is_root:
+    if world.is_root or method.collective_export:
         method.export(job.out_dir, step)
     store.set_attrs(steps_done=step, wall_seconds=wall)
     store.close("complete")
