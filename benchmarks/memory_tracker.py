@@ -22,7 +22,8 @@ leaf that needs a gradient aborts the process) and runs, under
   on: the rollout's engine pass (``min(eval.batch_size, prompts per rank) * G`` rows), then (gradients and AdamW moments allocated): AdamW on the trainable parameters (fgrpo.policy.build_model's LoRA or full fine-tuning),
   :func:`fgrpo.gradients.accumulate_gradients` over two micro-batches of full-length rows, the
   gradient all-reduce (:func:`hpc.runtime.dist.all_reduce_mean_` over torch's fake process
-  group when ``--ranks`` > 1) and :func:`fgrpo.gradients.optimizer_step`.
+  group when ``--ranks`` > 1) and the AdamW step of
+  :class:`hpc.models.parallelize.TrainedWeights` (fp32 masters for a 16-bit full fine-tune).
 
 Host reads of tensor values (``float(loss)``, ``.tolist()``) get 1 (:class:`HostReadsOne`):
 memory does not depend on them. Figures are live tensor bytes only: no CUDA context, library
@@ -97,21 +98,33 @@ def _member_factors(model, k: int) -> dict:
     return out
 
 
-def _decode_pass(model, cfg, slots: int, k: int, prompt: int, seq: int) -> None:
-    """One pass as the engine's scheduler runs it: ``engine_for`` (kept on the model), members
-    loaded, one prefill of the rows admitted at once, one decode step over every slot."""
+def _decode_pass(model, cfg, rows: int, k: int, budget: int, sampled: bool) -> None:
+    """One pass as :func:`hpc.models.generation.run_requests` runs it: ``engine_for`` for
+    ``rows`` rows, at most the slots the model's full shape gets within ``budget`` bytes
+    (:func:`hpc.models.memory_plan.engine_slots`; kept on the model), members loaded, one prefill of
+    the rows admitted at once, one decode step over every slot at the full context, and (for
+    ``sampled`` phases) the keyed sampling of its tokens."""
     from hpc.models.engine import PREFILL_TOKENS, engine_for
+    from hpc.models.memory_plan import engine_slots
+    from hpc.models.sampling import Sampling, pick_tokens
 
-    engine = engine_for(model, slots, seq, k, cuda_graphs=False)
+    prompt, seq = _lengths(cfg)
+    # the slots the budget gives the model's full shape (not the fewer layers built here)
+    slots = engine_slots(_shape(cfg), cfg, rows, k, budget)
+    engine = engine_for(model, rows, seq, k, None, most=rows, budget_bytes=1 << 60,
+                        max_slots=slots)
     with torch.inference_mode():
         if k:
             engine.set_members(_member_factors(model, k) if k > 1 else None)
-        n = max(1, min(slots, PREFILL_TOKENS // prompt))
+        n = max(1, min(engine.slots, PREFILL_TOKENS // prompt))
         ids = torch.zeros((n, prompt), dtype=torch.int64)
-        rows = torch.arange(n)
-        engine.prefill(ids, torch.full((n,), prompt), rows, rows % max(k, 1))
-        engine.positions[:slots] = seq - 1
-        engine.decode_step(engine.slots, engine.cache.max_len)
+        admitted = torch.arange(n)
+        engine.prefill(ids, torch.full((n,), prompt), admitted, admitted % max(k, 1))
+        engine.positions[:] = seq - 1
+        logits = engine.step(engine.slots, engine.cache.max_len)
+        if sampled:
+            keys = torch.zeros(engine.slots, dtype=torch.int64)
+            pick_tokens(logits, Sampling(1.0, 1.0, 0), keys, keys, keys)
 
 
 def _lengths(cfg) -> tuple:
@@ -119,19 +132,26 @@ def _lengths(cfg) -> tuple:
     return prompt, prompt + cfg.task.max_new_tokens
 
 
-def essa_pass(model, cfg, ranks: int) -> None:
-    from hpc.models.memory_plan import essa_members_per_pass
+def _shape(cfg):
+    from hpc.models.memory_plan import ModelShape
 
-    prompt, seq = _lengths(cfg)
+    return ModelShape.from_folder(cfg.model.path)
+
+
+def essa_pass(model, cfg, ranks: int) -> None:
+    from hpc.models.memory_plan import engine_budget, essa_members_per_pass, weight_bytes
+
     k = essa_members_per_pass(cfg, ranks)
-    _decode_pass(model, cfg, min(cfg.eval.batch_size, cfg.essa.minibatch) * k, k, prompt, seq)
+    budget = engine_budget(cfg, weight_bytes(_shape(cfg), cfg, quantized=True))
+    _decode_pass(model, cfg, min(cfg.eval.batch_size, cfg.essa.minibatch) * k, k, budget,
+                 sampled=False)
 
 
 def evaluation_pass(model, cfg, ranks: int) -> None:
-    from hpc.models.memory_plan import evaluation_rows
+    from hpc.models.memory_plan import engine_budget, evaluation_rows, weight_bytes
 
-    prompt, seq = _lengths(cfg)
-    _decode_pass(model, cfg, evaluation_rows(cfg), 1, prompt, seq)
+    budget = engine_budget(cfg, weight_bytes(_shape(cfg), cfg, quantized=True))
+    _decode_pass(model, cfg, evaluation_rows(cfg), 1, budget, sampled=True)
 
 
 class _NoModules:
@@ -200,37 +220,42 @@ def fake_process_group(ranks: int):
 
 def fgrpo_step(model, cfg, ranks: int, tracker: LiveBytesTracker) -> None:
     """One F-GRPO step on rank 0 of ``ranks`` (module docstring)."""
-    from fgrpo.gradients import accumulate_gradients, optimizer_step
+    from fgrpo.gradients import accumulate_gradients
     from fgrpo.rollout import Rollouts
     from hpc.models.loading import enable_activation_checkpointing
-    from hpc.models.memory_plan import activation_checkpointing, fgrpo_rollout_rows
-    from hpc.runtime.dist import all_reduce_mean_
+    from hpc.models.memory_plan import (activation_checkpointing, engine_budget,
+                                        fgrpo_plan, fgrpo_rollout_rows)
+    from hpc.models.parallelize import TrainedWeights
 
     f = cfg.fgrpo
-    prompt, seq = _lengths(cfg)
+    _, seq = _lengths(cfg)
     if activation_checkpointing(cfg, "fgrpo", ranks, "cuda"):
         enable_activation_checkpointing(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=f.learning_rate, weight_decay=f.weight_decay)
-    tracker.track_external(model, opt)
     rows = 2 * f.micro_batch
     ids = torch.zeros((rows, seq), dtype=torch.int64)
     rollouts = Rollouts(ids, torch.ones_like(ids), torch.ones((rows, seq)),
                         torch.zeros((max(1, rows // f.num_generations), f.num_generations)),
                         torch.full((rows,), seq))
     world = _OneRankWorld(ranks)
+    plan = fgrpo_plan(_shape(cfg), cfg, ranks, advise=False)
+    budget = engine_budget(cfg, sum(b for _, b in plan.phases[0].parts[:-2]))
+    tracker.track_external(model)
     with fake_process_group(ranks), tracker:
+        weights = TrainedWeights(params, f.learning_rate, f.weight_decay)
         for p in params:  # the state of a step after the first: gradients, AdamW moments
             p.grad = torch.zeros_like(p)
-        optimizer_step(params, opt, f.max_grad_norm)
+        weights.reduce_gradients(world)
+        weights.step(f.max_grad_norm)
+        model.eval()
         _decode_pass(model, cfg, fgrpo_rollout_rows(cfg, ranks), 0 if f.full_finetune else 1,
-                     prompt, seq)
+                     budget, sampled=True)
         model.train()
-        opt.zero_grad(set_to_none=False)
+        weights.zero_grad()
         accumulate_gradients(model, rollouts, torch.ones(rows), cfg, world,
                              cfg.task.max_new_tokens)
-        all_reduce_mean_([p.grad for p in params], world)
-        optimizer_step(params, opt, f.max_grad_norm)
+        weights.reduce_gradients(world)
+        weights.step(f.max_grad_norm)
 
 
 def model_config(cfg) -> dict:

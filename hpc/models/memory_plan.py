@@ -45,6 +45,9 @@ import math
 import os
 from dataclasses import dataclass
 
+from hpc.models.engine import (ENGINE_MEMORY_SHARE, MAX_LEN_STEP, bucket, engine_memory,
+                               slots_within)
+from hpc.models.quantize import bytes_per_parameter
 from hpc.runtime.cli import EXIT_CODES_HELP
 from hpc.runtime.config import JobConfig, load_config
 from hpc.runtime.errors import UserError, user_errors_exit
@@ -55,7 +58,6 @@ ESSA_MEMBER_SHARE = 0.5  # essa.batched.MEMORY_SHARE: the share of free memory k
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LORA_BYTES_PER_PARAM = 4  # peft keeps adapter weights in fp32
 LORA_TRAIN_BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW exp_avg + exp_avg_sq
-PREFILL_TOKENS = 8192  # hpc.models.engine.PREFILL_TOKENS (this module stays free of torch)
 
 
 @dataclass(frozen=True)
@@ -167,29 +169,73 @@ def _seq(cfg) -> int:
     return cfg.plan.max_prompt_tokens + cfg.task.max_new_tokens
 
 
-def weight_bytes(shape: ModelShape, cfg) -> int:
-    """The base weights on one GPU in ``model.dtype``."""
-    return shape.parameters() * _bytes(cfg)
-
-
-def engine_bytes(shape: ModelShape, cfg, slots: int, k: int) -> int:
-    """What a decoding engine of ``slots`` rows and k stacked members holds while it lives:
-    the KV cache (``slots`` x the sequence rounded up to 64 positions x 2 L g d values in
-    ``model.dtype``), the stacked member factors (k LoRA adapters in fp32) and the fp32 logits
-    of every slot."""
-    max_len = -(-_seq(cfg) // 64) * 64
-    kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * max_len * slots * _bytes(cfg)
-    members = k * shape.lora_parameters(cfg.lora.rank, cfg.lora.targets) * LORA_BYTES_PER_PARAM
-    return kv + members + 4 * shape.vocab * slots
-
-
-def decode_transient_bytes(shape: ModelShape, cfg, slots: int) -> int:
-    """The larger transient of an engine pass: a prefill of PREFILL_TOKENS prompt tokens
-    (one layer's activations, 4h + 3I values a token) or a decode step over every slot (its
-    logits in ``model.dtype``)."""
+def weight_bytes(shape: ModelShape, cfg, quantized: bool = False) -> int:
+    """The base weights in ``model.dtype``; ``quantized``: the decoder layers' linears at
+    ``model.quantize``'s bytes a weight (torchao's scales included), the rest unchanged."""
     e = _bytes(cfg)
-    prefill = PREFILL_TOKENS * (4 * shape.hidden + 3 * shape.intermediate) * e
-    return max(prefill, slots * shape.vocab * e)
+    if not quantized or cfg.model.quantize == "none":
+        return shape.parameters() * e
+    linears = sum(shape.layers * i * o * (bytes_per_parameter(cfg.model.quantize, i, e) - e)
+                  for i, o in shape.module_shapes().values())
+    return int(shape.parameters() * e + linears)
+
+
+def quantized_copy_bytes(shape: ModelShape, cfg) -> int:
+    """F-GRPO's quantised copy of the decoder linears for its rollouts (0 without quantize)."""
+    if cfg.model.quantize == "none":
+        return 0
+    return int(sum(shape.layers * i * o * bytes_per_parameter(cfg.model.quantize, i, _bytes(cfg))
+                   for i, o in shape.module_shapes().values()))
+
+
+def dequantized_linear_bytes(shape: ModelShape, cfg) -> int:
+    """torchao's eager weight-only path materialises one linear's weight in the activation
+    dtype per call: the largest, transient."""
+    if cfg.model.quantize == "none":
+        return 0
+    return max(i * o for i, o in shape.module_shapes().values()) * _bytes(cfg)
+
+
+def _max_len(cfg) -> int:
+    return -(-_seq(cfg) // MAX_LEN_STEP) * MAX_LEN_STEP
+
+
+def engine_budget(cfg, resident: int) -> int:
+    """The engine's budget (hpc.models.engine.memory_budget): ``model.engine_memory_gib``, or
+    ENGINE_MEMORY_SHARE of the memory ``resident`` bytes leave of ``plan.gpu_memory_gib`` at the
+    first generation, whole GiB."""
+    if cfg.model.engine_memory_gib > 0:
+        return int(cfg.model.engine_memory_gib * GIB)
+    free = max(0, cfg.plan.gpu_memory_gib * GIB - resident)
+    return int(ENGINE_MEMORY_SHARE * free) // GIB * GIB
+
+
+def engine_slots(shape: ModelShape, cfg, rows: int, k: int, budget: int) -> int:
+    """Slots of a phase that asks for ``rows`` rows (hpc.models.generation.run_requests): the
+    rows bucketed, capped by ``model.engine_slots`` and by what fits ``budget``."""
+    n_lora = shape.lora_parameters(cfg.lora.rank, cfg.lora.targets) if k else 0
+    within = slots_within(budget, shape, _max_len(cfg), k, _bytes(cfg), n_lora,
+                          LORA_BYTES_PER_PARAM)
+    return min(bucket(rows, 1 << 30), cfg.model.engine_slots or 1 << 30, within)
+
+
+def engine_parts(shape: ModelShape, cfg, what: str, rows: int, k: int, budget: int) -> list:
+    """(label, bytes) of a phase's engine (hpc.models.engine.engine_memory): what lives with
+    it, and its step's transient peak (with a dequantised linear under model.quantize)."""
+    slots = engine_slots(shape, cfg, rows, k, budget)
+    n_lora = shape.lora_parameters(cfg.lora.rank, cfg.lora.targets) if k else 0
+    parts = engine_memory(shape, max(1, slots), _max_len(cfg), k, _bytes(cfg), n_lora,
+                          LORA_BYTES_PER_PARAM)
+    if slots < 1:
+        label = (f"engine: {what}: NO ROW FITS its budget of {gib(budget)} "
+                 f"(model.engine_memory_gib); one row")
+    else:
+        waves = f" ({rows} rows asked: in waves)" if slots < rows else ""
+        label = (f"engine: {what}: {slots} slots x {_max_len(cfg)} positions{waves}: KV cache, "
+                 f"members, buffers")
+    return [(label, parts["kv_cache"] + parts["members"] + parts["slot_buffers"]),
+            ("its prefill or decode-step temporaries",
+             parts["step_peak"] + dequantized_linear_bytes(shape, cfg))]
 
 
 @dataclass
@@ -220,7 +266,9 @@ class MethodPlan:
 
     @property
     def fits(self) -> bool:
-        return self.peak <= self.usable
+        """The peak fits and every engine holds a row within its budget."""
+        return self.peak <= self.usable and not any(
+            "NO ROW FITS" in label for p in self.phases for label, _ in p.parts)
 
     def phase(self, name: str) -> Phase:
         return next(p for p in self.phases if p.name == name)
@@ -261,54 +309,71 @@ def _smallest_fix(build, shape, cfg, ranks: int, candidates: list) -> str:
     return ""
 
 
-def evaluation_phase(shape: ModelShape, cfg, resident: list) -> Phase:
-    """The held-out evaluation's sampled pass on top of ``resident`` parts."""
-    rows = evaluation_rows(cfg)
-    return Phase("evaluation", resident + [
-        (f"engine: {rows} rows (eval.batch_size x eval.n_samples) x {_seq(cfg)} tokens, "
-         f"own adapter", engine_bytes(shape, cfg, rows, 1)),
-        ("its prefill or decode-step temporaries", decode_transient_bytes(shape, cfg, rows))])
+def evaluation_phase(shape: ModelShape, cfg, resident: list, k: int, budget: int) -> Phase:
+    """The held-out evaluation's sampled pass (the larger of its two) on top of ``resident``."""
+    return Phase("evaluation", resident + engine_parts(
+        shape, cfg, "eval.batch_size x eval.n_samples rows, own adapter", evaluation_rows(cfg),
+        k, budget))
+
+
+def essa_resident(shape: ModelShape, cfg) -> list:
+    return [(f"weights ({cfg.model.dtype}" + (f", decoder linears {cfg.model.quantize}"
+                                              if cfg.model.quantize != "none" else "") + ")",
+             weight_bytes(shape, cfg, quantized=True))]
 
 
 def essa_scoring_phase(shape: ModelShape, cfg, ranks: int, k: int) -> Phase:
     members = math.ceil(cfg.essa.population / ranks)
     lora = shape.lora_parameters(cfg.lora.rank, cfg.lora.targets) * LORA_BYTES_PER_PARAM
+    resident = essa_resident(shape, cfg)
     rows = min(cfg.eval.batch_size, cfg.essa.minibatch) * k
-    return Phase("ESSA scoring", [
-        (f"weights ({cfg.model.dtype})", weight_bytes(shape, cfg)),
+    return Phase("ESSA scoring", resident + [
         (f"LoRA factors of this rank's {members} members (fp32)", members * lora),
-        (f"engine: {k} member(s) x {rows // k} rows x {_seq(cfg)} tokens",
-         engine_bytes(shape, cfg, rows, k)),
-        ("its prefill or decode-step temporaries", decode_transient_bytes(shape, cfg, rows))])
+        *engine_parts(shape, cfg, f"{k} member(s) x {rows // k} rows", rows, k,
+                      engine_budget(cfg, resident[0][1]))])
 
 
 def essa_members_that_fit(shape: ModelShape, cfg, ranks: int) -> int:
-    """The most members per pass whose scoring phase fits (0: not even one)."""
-    k = 0
-    while k < 4096 and essa_scoring_phase(shape, cfg, ranks, k + 1).peak <= _usable(cfg):
+    """The most members per pass whose scoring phase fits with every row in one wave (0: not
+    even one), at most this rank's members."""
+    k, most = 0, math.ceil(cfg.essa.population / ranks)
+    rows = min(cfg.eval.batch_size, cfg.essa.minibatch)
+    while k < most:
+        phase = essa_scoring_phase(shape, cfg, ranks, k + 1)
+        if phase.peak > _usable(cfg) or "in waves" in phase.parts[2][0]:
+            break
         k += 1
-    return k
+    return k if k or rows else 0
 
 
 def essa_plan(shape: ModelShape, cfg, ranks: int, advise: bool = True) -> MethodPlan:
     """ESSA on one GPU: scoring passes of k members (``essa.members_per_pass``), and the
-    held-out evaluation."""
+    held-out evaluation (its engine is given back before the next scoring pass)."""
     k = essa_members_per_pass(cfg, ranks)
-    scoring = essa_scoring_phase(shape, cfg, ranks, k)
-    phases = [scoring, evaluation_phase(shape, cfg, scoring.parts[:1])]
+    resident = essa_resident(shape, cfg)
+    budget = engine_budget(cfg, resident[0][1])
+    phases = [essa_scoring_phase(shape, cfg, ranks, k),
+              evaluation_phase(shape, cfg, resident, 1, budget)]
     fit = essa_members_that_fit(shape, cfg, ranks)
-    notes = [f"members per pass that fit: {fit} (essa.members_per_pass="
-             f"{cfg.essa.members_per_pass}; run time caps k at {ESSA_MEMBER_SHARE:.0%} of the "
-             f"free memory)"]
+    notes = [f"engine budget {gib(budget)} (model.engine_memory_gib="
+             f"{cfg.model.engine_memory_gib:g}: 0 = {ENGINE_MEMORY_SHARE:.0%} of the memory "
+             f"the weights leave, whole GiB)",
+             f"members per pass that fit in one wave: {fit} of this rank's "
+             f"{math.ceil(cfg.essa.population / ranks)} (essa.members_per_pass="
+             f"{cfg.essa.members_per_pass})"]
     plan = MethodPlan("ESSA", phases, _usable(cfg), notes)
     if advise and not plan.fits:
         plan.advice = _smallest_fix(essa_plan, shape, cfg, ranks, [
             *[(f"essa.members_per_pass={k2}", {"essa__members_per_pass": k2}, None)
               for k2 in range(k - 1, 0, -1)],
-            *[(f"eval.batch_size={b}", {"eval__batch_size": b}, None)
-              for b in (32, 16, 8, 4, 2, 1) if b < cfg.eval.batch_size],
-        ]) or (f"the weights alone need {gib(weight_bytes(shape, cfg))}: use GPUs with more "
-               f"memory, or shorten plan.max_prompt_tokens / task.max_new_tokens")
+            *[(f"model.engine_memory_gib={g}", {"model__engine_memory_gib": float(g)}, None)
+              for g in (32, 16, 8, 4)],
+            *([("model.quantize=int8", {"model__quantize": "int8"}, None),
+               ("model.quantize=int8 and model.engine_memory_gib=8",
+                {"model__quantize": "int8", "model__engine_memory_gib": 8.0}, None)]
+              if cfg.model.quantize == "none" else []),
+        ]) or (f"the weights alone need {gib(resident[0][1])}: use GPUs with more memory"
+               + (" or model.quantize=int8" if cfg.model.quantize == "none" else ""))
     return plan
 
 
@@ -346,19 +411,66 @@ def training_activation_parts(shape: ModelShape, cfg, ranks: int) -> list:
     return kept + head + [peak]
 
 
-def fgrpo_state_parts(shape: ModelShape, cfg) -> list:
-    n, e = shape.parameters(), _bytes(cfg)
-    parts = [(f"weights ({n:,} parameters, {cfg.model.dtype})", weight_bytes(shape, cfg))]
-    if cfg.fgrpo.full_finetune:
-        parts.append(("gradients + AdamW moments, every weight (model dtype)", 3 * e * n))
-        if cfg.fgrpo.beta > 0:
-            parts.append(("reference model (fgrpo.beta > 0 with full fine-tuning)",
-                          weight_bytes(shape, cfg)))
+def _sharded(cfg) -> bool:
+    return cfg.fgrpo.parallelism == "fsdp2"
+
+
+def fgrpo_state_parts(shape: ModelShape, cfg, ranks: int) -> list:
+    """(label, bytes) F-GRPO holds through the whole step (hpc.models.parallelize): under DDP
+    the model in ``model.dtype`` and, for full fine-tuning, its gradients, fp32 masters and
+    their gradients (16-bit models) and fp32 AdamW moments; under FSDP2 fp32 masters,
+    gradients and moments, 1/ranks of each."""
+    f, n, e = cfg.fgrpo, shape.parameters(), _bytes(cfg)
+    n_lora = shape.lora_parameters(cfg.lora.rank, cfg.lora.targets)
+    if _sharded(cfg):
+        parts = [(f"fp32 weight shards ({n:,} parameters / {ranks} ranks)", 4 * n // ranks)]
+        if f.full_finetune:
+            parts.append(("fp32 gradient and AdamW moment shards", 12 * n // ranks))
+        else:
+            parts.append((f"LoRA {n_lora:,} parameters / {ranks} ranks: fp32 weights, "
+                          f"gradients, AdamW", 16 * n_lora // ranks))
+        if f.full_finetune and f.beta > 0:
+            parts.append(("reference model shards (fgrpo.beta > 0)", 4 * n // ranks))
+        return parts
+    parts = [(f"weights ({n:,} parameters, {cfg.model.dtype})", n * e)]
+    if f.full_finetune:
+        masters = 8 * n if e < 4 else 0  # fp32 masters and their gradients
+        parts.append((f"gradients ({cfg.model.dtype})" + (", fp32 masters and their gradients"
+                                                          if masters else "")
+                       + ", fp32 AdamW moments", n * e + masters + 8 * n))
+        if f.beta > 0:
+            parts.append(("reference model (fgrpo.beta > 0 with full fine-tuning)", n * e))
     else:
-        n_lora = shape.lora_parameters(cfg.lora.rank, cfg.lora.targets)
         parts.append((f"LoRA {n_lora:,} parameters: fp32 weights, gradients, AdamW",
                        n_lora * LORA_TRAIN_BYTES_PER_PARAM))
+    if cfg.model.quantize != "none":
+        parts.append((f"{cfg.model.quantize} copy of the decoder linears for rollouts",
+                      quantized_copy_bytes(shape, cfg)))
     return parts
+
+
+def offloaded_bytes(shape: ModelShape, cfg, ranks: int) -> int:
+    """What ``fgrpo.offload_optimizer`` moves to host memory for the rollout: the AdamW
+    moments and, under DDP with a 16-bit model, the fp32 masters."""
+    if not cfg.fgrpo.offload_optimizer:
+        return 0
+    n = shape.parameters() if cfg.fgrpo.full_finetune else \
+        shape.lora_parameters(cfg.lora.rank, cfg.lora.targets)
+    if _sharded(cfg):
+        return 8 * n // ranks
+    return n * (8 + (4 if cfg.fgrpo.full_finetune and _bytes(cfg) < 4 else 0))
+
+
+def gathered_parts(shape: ModelShape, cfg) -> list:
+    """FSDP2's gathered weights during the forward/backward: two decoder layers in the
+    compute dtype (one prefetched), the root unit (embeddings, LM head, final norm) kept
+    from forward to backward, and a layer's unsharded gradients with their fp32 copy for the
+    reduce-scatter (two with overlap)."""
+    e, layer = _bytes(cfg), shape.layer_parameters()
+    root = shape.parameters() - shape.layers * layer
+    grads = 2 * layer * (e + 4) if cfg.fgrpo.full_finetune else 0
+    return [("FSDP2: two gathered layers, the gathered root, a layer's gradients for the "
+             "reduce-scatter", 2 * layer * e + root * e + grads)]
 
 
 def fgrpo_rollout_rows(cfg, ranks: int) -> int:
@@ -367,43 +479,59 @@ def fgrpo_rollout_rows(cfg, ranks: int) -> int:
 
 
 def fgrpo_plan(shape: ModelShape, cfg, ranks: int, advise: bool = True) -> MethodPlan:
-    """F-GRPO on one GPU: rollout, training (micro-batch forward/backward, then the gradient
-    all-reduce and AdamW step) and the held-out evaluation."""
-    f, e = cfg.fgrpo, _bytes(cfg)
-    state = fgrpo_state_parts(shape, cfg)
-    rows = fgrpo_rollout_rows(cfg, ranks)
+    """F-GRPO on one GPU: rollout, training (micro-batch forward/backward), the gradient
+    reduction and AdamW step, and the held-out evaluation."""
+    f, n = cfg.fgrpo, shape.parameters()
+    state = fgrpo_state_parts(shape, cfg, ranks)
+    resident = sum(b for _, b in state)
     k = 0 if f.full_finetune else 1
-    rollout = Phase("rollout", state + [
-        (f"engine: {rows} rows ({rows // f.num_generations} prompts x G="
-         f"{f.num_generations}) x {_seq(cfg)} tokens", engine_bytes(shape, cfg, rows, k)),
-        ("its prefill or decode-step temporaries", decode_transient_bytes(shape, cfg, rows))])
-    kept = [(f"rollout engine, kept on the model", engine_bytes(shape, cfg, rows, k))]
-    train = Phase(f"training (micro_batch {f.micro_batch})",
-                  state + kept + training_activation_parts(shape, cfg, ranks))
+    rows = fgrpo_rollout_rows(cfg, ranks)
+    generating = list(state)
+    if offloaded_bytes(shape, cfg, ranks):
+        generating.append(("moved to host for the rollout (fgrpo.offload_optimizer)",
+                           -offloaded_bytes(shape, cfg, ranks)))
+    if _sharded(cfg):
+        generating.append((f"gathered {cfg.model.dtype} model for decoding",
+                           n * _bytes(cfg)))
+    budget = engine_budget(cfg, sum(b for _, b in generating))
+    rollout_engine = engine_parts(shape, cfg, f"{rows // f.num_generations} prompts x G="
+                                  f"{f.num_generations}", rows, k, budget)
+    rollout = Phase("rollout", generating + rollout_engine)
+    kept = [] if _sharded(cfg) else [("rollout engine, kept on the model", rollout_engine[0][1])]
+    train = Phase(f"training (micro_batch {f.micro_batch})", state + kept
+                  + (gathered_parts(shape, cfg) if _sharded(cfg) else [])
+                  + training_activation_parts(shape, cfg, ranks))
     phases = [rollout, train]
     if f.full_finetune:
-        flat = shape.parameters() * e
-        phases.append(Phase("all-reduce and AdamW step", state + kept + [
-            ("flat gradient copy of the all-reduce / AdamW foreach temporaries", flat)]))
-    phases.append(evaluation_phase(shape, cfg, state))
+        extra = (("AdamW foreach temporaries", 4 * n // ranks) if _sharded(cfg) else
+                 ("flat fp32 gradient copy of the all-reduce / AdamW foreach temporaries", 4 * n))
+        phases.append(Phase("gradient reduction and AdamW step", state + kept + [extra]))
+    phases.append(evaluation_phase(shape, cfg, generating, k, budget))
     chunk = cfg.model.logprob_chunk
     plan = MethodPlan("F-GRPO", phases, _usable(cfg), [
-        f"activation checkpointing {'on' if _checkpointed(cfg, ranks) else 'off'} "
-        f"(model.activation_checkpointing={cfg.model.activation_checkpointing}); "
+        f"parallelism {f.parallelism} over {ranks} ranks; activation checkpointing "
+        f"{'on' if _checkpointed(cfg, ranks) else 'off'} (model.activation_checkpointing="
+        f"{cfg.model.activation_checkpointing}); "
         + (f"log-probs in chunks of {chunk} positions" if chunk else
-           "full-vocabulary logits (model.logprob_chunk=0)")])
+           "full-vocabulary logits (model.logprob_chunk=0)")
+        + f"; engine budget {gib(budget)}"])
     if advise and not plan.fits:
-        ckpt, chunk = {"model__activation_checkpointing": "on"}, {"model__logprob_chunk": 1024}
+        ckpt, chunked = {"model__activation_checkpointing": "on"}, {"model__logprob_chunk": 1024}
+        both = dict(ckpt, **chunked)
+        fsdp = dict(both, fgrpo__parallelism="fsdp2")
         plan.advice = _smallest_fix(fgrpo_plan, shape, cfg, ranks, [
             ("set model.activation_checkpointing=on", ckpt, None),
-            ("set model.logprob_chunk=1024", chunk, None),
-            ("set model.activation_checkpointing=on and model.logprob_chunk=1024",
-             dict(ckpt, **chunk), None),
-            *[(f"fgrpo.micro_batch={m}", {"fgrpo__micro_batch": m}, None)
-              for m in (4, 2, 1) if m < f.micro_batch],
-            *[(f"eval.batch_size={b}", {"eval__batch_size": b}, None)
-              for b in (32, 16, 8, 4, 2, 1) if b < cfg.eval.batch_size],
-        ]) or (f"weights and optimizer state alone need {gib(sum(b for _, b in state))}: "
+            ("set model.logprob_chunk=1024", chunked, None),
+            ("set model.activation_checkpointing=on and model.logprob_chunk=1024", both, None),
+            *[(f"fgrpo.micro_batch={m} with checkpointing and chunked log-probs",
+               dict(both, fgrpo__micro_batch=m), None) for m in (4, 2, 1) if m < f.micro_batch],
+            *[(f"use {r} ranks with fgrpo.parallelism=fsdp2 (checkpointing, chunked log-probs)",
+               fsdp, r) for r in (ranks, 8, 16, 32, 64, 128) if r >= ranks],
+            *[(f"use {r} ranks with fgrpo.parallelism=fsdp2, fgrpo.offload_optimizer=true and "
+               f"model.engine_memory_gib={g}",
+               dict(fsdp, fgrpo__offload_optimizer=True, model__engine_memory_gib=float(g)), r)
+              for r in (ranks, 16, 32, 64, 128) if r >= ranks for g in (8, 4, 2)],
+        ]) or (f"weights and optimizer state alone need {gib(resident)}: "
                + ("train a LoRA (fgrpo.full_finetune=false)" if f.full_finetune else
                   "use GPUs with more memory"))
     return plan
