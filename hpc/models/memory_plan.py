@@ -1,5 +1,5 @@
 """Pre-flight memory plan of ESSA and F-GRPO on a real model, from its ``config.json`` alone (no
-weights, no torch), so that a job that cannot fit ends before it loads anything.
+weights are read), so that a job that cannot fit ends before it loads anything.
 
 Model shape (Qwen2 / Llama family: GQA attention, SwiGLU MLP, RMSNorm): ``hidden_size`` h,
 ``num_hidden_layers`` L, ``num_attention_heads`` a, ``num_key_value_heads`` g (default a),
@@ -8,29 +8,45 @@ Model shape (Qwen2 / Llama family: GQA attention, SwiGLU MLP, RMSNorm): ``hidden
 model type is ``qwen2``. Parameters: V*h embeddings, per layer q (h*a*d), k and v (h*g*d each),
 o (a*d*h), 3*h*I MLP, 2*h norms (+ a*d + 2*g*d biases), a final h norm, V*h lm_head unless tied.
 
-Memory per GPU, e = bytes per value of ``model.dtype``, a sequence = ``plan.max_prompt_tokens``
-+ ``task.max_new_tokens`` tokens, GiB = 2**30 bytes; a plan fits when its peak is at most
-``USABLE_SHARE`` of ``plan.gpu_memory_gib`` (the rest: CUDA context, NCCL buffers, allocator
-fragmentation):
+Memory per GPU by phase, e = bytes per value of ``model.dtype``, a sequence =
+``plan.max_prompt_tokens`` + ``task.max_new_tokens`` tokens, GiB = 2**30 bytes; a plan fits
+when its largest phase is at most ``USABLE_SHARE`` of ``plan.gpu_memory_gib`` (the rest: CUDA
+context, NCCL buffers, allocator fragmentation) and every engine holds a row in its budget:
 
-* ESSA: weights + the LoRA factors of the rank's members (peft keeps them in fp32) + one pass
-  of k members, each generating ``min(eval.batch_size, essa.minibatch)`` rows: per token the
-  KV cache (2*L*g*d values) and one layer's activations (4*h + 3*I values), per row fp32 logits
-  (4*V bytes) -- the rule of :func:`essa.batched.members_that_fit`, which caps k at run time.
-* F-GRPO: weights + the reference model (a second copy of the weights only for full
-  fine-tuning with ``fgrpo.beta`` > 0; under LoRA the reference is the base with the adapter
-  off) + trainable state (LoRA: fp32 weight, gradient and two AdamW moments, 16 bytes a
-  parameter; full: gradient and two AdamW moments in the model dtype, 3*e bytes a parameter)
-  + the larger of the rollout phase (``min(eval.batch_size, prompts per rank) * G`` rows, as
-  ESSA's pass) and the training phase: ``fgrpo.micro_batch`` sequences whose activations are
-  kept for backward (no activation checkpointing), per token and layer (5*h + 2*g*d + 3*I)
-  values in fp32, (6*h + 2*g*d + 3*I) in 16-bit dtypes (the RMSNorms upcast), plus the input
-  of every LoRA target in fp32 under a 16-bit model (peft casts it to the adapter's dtype),
-  or with full fine-tuning (3*h + I) values more, (4*h + I) in 16 bits (the inputs of the
-  trained linear layers),
-  plus per token the logits and their fp32 copy (V*(e + 4) bytes). These coefficients were
-  measured with autograd's saved-tensor hooks on Qwen2 layers with SDPA attention and are
-  checked that way by tests/test_memory_plan.py.
+* the decoding engine (:func:`hpc.models.engine.engine_memory`: KV cache, stacked members,
+  per-slot buffers, a step's transient), sized per phase as the job sizes it: the phase's rows
+  bucketed, capped by ``model.engine_slots`` and by its budget (``model.engine_memory_gib``, or
+  half of what the resident state leaves, whole GiB); larger phases decode in waves, and a
+  phase's engine is replaced by the next phase's, so the evaluation's engine does not outlive
+  it. The rollout's engine stays on the model through F-GRPO's training under DDP; FSDP2's
+  gathered copy and its engine are freed after the rollout.
+* ESSA: weights (decoder linears at ``model.quantize``'s bytes with torchao's scales), the
+  rank's members' LoRA factors (fp32), and the scoring engine of k members x
+  ``min(eval.batch_size, essa.minibatch)`` rows; the evaluation phase instead holds the
+  evaluation engine (``eval.batch_size x eval.n_samples`` rows asked).
+* F-GRPO state (:mod:`hpc.models.parallelize`): DDP LoRA: weights + 16 bytes per LoRA
+  parameter (+ the quantised rollout copy of the decoder linears under ``model.quantize``);
+  DDP full fine-tuning: 20 bytes a parameter for a 16-bit model (weights, gradients, fp32
+  masters and their gradients, fp32 AdamW moments; 16 in fp32), + a flat fp32 gradient copy
+  (4 bytes a parameter) in the all-reduce and AdamW step; FSDP2: fp32 weight shards and, for
+  full fine-tuning, fp32 gradient and moment shards, 1/ranks each, + the gathered model in
+  ``model.dtype`` during rollouts and evaluation, two gathered layers, the root unit and a
+  layer's gradients during training; ``fgrpo.offload_optimizer`` moves the moments (and DDP's
+  masters) to host memory for the rollout.
+* F-GRPO training, one micro-batch of ``fgrpo.micro_batch`` sequences: without activation
+  checkpointing every layer keeps (6h + 2ad + 3I) values a token in 16 bits ((5h + ...) in
+  fp32; K and V at all a heads, as transformers' padded path saves them) plus the inputs of
+  the LoRA targets in fp32, or (4h + I) values more with full fine-tuning; with it
+  (``model.activation_checkpointing``) each layer keeps its input (h values) and one layer is
+  recomputed at a time. Log-probs: full-vocabulary logits cost 16 V bytes a position at the
+  backward's peak; in chunks (``model.logprob_chunk`` = c) the final norm's input and the
+  flattened hidden states stay, and one chunk's 16 c V bytes come and go.
+
+These terms were checked against torch's memory tracker running the package's own engine and
+F-GRPO step on fake tensors (benchmarks/memory_tracker.py, tests/test_memory_plan.py: within
+15% for Qwen2.5-1.5B, 7B and 32B). When a plan does not fit, the advice is the first of a list
+of changes (checkpointing, chunked log-probs, smaller micro-batches, FSDP2 over more ranks,
+optimizer offload, a smaller engine budget, int8 weights) under which it does.
 
 ``hpc-plan [CONFIG.yaml] [section.key=value ...] [--ranks N]`` prints the plan of both methods;
 :func:`check_job_memory` is called by every job at start.
