@@ -502,13 +502,13 @@ def fgrpo_plan(shape: ModelShape, cfg, ranks: int, advise: bool = True) -> Metho
     resident = sum(b for _, b in state)
     k = 0 if f.full_finetune else 1
     rows = fgrpo_rollout_rows(cfg, ranks)
-    generating = list(state)
+    gathered = [(f"gathered {cfg.model.dtype} model for decoding", n * _bytes(cfg))] \
+        if _sharded(cfg) else []
+    generating = list(state)  # the rollout's; the evaluation offloads nothing
     if offloaded_bytes(shape, cfg, ranks):
         generating.append(("moved to host for the rollout (fgrpo.offload_optimizer)",
                            -offloaded_bytes(shape, cfg, ranks)))
-    if _sharded(cfg):
-        generating.append((f"gathered {cfg.model.dtype} model for decoding",
-                           n * _bytes(cfg)))
+    generating += gathered
     budget = engine_budget(cfg, sum(b for _, b in generating))
     rollout_engine = engine_parts(shape, cfg, f"{rows // f.num_generations} prompts x G="
                                   f"{f.num_generations}", rows, k, budget)
@@ -522,7 +522,7 @@ def fgrpo_plan(shape: ModelShape, cfg, ranks: int, advise: bool = True) -> Metho
         extra = (("AdamW foreach temporaries", 4 * n // ranks) if _sharded(cfg) else
                  ("flat fp32 gradient copy of the all-reduce / AdamW foreach temporaries", 4 * n))
         phases.append(Phase("gradient reduction and AdamW step", state + kept + [extra]))
-    phases.append(evaluation_phase(shape, cfg, generating, k, budget))
+    phases.append(evaluation_phase(shape, cfg, state + gathered, k, budget))
     chunk = cfg.model.logprob_chunk
     plan = MethodPlan("F-GRPO", phases, _usable(cfg), [
         f"parallelism {f.parallelism} over {ranks} ranks; activation checkpointing "
