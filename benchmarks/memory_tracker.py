@@ -24,6 +24,12 @@ leaf that needs a gradient aborts the process) and runs, under
   gradient all-reduce (:func:`hpc.runtime.dist.all_reduce_mean_` over torch's fake process
   group when ``--ranks`` > 1) and the AdamW step of
   :class:`hpc.models.parallelize.TrainedWeights` (fp32 masters for a 16-bit full fine-tune).
+  With ``fgrpo.parallelism=fsdp2`` the model is sharded by
+  :func:`hpc.models.parallelize.shard_model` over the fake process group (figures per rank)
+  and the rollout decodes inside :func:`hpc.models.parallelize.gathered`, as the trainer does.
+  Not yet trustworthy: on fake tensors the tracker does not see FSDP2's gathered weights (the
+  rollout's 2 bytes a parameter; the training phase's figures agree with the plan within 12%
+  at 32B), so the plan-vs-tracker test has no FSDP2 rows.
 
 Host reads of tensor values (``float(loss)``, ``.tolist()``) get 1 (:class:`HostReadsOne`):
 memory does not depend on them. Figures are live tensor bytes only: no CUDA context, library
@@ -66,22 +72,35 @@ def fake_tensors():
         yield
 
 
-def fake_model(config: dict, cfg, lora: bool, stack: contextlib.ExitStack,
+def fake_model(config: dict, cfg, case: str, ranks: int, stack: contextlib.ExitStack,
                layers: int | None = None):
-    """A Qwen2ForCausalLM of ``config`` (a config.json dict) in ``cfg.model.dtype``, with the
-    job's fresh LoRA adapter when ``lora`` (fgrpo.policy.build_model's), in eval mode: built on
-    the meta device, then given fake storage under :func:`fake_tensors` (entered here and
-    left active: the caller exits ``stack``). ``layers`` overrides ``num_hidden_layers``."""
+    """The model of ``config`` (a config.json dict) as the job builds it, in eval mode: in
+    ``model.dtype`` (fp32 under fgrpo.parallelism=fsdp2), with the job's fresh LoRA adapter
+    unless F-GRPO fine-tunes every weight, and for F-GRPO with activation checkpointing where
+    it resolves to on and FSDP2's sharding. Built on the meta device (sharded there, over
+    torch's fake process group of ``ranks``, entered in ``stack``), then given fake storage
+    under :func:`fake_tensors` (entered in ``stack`` too). ``layers`` overrides
+    ``num_hidden_layers``."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from hpc.models.loading import DTYPES, attach_lora
+    from hpc.models.loading import DTYPES, attach_lora, enable_activation_checkpointing
+    from hpc.models.memory_plan import activation_checkpointing
+    from hpc.models.parallelize import load_dtype, shard_model
 
+    training = case == "fgrpo"
     shape = Qwen2Config(**dict(config, num_hidden_layers=layers or config["num_hidden_layers"]))
     shape._attn_implementation = "sdpa"
+    dtype = load_dtype(cfg.fgrpo.parallelism, cfg.model.dtype) if training else cfg.model.dtype
     with torch.device("meta"):
-        model = Qwen2ForCausalLM._from_config(shape, dtype=DTYPES[cfg.model.dtype])
-        if lora:
+        model = Qwen2ForCausalLM._from_config(shape, dtype=DTYPES[dtype])
+        if not (training and cfg.fgrpo.full_finetune):
             model = attach_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)
+    if training:
+        stack.enter_context(fake_process_group(ranks))
+        if activation_checkpointing(cfg, "fgrpo", ranks, "cuda"):
+            enable_activation_checkpointing(model)
+        if cfg.fgrpo.parallelism == "fsdp2":
+            shard_model(model, cfg.model.dtype)
     stack.enter_context(fake_tensors())
     return model.to_empty(device="cpu").eval()
 
@@ -222,15 +241,11 @@ def fgrpo_step(model, cfg, ranks: int, tracker: LiveBytesTracker) -> None:
     """One F-GRPO step on rank 0 of ``ranks`` (module docstring)."""
     from fgrpo.gradients import accumulate_gradients
     from fgrpo.rollout import Rollouts
-    from hpc.models.loading import enable_activation_checkpointing
-    from hpc.models.memory_plan import (activation_checkpointing, engine_budget,
-                                        fgrpo_plan, fgrpo_rollout_rows)
-    from hpc.models.parallelize import TrainedWeights
+    from hpc.models.memory_plan import engine_budget, fgrpo_plan, fgrpo_rollout_rows
+    from hpc.models.parallelize import TrainedWeights, gathered
 
     f = cfg.fgrpo
     _, seq = _lengths(cfg)
-    if activation_checkpointing(cfg, "fgrpo", ranks, "cuda"):
-        enable_activation_checkpointing(model)
     params = [p for p in model.parameters() if p.requires_grad]
     rows = 2 * f.micro_batch
     ids = torch.zeros((rows, seq), dtype=torch.int64)
@@ -241,15 +256,16 @@ def fgrpo_step(model, cfg, ranks: int, tracker: LiveBytesTracker) -> None:
     plan = fgrpo_plan(_shape(cfg), cfg, ranks, advise=False)
     budget = engine_budget(cfg, sum(b for _, b in plan.phases[0].parts[:-2]))
     tracker.track_external(model)
-    with fake_process_group(ranks), tracker:
+    with tracker:
         weights = TrainedWeights(params, f.learning_rate, f.weight_decay)
         for p in params:  # the state of a step after the first: gradients, AdamW moments
             p.grad = torch.zeros_like(p)
         weights.reduce_gradients(world)
         weights.step(f.max_grad_norm)
         model.eval()
-        _decode_pass(model, cfg, fgrpo_rollout_rows(cfg, ranks), 0 if f.full_finetune else 1,
-                     budget, sampled=True)
+        with gathered(model):
+            _decode_pass(model, cfg, fgrpo_rollout_rows(cfg, ranks),
+                         0 if f.full_finetune else 1, budget, sampled=True)
         model.train()
         weights.zero_grad()
         accumulate_gradients(model, rollouts, torch.ones(rows), cfg, world,
@@ -270,8 +286,7 @@ def measure(case: str, cfg, ranks: int = 1, layers: int | None = None) -> int:
         raise ValueError(f"case {case!r} is not one of {CASES}")
     config = model_config(cfg)
     with contextlib.ExitStack() as stack:
-        lora = case != "fgrpo" or not cfg.fgrpo.full_finetune
-        model = fake_model(config, cfg, lora, stack, layers)
+        model = fake_model(config, cfg, case, ranks, stack, layers)
         tracker = LiveBytesTracker()
         if case == "fgrpo":
             fgrpo_step(model, cfg, ranks, tracker)
