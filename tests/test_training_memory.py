@@ -2,15 +2,19 @@
 paths: same values and gradients, and what each keeps alive, counted tensor by tensor."""
 import weakref
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import Qwen2ForCausalLM
 
+from conftest import run_mpi
+
 from hpc.models.loading import attach_lora, enable_activation_checkpointing, randomize_lora_b
 from hpc.models.logprobs import masked_mean, sequence_logprobs
 from hpc.models.toy import qwen2_config
+from hpc.runtime.runstore import RunFile
 from hpc.sft import completion_loss
 
 TARGETS = ["q_proj", "v_proj", "up_proj"]
@@ -169,3 +173,33 @@ def test_chunked_peak_does_not_grow_with_the_vocabulary_beyond_one_chunk():
     assert full_growth > positions * (large - small) * 4
     assert 0 < chunked_growth < 4 * chunk * large * 4
     assert micro_batch_peak(large, chunk) < micro_batch_peak(large, 0) / 2
+
+
+def fgrpo_losses(args, out, *memory):
+    proc = run_mpi(2, ["-m", "fgrpo", *args, "fgrpo.steps=2", "fgrpo.beta=0.1",
+                       "fgrpo.num_iterations=2", "fgrpo.micro_batch=8", "eval.every=0",
+                       "eval.n_samples=2", "run.progress=false", f"run.out={out}", *memory])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = RunFile(str(out / "fgrpo.h5"))
+    return run.group("metrics"), run.attrs["activation_checkpointing"]
+
+
+@pytest.mark.parametrize("setup", ["lora", "full"])
+def test_fgrpo_checkpointed_and_chunked_equals_the_reference_path(setup, request, tmp_path):
+    """F-GRPO on the toy under mpirun -n 2 (KL to the reference and mu = 2, so the frozen
+    log-probs go through the chunks too), LoRA from the SFT adapter and full fine-tuning of
+    the base: checkpointing on with 7-position chunks logs the losses, KL and entropy of
+    checkpointing off with full logits, within 1e-6."""
+    args = ["model.path=toy", "task.n_train=1000", "task.n_eval=8", "fgrpo.batch_prompts=8",
+            "fgrpo.num_generations=4"]
+    args += ([f"lora.adapter={request.getfixturevalue('toy_adapter')}"] if setup == "lora"
+             else ["fgrpo.full_finetune=true", "fgrpo.learning_rate=1e-4"])
+    ref, ref_on = fgrpo_losses(args, tmp_path / "ref", "model.activation_checkpointing=off",
+                               "model.logprob_chunk=0")
+    new, new_on = fgrpo_losses(args, tmp_path / "new", "model.activation_checkpointing=on",
+                               "model.logprob_chunk=7")
+    assert (ref_on, new_on) == (False, True)
+    assert ref["step"].tolist() == new["step"].tolist() == [1, 2]
+    assert ref["kl"][-1] > 0  # the policy moved away from its reference
+    for key in ("loss", "kl", "entropy", "ratio_mean", "reward_mean"):
+        np.testing.assert_allclose(new[key], ref[key], rtol=0, atol=1e-6, err_msg=key)
