@@ -1,21 +1,23 @@
 """Activation checkpointing and chunked log-probs (hpc/models/logprobs.py) against the reference
 paths: same values and gradients, and what each keeps alive, counted tensor by tensor."""
-import weakref
+import os
+import sys
 
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from transformers import Qwen2ForCausalLM
 
-from conftest import run_mpi
+from conftest import REPO, run_mpi
 
 from hpc.models.loading import attach_lora, enable_activation_checkpointing, randomize_lora_b
 from hpc.models.logprobs import masked_mean, sequence_logprobs
 from hpc.models.toy import qwen2_config
 from hpc.runtime.runstore import RunFile
 from hpc.sft import completion_loss
+
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+from training_memory import LiveTensorBytes  # noqa: E402 - the benchmark's tracker
 
 TARGETS = ["q_proj", "v_proj", "up_proj"]
 
@@ -124,36 +126,9 @@ def test_sft_chunked_loss_equals_transformers_loss(chunk):
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
 
 
-class LiveTensorBytes(TorchDispatchMode):
-    """Bytes of the tensor storages allocated inside the mode and alive at once: ``peak``
-    (the most at any time) and ``now``. Storages of ``existing`` tensors (the model's
-    parameters) are not counted when an op returns a view of them."""
-
-    def __init__(self, existing):
-        super().__init__()
-        self.live = {t.untyped_storage().data_ptr(): 0 for t in existing}
-        self.now = self.peak = 0
-
-    def _free(self, key):
-        self.now -= self.live.pop(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key not in self.live:
-                    self.live[key] = storage.nbytes()
-                    self.now += storage.nbytes()
-                    self.peak = max(self.peak, self.now)
-                    weakref.finalize(storage, self._free, key)
-        return out
-
-
-def micro_batch_peak(vocab, chunk, rows=2, length=64):
+def micro_batch_peak(vocab, chunk, rows=2, length=64, checkpointed=False):
     """Peak bytes allocated by one micro-batch's log-probs + entropy + backward (LoRA)."""
-    model = tiny(vocab=vocab)
+    model = tiny(vocab=vocab, checkpointed=checkpointed)
     ids, attn = batch(vocab, rows, length)
     with LiveTensorBytes(list(model.parameters()) + list(model.buffers())) as tracker:
         logp, entropy = sequence_logprobs(model, ids, attn, chunk, with_entropy=True)
@@ -162,17 +137,18 @@ def micro_batch_peak(vocab, chunk, rows=2, length=64):
     return tracker.peak
 
 
-def test_chunked_peak_does_not_grow_with_the_vocabulary_beyond_one_chunk():
+def test_chunked_peak_grows_with_the_vocabulary_by_one_chunk_only():
     """Vocabulary 512 -> 2048 (4x), 2 x 63 positions: the full logits' peak grows by more
-    than the fp32 logits of the micro-batch; the chunked one (16 positions) only by the
-    chunk's handful of fp32 (chunk, V) tensors (logits, softmax and gradient temporaries),
-    under four chunks' logits at the larger vocabulary."""
+    than the micro-batch's fp32 logits; the chunked one (16 positions) only by one chunk's
+    16 bytes per (position x vocabulary entry) (fp32 logits and their gradient temporaries),
+    under four fp32 (chunk, V) tensors at the larger vocabulary. Checkpointing lowers it."""
     small, large, positions, chunk = 512, 2048, 2 * 63, 16
     full_growth = micro_batch_peak(large, 0) - micro_batch_peak(small, 0)
     chunked_growth = micro_batch_peak(large, chunk) - micro_batch_peak(small, chunk)
     assert full_growth > positions * (large - small) * 4
     assert 0 < chunked_growth < 4 * chunk * large * 4
     assert micro_batch_peak(large, chunk) < micro_batch_peak(large, 0) / 2
+    assert micro_batch_peak(small, chunk, checkpointed=True) < micro_batch_peak(small, chunk)
 
 
 def fgrpo_losses(args, out, *memory):
