@@ -1,5 +1,6 @@
 """Activation checkpointing and chunked log-probs (hpc/models/logprobs.py) against the reference
 paths: same values and gradients, and what each keeps alive, counted tensor by tensor."""
+import json
 import os
 import sys
 
@@ -12,7 +13,9 @@ from conftest import REPO, run_mpi
 
 from hpc.models.loading import attach_lora, enable_activation_checkpointing, randomize_lora_b
 from hpc.models.logprobs import masked_mean, sequence_logprobs
+from hpc.models.memory_plan import activation_checkpointing, plan_job_class
 from hpc.models.toy import qwen2_config
+from hpc.runtime.config import load_config
 from hpc.runtime.runstore import RunFile
 from hpc.sft import completion_loss
 
@@ -179,3 +182,25 @@ def test_fgrpo_checkpointed_and_chunked_equals_the_reference_path(setup, request
     assert ref["kl"][-1] > 0  # the policy moved away from its reference
     for key in ("loss", "kl", "entropy", "ratio_mean", "reward_mean"):
         np.testing.assert_allclose(new[key], ref[key], rtol=0, atol=1e-6, err_msg=key)
+
+
+def test_auto_turns_checkpointing_on_where_the_plan_needs_it(tmp_path):
+    """Qwen2.5-7B at the cluster config (bf16, 512 + 512 tokens, 80 GB): micro_batch 8 fits
+    without checkpointing (the plan's 67.4 GiB), 16 does not; on/off (YAML 1.1 reads them as
+    booleans) are taken as given, and nothing is planned off CUDA."""
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        model_type="qwen2", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
+        tie_word_embeddings=False)))
+
+    def on(*overrides, device="cuda", method="fgrpo"):
+        cfg = load_config(plan_job_class(), os.path.join(REPO, "configs/cluster/math.yaml"),
+                          [f"model.path={tmp_path}", *overrides])
+        return activation_checkpointing(cfg, method, 8, device)
+
+    assert not on("fgrpo.micro_batch=8") and on("fgrpo.micro_batch=16")
+    assert not on("fgrpo.micro_batch=16", device="cpu")
+    assert not on("fgrpo.micro_batch=16", "plan.gpu_memory_gib=0")
+    assert on("fgrpo.micro_batch=1", "model.activation_checkpointing=on", device="cpu")
+    assert not on("fgrpo.micro_batch=16", "model.activation_checkpointing=off")
+    assert on("fgrpo.micro_batch=8", "fgrpo.full_finetune=true")  # 4 x 14.2 GiB of state
