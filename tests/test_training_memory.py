@@ -1,17 +1,26 @@
 """Activation checkpointing and chunked log-probs (hpc/models/logprobs.py) against the reference
 paths: same values and gradients, and what each keeps alive, counted tensor by tensor."""
-import weakref
+import json
+import os
+import sys
 
+import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from transformers import Qwen2ForCausalLM
+
+from conftest import REPO, run_mpi
 
 from hpc.models.loading import attach_lora, enable_activation_checkpointing, randomize_lora_b
 from hpc.models.logprobs import masked_mean, sequence_logprobs
+from hpc.models.memory_plan import activation_checkpointing, plan_job_class
 from hpc.models.toy import qwen2_config
+from hpc.runtime.config import load_config
+from hpc.runtime.runstore import RunFile
 from hpc.sft import completion_loss
+
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+from training_memory import LiveTensorBytes  # noqa: E402 - the benchmark's tracker
 
 TARGETS = ["q_proj", "v_proj", "up_proj"]
 
@@ -120,36 +129,9 @@ def test_sft_chunked_loss_equals_transformers_loss(chunk):
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
 
 
-class LiveTensorBytes(TorchDispatchMode):
-    """Bytes of the tensor storages allocated inside the mode and alive at once: ``peak``
-    (the most at any time) and ``now``. Storages of ``existing`` tensors (the model's
-    parameters) are not counted when an op returns a view of them."""
-
-    def __init__(self, existing):
-        super().__init__()
-        self.live = {t.untyped_storage().data_ptr(): 0 for t in existing}
-        self.now = self.peak = 0
-
-    def _free(self, key):
-        self.now -= self.live.pop(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key not in self.live:
-                    self.live[key] = storage.nbytes()
-                    self.now += storage.nbytes()
-                    self.peak = max(self.peak, self.now)
-                    weakref.finalize(storage, self._free, key)
-        return out
-
-
-def micro_batch_peak(vocab, chunk, rows=2, length=64):
+def micro_batch_peak(vocab, chunk, rows=2, length=64, checkpointed=False):
     """Peak bytes allocated by one micro-batch's log-probs + entropy + backward (LoRA)."""
-    model = tiny(vocab=vocab)
+    model = tiny(vocab=vocab, checkpointed=checkpointed)
     ids, attn = batch(vocab, rows, length)
     with LiveTensorBytes(list(model.parameters()) + list(model.buffers())) as tracker:
         logp, entropy = sequence_logprobs(model, ids, attn, chunk, with_entropy=True)
@@ -158,14 +140,67 @@ def micro_batch_peak(vocab, chunk, rows=2, length=64):
     return tracker.peak
 
 
-def test_chunked_peak_does_not_grow_with_the_vocabulary_beyond_one_chunk():
+def test_chunked_peak_grows_with_the_vocabulary_by_one_chunk_only():
     """Vocabulary 512 -> 2048 (4x), 2 x 63 positions: the full logits' peak grows by more
-    than the fp32 logits of the micro-batch; the chunked one (16 positions) only by the
-    chunk's handful of fp32 (chunk, V) tensors (logits, softmax and gradient temporaries),
-    under four chunks' logits at the larger vocabulary."""
+    than the micro-batch's fp32 logits; the chunked one (16 positions) only by one chunk's
+    16 bytes per (position x vocabulary entry) (fp32 logits and their gradient temporaries),
+    under four fp32 (chunk, V) tensors at the larger vocabulary. Checkpointing lowers it."""
     small, large, positions, chunk = 512, 2048, 2 * 63, 16
     full_growth = micro_batch_peak(large, 0) - micro_batch_peak(small, 0)
     chunked_growth = micro_batch_peak(large, chunk) - micro_batch_peak(small, chunk)
     assert full_growth > positions * (large - small) * 4
     assert 0 < chunked_growth < 4 * chunk * large * 4
     assert micro_batch_peak(large, chunk) < micro_batch_peak(large, 0) / 2
+    assert micro_batch_peak(small, chunk, checkpointed=True) < micro_batch_peak(small, chunk)
+
+
+def fgrpo_losses(args, out, *memory):
+    proc = run_mpi(2, ["-m", "fgrpo", *args, "fgrpo.steps=2", "fgrpo.beta=0.1",
+                       "fgrpo.num_iterations=2", "fgrpo.micro_batch=8", "eval.every=0",
+                       "eval.n_samples=2", "run.progress=false", f"run.out={out}", *memory])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = RunFile(str(out / "fgrpo.h5"))
+    return run.group("metrics"), run.attrs["activation_checkpointing"]
+
+
+@pytest.mark.parametrize("setup", ["lora", "full"])
+def test_fgrpo_checkpointed_and_chunked_equals_the_reference_path(setup, request, tmp_path):
+    """F-GRPO on the toy under mpirun -n 2 (KL to the reference and mu = 2, so the frozen
+    log-probs go through the chunks too), LoRA from the SFT adapter and full fine-tuning of
+    the base: checkpointing on with 7-position chunks logs the losses, KL and entropy of
+    checkpointing off with full logits, within 1e-6."""
+    args = ["model.path=toy", "task.n_train=1000", "task.n_eval=8", "fgrpo.batch_prompts=8",
+            "fgrpo.num_generations=4"]
+    args += ([f"lora.adapter={request.getfixturevalue('toy_adapter')}"] if setup == "lora"
+             else ["fgrpo.full_finetune=true", "fgrpo.learning_rate=1e-4"])
+    ref, ref_on = fgrpo_losses(args, tmp_path / "ref", "model.activation_checkpointing=off",
+                               "model.logprob_chunk=0")
+    new, new_on = fgrpo_losses(args, tmp_path / "new", "model.activation_checkpointing=on",
+                               "model.logprob_chunk=7")
+    assert (ref_on, new_on) == (False, True)
+    assert ref["step"].tolist() == new["step"].tolist() == [1, 2]
+    assert ref["kl"][-1] > 0  # the policy moved away from its reference
+    for key in ("loss", "kl", "entropy", "ratio_mean", "reward_mean"):
+        np.testing.assert_allclose(new[key], ref[key], rtol=0, atol=1e-6, err_msg=key)
+
+
+def test_auto_turns_checkpointing_on_where_the_plan_needs_it(tmp_path):
+    """Qwen2.5-7B at the cluster config (bf16, 512 + 512 tokens, 80 GB): micro_batch 8 fits
+    without checkpointing (the plan's 67.4 GiB), 16 does not; on/off (YAML 1.1 reads them as
+    booleans) are taken as given, and nothing is planned off CUDA."""
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        model_type="qwen2", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
+        tie_word_embeddings=False)))
+
+    def on(*overrides, device="cuda", method="fgrpo"):
+        cfg = load_config(plan_job_class(), os.path.join(REPO, "configs/cluster/math.yaml"),
+                          [f"model.path={tmp_path}", *overrides])
+        return activation_checkpointing(cfg, method, 8, device)
+
+    assert not on("fgrpo.micro_batch=8") and on("fgrpo.micro_batch=16")
+    assert not on("fgrpo.micro_batch=16", device="cpu")
+    assert not on("fgrpo.micro_batch=16", "plan.gpu_memory_gib=0")
+    assert on("fgrpo.micro_batch=1", "model.activation_checkpointing=on", device="cpu")
+    assert not on("fgrpo.micro_batch=16", "model.activation_checkpointing=off")
+    assert on("fgrpo.micro_batch=8", "fgrpo.full_finetune=true")  # 4 x 14.2 GiB of state

@@ -209,6 +209,8 @@ def _coerce(key: str, value, ftype, meta):
     elif ftype is str:
         if isinstance(value, (dict, list)) or value is None:
             raise UserError(f"config key '{key}': expected a string, got {value!r}")
+        if isinstance(value, bool) and {"on", "off"} <= set(meta.get("choices") or ()):
+            value = "on" if value else "off"  # YAML 1.1 reads on/off (yes/no, true/false) as bools
         out = str(value)
     elif ftype is list:
         if isinstance(value, str):
