@@ -94,7 +94,7 @@ def main(argv=None):
     result = evaluate(model, tok, task, task.eval, cfg.eval, cfg.task.max_new_tokens, world,
                       seed=cfg.run.seed)
     log_eval(store, 0, result)
-    share_graph_check(world, store, False)
+    share_graph_check(world, store)
     store.close()
     if world.is_root:
         label = cfg.lora.adapter or cfg.model.path

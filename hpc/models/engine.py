@@ -60,8 +60,8 @@ ENGINE_MEMORY_SHARE = 0.5  # of the device's free memory, model.engine_memory_gi
 CPU_ENGINE_MEMORY_GIB = 8.0  # the budget of model.engine_memory_gib = 0 on CPU
 SLOT_STATE_BYTES = 6 * 8  # int64 per slot: token, position, member, two sampling keys, live
 ACTIVATION_VALUES = (4, 3)  # (x hidden, x intermediate) values per token live in one layer
-SAMPLING_BYTES_PER_LOGIT = 36  # keyed sampling's temporaries per (row, vocab entry): int64
-#   hash words (3 x 8) and float32 uniforms, Gumbel noise and scores (3 x 4)
+SAMPLING_BYTES_PER_LOGIT = 24  # keyed sampling's temporaries per (row, vocab entry) at their
+#   peak (int64 hash words, float32 uniforms, noise, scores, top-p's sort)
 GRAPH_CHECK_STEPS = 3  # steps of a newly captured shape compared with eager ones
 GRAPH_CHECK_TOLERANCE = 1 / 64  # |graph - eager| logits, relative to max(1, max |eager|):
 #   four bfloat16 ulps (2**-8 each) of the largest logit
@@ -96,7 +96,8 @@ class DecodeShape:
 
 
 def engine_memory(shape, slots: int, max_len: int, k: int = 0, dtype_bytes: int = 2,
-                  member_params: int = 0, member_bytes: int = 4) -> dict:
+                  member_params: int = 0, member_bytes: int = 4,
+                  prompt_tokens: int | None = None) -> dict:
     """Bytes a :class:`DecodeEngine` holds, by part: {part: bytes}. Pure arithmetic.
 
     ``shape``: layers L, kv_heads g, head_dim d, hidden h, intermediate I, vocab V (a
@@ -104,21 +105,26 @@ def engine_memory(shape, slots: int, max_len: int, k: int = 0, dtype_bytes: int 
     (the engine rounds max_len up to a multiple of MAX_LEN_STEP: pass the rounded figure for
     a built engine); ``k`` members of ``member_params`` LoRA parameters each (one member's r *
     (in + out) summed over its adapted linears) of ``member_bytes`` each; ``dtype_bytes``: bytes
-    per value of the model's dtype (e).
+    per value of the model's dtype (e); ``prompt_tokens``: the longest prompt P (default
+    max_len).
 
     * ``kv_cache``: 2 * L * slots * g * max_len * d * e (keys and values of every slot);
     * ``members``: k * member_params * member_bytes (the stacked A_cat, B_cat);
     * ``slot_buffers``: slots * (4 V + SLOT_STATE_BYTES) (fp32 logits and int64 state per slot);
     * ``step_peak``: the larger transient of a decode step over all slots, slots * ((4 h + 3 I)
       e + V (e + 4 + SAMPLING_BYTES_PER_LOGIT)) (one layer's activations, the logits in the
-      model dtype and fp32, keyed sampling's temporaries), and a prefill forward of
-      min(slots * max_len, max(PREFILL_TOKENS, max_len)) tokens of (4 h + 3 I) e each.
+      model dtype and fp32, keyed sampling's temporaries), and a prefill forward: the larger of
+      T (4 h + 3 I) e, T = min(slots * P, max(PREFILL_TOKENS, P)) tokens, and its last logits
+      slots * V (e + 4).
 
-    The first three live as long as the engine; the last only during a step."""
+    The first three live as long as the engine; the last only during a step (coefficients
+    measured on CPU with a tensor-lifetime tracker: README, "Decoding engine")."""
     e = dtype_bytes
+    prompt = max_len if prompt_tokens is None else prompt_tokens
     per_token = (ACTIVATION_VALUES[0] * shape.hidden + ACTIVATION_VALUES[1] * shape.intermediate) * e
-    step = slots * (per_token + shape.vocab * (e + 4 + SAMPLING_BYTES_PER_LOGIT))
-    prefill = min(slots * max_len, max(PREFILL_TOKENS, max_len)) * per_token
+    logits = slots * shape.vocab * (e + 4)
+    step = slots * per_token + logits + slots * shape.vocab * SAMPLING_BYTES_PER_LOGIT
+    prefill = max(min(slots * prompt, max(PREFILL_TOKENS, prompt)) * per_token, logits)
     return {"kv_cache": 2 * shape.layers * slots * shape.kv_heads * max_len * shape.head_dim * e,
             "members": k * member_params * member_bytes,
             "slot_buffers": slots * (4 * shape.vocab + SLOT_STATE_BYTES),
@@ -126,10 +132,11 @@ def engine_memory(shape, slots: int, max_len: int, k: int = 0, dtype_bytes: int 
 
 
 def engine_bytes(shape, slots: int, max_len: int, k: int = 0, dtype_bytes: int = 2,
-                 member_params: int = 0, member_bytes: int = 4) -> int:
+                 member_params: int = 0, member_bytes: int = 4,
+                 prompt_tokens: int | None = None) -> int:
     """Total bytes of :func:`engine_memory` (same arguments): the engine's peak."""
     return sum(engine_memory(shape, slots, max_len, k, dtype_bytes, member_params,
-                             member_bytes).values())
+                             member_bytes, prompt_tokens).values())
 
 
 def slots_within(budget_bytes: int, shape, max_len: int, k: int = 0, dtype_bytes: int = 2,

@@ -12,7 +12,9 @@ for every method:
 3. evaluation at the start (not on resume), a held-out evaluation every ``eval.every`` steps
    and at the last step, a final evaluation at the end;
 4. per step: phase seconds per rank, payload bytes per tag and the loop's metrics (tokens
-   generated, training and wall seconds), then the stop decision (preemption signal on any
+   generated, training and wall seconds), whether a rank's decoding engine failed its
+   CUDA-graph self-check (:func:`share_graph_check`, also after the final evaluation), then
+   the stop decision (preemption signal on any
    rank; ``run.max_time_s`` or ``run.max_train_s`` on rank 0's clock; the method's target;
    ``run.max_generated_tokens``),
    then a checkpoint every ``run.checkpoint_every`` steps, on stop and at the end. The step's
@@ -137,16 +139,15 @@ def run_attrs(job: Job, method: Method) -> dict:
                 heldout_accuracy=method.heldout_accuracy, **method.attrs())
 
 
-def share_graph_check(world, store: RunStore, shared: bool) -> bool:
-    """Collective (every rank, same ``shared``), after each step and the final evaluation:
-    when the decoding engine's self-check failed on any rank
+def share_graph_check(world, store: RunStore, failed: np.ndarray | None = None) -> bool:
+    """Collective: when the decoding engine's self-check failed on any rank
     (:func:`hpc.models.engine.graph_check_failure`), CUDA graphs go off on every rank, rank 0
     prints one line and the run file gets the attribute ``cuda_graphs_disabled`` (the rank and
-    the reason). Returns whether that is done (then later calls do nothing)."""
-    if shared:
-        return True
-    failed = world.allgather(np.array([bool(graph_check_failure())], dtype=np.int8),
-                             tag="control")
+    the reason). ``failed``: each rank's flag (size,) when already gathered (the loop sends it
+    with a step's token count), else gathered here. Returns whether graphs went off."""
+    if failed is None:
+        failed = world.allgather(np.array([bool(graph_check_failure())], dtype=np.int8),
+                                 tag="control")
     if not failed.any():
         return False
     rank = int(np.flatnonzero(failed)[0])
@@ -209,15 +210,17 @@ def run_loop(job: Job, method: Method) -> dict:
     total = method.total_steps
     progress = progress_bar(job, total, method.name, initial=start)
     t0 = time.perf_counter() - elapsed0
-    step, preempted, graphs_shared = start, False, False
+    step, preempted, graphs_off = start, False, False
     world.take_bytes()  # start-up traffic (bootstrap, start evaluation) is not a step's
     while step < total:
         take_generated_tokens()  # what evaluations decoded is not a step's
         metrics = method.step(step)
         step += 1
-        tokens += int(world.allgather(np.array([take_generated_tokens()], dtype=np.int64),
-                                      tag="control").sum())
-        graphs_shared = share_graph_check(world, store, graphs_shared)
+        # with the tokens, whether this rank's engine self-check failed (until graphs are off)
+        sent = [take_generated_tokens(), not graphs_off and bool(graph_check_failure())]
+        gathered = world.allgather(np.array(sent, dtype=np.int64), tag="control")
+        tokens += int(gathered[:, 0].sum())
+        graphs_off = graphs_off or share_graph_check(world, store, gathered[:, 1])
         metrics.update(generated_tokens=tokens, train_s=time.perf_counter() - t0 - overhead,
                        wall_s=time.perf_counter() - t0)
         reached = False
@@ -260,7 +263,8 @@ def run_loop(job: Job, method: Method) -> dict:
         return preempted_exit(world, store, step, wall)
     final = method.evaluate(sampled=True)
     log_eval(store, step, final)
-    share_graph_check(world, store, graphs_shared)
+    if not graphs_off:
+        share_graph_check(world, store)
     if world.is_root or method.collective_export:
         method.export(job.out_dir, step)
     store.set_attrs(steps_done=step, wall_seconds=wall)
