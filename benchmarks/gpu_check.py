@@ -481,7 +481,9 @@ def int8_section(model, space, device, args, lengths, n_prompts, budget, save) -
             "weight_bytes": sum(stored_bytes(p) for n, p in model.named_parameters()
                                 if "lora_" not in n),
             "members_that_fit": (members_on_device(model, 96, n_prompts, sum(lengths))
-                                 if device.type == "cuda" else None),
+                                 if device.type == "cuda" else None),  # of 96, choose_k's cap
+            "free_gib": (torch.cuda.mem_get_info(device)[0] / 2 ** 30
+                         if device.type == "cuda" else None),
             "engine": []}
         save()
         gen = torch.Generator().manual_seed(SEED + 3)  # the same prompts for both weights
@@ -518,8 +520,9 @@ def int8_summary(result: dict) -> str:
     lines = [f"{result['model']}: engine tokens/s, weights in {result['dtype']} vs INT8 "
              f"weight-only (model.quantize=int8)"]
     for weights, p in part.items():
-        lines.append(f"  {weights}: weights {p['weight_bytes'] / 2 ** 30:.2f} GiB, members per "
-                     f"pass that fit: {p['members_that_fit']}")
+        free = "" if p["free_gib"] is None else f", {p['free_gib']:.1f} GiB free"
+        lines.append(f"  {weights}: weights {p['weight_bytes'] / 2 ** 30:.2f} GiB{free}, members "
+                     f"per pass that fit (of 96): {p['members_that_fit']}")
     lines.append(f"{'rows':>5} {'k':>3} {'lengths':>7} {'dtype tok/s':>11} {'int8 tok/s':>11} "
                  f"{'int8/dtype':>10}")
     rows = zip(part.get("model dtype", {}).get("engine", []),

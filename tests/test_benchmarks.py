@@ -38,7 +38,11 @@ SMOKE = {
     "training_memory.py": (["--models", "tiny", "--tokens", "64", "--chunk", "16"], False,
                            ["tiny", "ckpt on  chunk 16"]),
     "gpu_check.py": (["--model", "tiny", "--device", "cpu", "--ks", "1", "2", "--prompts", "2",
-                      "--minutes", "5"], False, ["F-GRPO step (256 rows)", "wrote "]),
+                      "--minutes", "5", "--int8", "--rows", "4", "8", "--engine-ks", "1", "2"],
+                     False, ["F-GRPO step (256 rows)", "int8/dtype", "wrote "]),
+    "quantization.py": (["--models", "toy", "--n-eval", "8", "--minibatch", "4",
+                         "--population", "4", "--members-per-pass", "2"], False,
+                        ["toy (arith", "identical completions", "Spearman"]),
 }
 
 
@@ -83,3 +87,6 @@ def test_benchmark_runs_at_smoke_size(script, tmp_path):
         assert [r["k"] for r in result["members"]] == [1, 2]
         assert all(r["lora_fused"]["members_per_s"] > 0 for r in result["members"])
         assert result["fgrpo_step"]["rows"] == 256
+        int8 = result["int8"]
+        assert int8["int8"]["weight_bytes"] < int8["model dtype"]["weight_bytes"]
+        assert all(r["engine"]["tokens_per_s"] > 0 for r in int8["int8"]["engine"])

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_mpi
+from conftest import run_cli, run_mpi
 from test_essa import _one_error_line, essa_args
+from test_fgrpo import fgrpo_args
 from hpc.data.tasks import arith_task
 from hpc.models.generation import generate_tokens
 from hpc.models.loading import attach_lora, load_model, randomize_lora_b
@@ -100,6 +101,17 @@ def test_essa_int8_under_mpirun_rank_invariant_and_resumable(toy_adapter, tmp_pa
         assert np.array_equal(runs[key].group("essa")["fitness"], fit), key
         assert np.array_equal(runs[key].group("final")["mean"][-1],
                               runs[1].group("final")["mean"][-1]), key
+
+
+def test_fgrpo_int8_runs(toy_adapter, tmp_path):
+    """F-GRPO with model.quantize=int8: rollouts and evaluation from the quantised copy, the
+    LoRA trained on the unquantised model; the run ends and its adapter is saved."""
+    out = tmp_path / "run"
+    proc = run_cli(fgrpo_args(toy_adapter, out, "fgrpo.steps=2", "fgrpo.batch_prompts=4",
+                              "task.n_eval=16", "model.quantize=int8"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert RunFile(str(out / "fgrpo.h5")).group("metrics")["step"].tolist() == [1, 2]
+    assert (out / "adapter" / "adapter_config.json").exists()
 
 
 def test_int4_on_cpu_is_one_line_exit_2(tiny_models, tmp_path):

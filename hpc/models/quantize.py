@@ -33,7 +33,6 @@ import torch
 
 from hpc.runtime.errors import UserError
 
-MODES = ("none", "int8", "int4")
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 INT4_GROUP = 128
 COPY = "_generation_linears"  # model attribute: {module name: quantised Linear}
