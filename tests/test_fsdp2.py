@@ -168,3 +168,14 @@ def test_bf16_full_finetune_at_lr_1e6_moves_its_weights():
     assert travelled > 0.5
     _, _, old_travelled = _bf16_full_finetune(masters=False)
     assert old_travelled < 0.1
+
+
+def test_bf16_lora_with_reference_kl_runs(tmp_path):
+    """bf16 compute over fp32 shards, LoRA, a KL term (whose reference pass freezes the LoRA
+    factors for a moment through peft's disable_adapter): the gradients come back in fp32."""
+    out = tmp_path / "run"
+    proc = run_mpi(2, fgrpo_args(out, "fgrpo.parallelism=fsdp2", "model.dtype=bfloat16",
+                                 "fgrpo.beta=0.1", "fgrpo.steps=2", "fgrpo.num_iterations=1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = RunFile(str(out / "fgrpo.h5")).group("metrics")
+    assert metrics["step"].tolist() == [1, 2] and metrics["kl"][-1] > 0
