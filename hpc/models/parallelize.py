@@ -182,7 +182,7 @@ class TrainedWeights:
                 if torch.is_tensor(v) and v.dim() > 0]
         held += [m for p, m in zip(self.params, self.masters) if p is not m]
         for t in held:
-            t.data = t.data.to("cpu", non_blocking=True)
+            t.data = t.data.to("cpu")
         try:
             yield
         finally:
