@@ -81,7 +81,7 @@ class FGRPO(GradientMethod):
             len(task.train), size=min(f.batch_prompts, len(task.train)), replace=False)
         mine = batch[my_slice(len(batch), world)]
         self.model.eval()
-        with gathered(self.model), self.weights.offloaded(f.offload_optimizer):
+        with self.weights.offloaded(f.offload_optimizer), gathered(self.model):
             rollouts = sample_rollouts(self.model, self.tok, task,
                                        [task.train.prompts[j] for j in mine],
                                        [task.train.answers[j] for j in mine], f,

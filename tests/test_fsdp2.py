@@ -100,6 +100,13 @@ def test_full_finetune_export_loads_in_transformers_and_reproduces_accuracy(tmp_
     assert evaluated["accuracy"][-1] == logged["accuracy"][-1]
 
 
+def assert_one_line(stderr, words):
+    """The job said why in one line (once, from rank 0), with no traceback."""
+    lines = our_lines(stderr)
+    assert sum(words in line for line in lines) == 1, lines
+    assert not any("Traceback" in line for line in lines), lines
+
+
 def test_resume_on_another_rank_count_is_refused(tmp_path):
     out = tmp_path / "run"
     proc = run_mpi(2, fgrpo_args(out, "fgrpo.parallelism=fsdp2", "fgrpo.steps=1"))
@@ -107,16 +114,14 @@ def test_resume_on_another_rank_count_is_refused(tmp_path):
     proc = run_mpi(3, fgrpo_args(out, "fgrpo.parallelism=fsdp2", "fgrpo.steps=2") +
                    ["--resume"])
     assert proc.returncode == 2
-    lines = our_lines(proc.stderr)
-    assert len(lines) == 1 and "sharded over 2 ranks" in lines[0], lines
+    assert_one_line(proc.stderr, "sharded over 2 ranks")
 
 
 def test_uneven_prompts_over_ranks_exit_2(tmp_path):
     proc = run_mpi(2, fgrpo_args(tmp_path / "run", "fgrpo.parallelism=fsdp2",
                                  "fgrpo.batch_prompts=5"))
     assert proc.returncode == 2
-    lines = our_lines(proc.stderr)
-    assert len(lines) == 1 and "fgrpo.batch_prompts" in lines[0], lines
+    assert_one_line(proc.stderr, "'fgrpo.batch_prompts'")
 
 
 def _bf16_full_finetune(masters: bool, steps: int = 120, lr: float = 1e-6):
@@ -163,3 +168,14 @@ def test_bf16_full_finetune_at_lr_1e6_moves_its_weights():
     assert travelled > 0.5
     _, _, old_travelled = _bf16_full_finetune(masters=False)
     assert old_travelled < 0.1
+
+
+def test_bf16_lora_with_reference_kl_runs(tmp_path):
+    """bf16 compute over fp32 shards, LoRA, a KL term (whose reference pass freezes the LoRA
+    factors for a moment through peft's disable_adapter): the gradients come back in fp32."""
+    out = tmp_path / "run"
+    proc = run_mpi(2, fgrpo_args(out, "fgrpo.parallelism=fsdp2", "model.dtype=bfloat16",
+                                 "fgrpo.beta=0.1", "fgrpo.steps=2", "fgrpo.num_iterations=1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = RunFile(str(out / "fgrpo.h5")).group("metrics")
+    assert metrics["step"].tolist() == [1, 2] and metrics["kl"][-1] > 0

@@ -69,6 +69,12 @@ def shard_model(model, compute_dtype: str):
     for layer in decoder_layers(model):
         fully_shard(layer, mp_policy=policy, reshard_after_forward=True)
     fully_shard(_hf_model(model), mp_policy=policy, reshard_after_forward=False)
+    # FSDP2 settles its per-unit state on the first forward, among it which parameters train
+    # (their gradients are cast back to fp32): run it now, before anything (peft's
+    # disable_adapter for the reference log-probs) marks the LoRA factors frozen for a while.
+    with torch.no_grad():
+        model(input_ids=torch.zeros((1, 1), dtype=torch.long,
+                                    device=next(model.parameters()).device))
     return model
 
 
@@ -176,7 +182,7 @@ class TrainedWeights:
                 if torch.is_tensor(v) and v.dim() > 0]
         held += [m for p, m in zip(self.params, self.masters) if p is not m]
         for t in held:
-            t.data = t.data.to("cpu", non_blocking=True)
+            t.data = t.data.to("cpu")
         try:
             yield
         finally:

@@ -21,7 +21,8 @@ for every method:
    row goes out before its checkpoint: a kill in between leaves a row that the resumed run
    truncates and recomputes, never a checkpoint without its row;
 5. preempted: close the run file as ``preempted`` and return (the caller exits 3); else the
-   final evaluation, the export (rank 0), and the run file closed as ``complete``.
+   final evaluation, the export (rank 0; every rank for a ``collective_export`` method, whose
+   export gathers sharded weights), and the run file closed as ``complete``.
 
 Checkpoints hold ``{"step", "elapsed_s", "overhead_s", "generated_tokens", "run_file",
 "method": method.state_dict(), "shard_ranks"}``; a :attr:`Method.sharded` method's per-rank state
@@ -108,7 +109,8 @@ class Method(abc.ABC):
 
     @abc.abstractmethod
     def export(self, out_dir: str, step: int) -> None:
-        """Write the result after ``step`` steps into ``out_dir`` (rank 0 only)."""
+        """Write the result after ``step`` steps into ``out_dir`` (rank 0 only; on every rank
+        when :attr:`collective_export`, writing on rank 0)."""
 
     @abc.abstractmethod
     def state_dict(self) -> dict:
