@@ -86,8 +86,12 @@ def test_7b_figures_by_hand(tmp_path):
     assert [b for _, b in essa.phase("ESSA scoring").parts] == [weights, 6 * lora * 4,
                                                                 engine(64), prefill]
     evaluation = essa.phase("evaluation").parts
-    slots = max(n for n in range(1, 1025) if engine(n) + max(
-        prefill, n * ((4 * 3584 + 3 * 18944) * 2 + 152064 * (2 + 4 + 36))) <= budget)
+    act = (4 * 3584 + 3 * 18944) * 2  # one layer's activations a token
+
+    def transient(n, prompt):  # a decode step (logits bf16 + fp32, sampling) or a prefill
+        return max(n * (act + 152064 * (2 + 4 + 24)), min(n * prompt, 8192) * act)
+
+    slots = max(n for n in range(1, 1025) if engine(n) + transient(n, 1024) <= budget)
     assert evaluation[1][1] == engine(slots) and slots < 1024  # waves within the budget
     fgrpo = fgrpo_plan(shape, cfg, ranks=16)  # 8 prompts x G = 8 = 64 rollout rows
     assert "activation checkpointing off (model.activation_checkpointing=auto)" in fgrpo.notes[0]

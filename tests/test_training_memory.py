@@ -185,9 +185,9 @@ def test_fgrpo_checkpointed_and_chunked_equals_the_reference_path(setup, request
 
 
 def test_auto_turns_checkpointing_on_where_the_plan_needs_it(tmp_path):
-    """Qwen2.5-7B at the cluster config (bf16, 512 + 512 tokens, 80 GB): micro_batch 8 fits
-    without checkpointing (the plan's 67.4 GiB), 16 does not; on/off (YAML 1.1 reads them as
-    booleans) are taken as given, and nothing is planned off CUDA."""
+    """Qwen2.5-7B at the cluster config (bf16, 512 + 512 tokens, 80 GB, 8 ranks): micro_batch 6
+    fits without checkpointing, 8 does not (the F-GRPO plan beside the rollout's engine); on/off
+    (YAML 1.1 reads them as booleans) are taken as given, and nothing is planned off CUDA."""
     (tmp_path / "config.json").write_text(json.dumps(dict(
         model_type="qwen2", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
         num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
@@ -198,7 +198,7 @@ def test_auto_turns_checkpointing_on_where_the_plan_needs_it(tmp_path):
                           [f"model.path={tmp_path}", *overrides])
         return activation_checkpointing(cfg, method, 8, device)
 
-    assert not on("fgrpo.micro_batch=8") and on("fgrpo.micro_batch=16")
+    assert not on("fgrpo.micro_batch=6") and on("fgrpo.micro_batch=8")
     assert not on("fgrpo.micro_batch=16", device="cpu")
     assert not on("fgrpo.micro_batch=16", "plan.gpu_memory_gib=0")
     assert on("fgrpo.micro_batch=1", "model.activation_checkpointing=on", device="cpu")

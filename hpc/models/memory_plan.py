@@ -241,7 +241,7 @@ def engine_parts(shape: ModelShape, cfg, what: str, rows: int, k: int, budget: i
     slots = engine_slots(shape, cfg, rows, k, budget)
     n_lora = shape.lora_parameters(cfg.lora.rank, cfg.lora.targets) if k else 0
     parts = engine_memory(shape, max(1, slots), _max_len(cfg), k, _bytes(cfg), n_lora,
-                          LORA_BYTES_PER_PARAM)
+                          LORA_BYTES_PER_PARAM, prompt_tokens=cfg.plan.max_prompt_tokens)
     if slots < 1:
         label = (f"engine: {what}: NO ROW FITS its budget of {gib(budget)} "
                  f"(model.engine_memory_gib); one row")
