@@ -24,12 +24,8 @@ leaf that needs a gradient aborts the process) and runs, under
   gradient all-reduce (:func:`hpc.runtime.dist.all_reduce_mean_` over torch's fake process
   group when ``--ranks`` > 1) and the AdamW step of
   :class:`hpc.models.parallelize.TrainedWeights` (fp32 masters for a 16-bit full fine-tune).
-  With ``fgrpo.parallelism=fsdp2`` the model is sharded by
-  :func:`hpc.models.parallelize.shard_model` over the fake process group (figures per rank)
-  and the rollout decodes inside :func:`hpc.models.parallelize.gathered`, as the trainer does.
-  Not yet trustworthy: on fake tensors the tracker does not see FSDP2's gathered weights (the
-  rollout's 2 bytes a parameter; the training phase's figures agree with the plan within 12%
-  at 32B), so the plan-vs-tracker test has no FSDP2 rows.
+  ``fgrpo.parallelism=fsdp2`` is refused: the fake model is built on the meta device, where
+  :func:`hpc.models.parallelize.shard_model`'s settling forward cannot run.
 
 Host reads of tensor values (``float(loss)``, ``.tolist()``) get 1 (:class:`HostReadsOne`):
 memory does not depend on them. Figures are live tensor bytes only: no CUDA context, library
@@ -44,7 +40,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import sys
 
 import torch
@@ -75,32 +70,31 @@ def fake_tensors():
 def fake_model(config: dict, cfg, case: str, ranks: int, stack: contextlib.ExitStack,
                layers: int | None = None):
     """The model of ``config`` (a config.json dict) as the job builds it, in eval mode: in
-    ``model.dtype`` (fp32 under fgrpo.parallelism=fsdp2), with the job's fresh LoRA adapter
+    ``model.dtype``, with the job's fresh LoRA adapter
     unless F-GRPO fine-tunes every weight, and for F-GRPO with activation checkpointing where
-    it resolves to on and FSDP2's sharding. Built on the meta device (sharded there, over
-    torch's fake process group of ``ranks``, entered in ``stack``), then given fake storage
-    under :func:`fake_tensors` (entered in ``stack`` too). ``layers`` overrides
+    it resolves to on (and torch's fake process group of ``ranks`` entered in ``stack``).
+    Built on the meta device, then given fake storage under :func:`fake_tensors` (entered in
+    ``stack`` too). ``layers`` overrides
     ``num_hidden_layers``."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from hpc.models.loading import DTYPES, attach_lora, enable_activation_checkpointing
     from hpc.models.memory_plan import activation_checkpointing
-    from hpc.models.parallelize import load_dtype, shard_model
 
     training = case == "fgrpo"
+    if training and cfg.fgrpo.parallelism == "fsdp2":
+        raise ValueError("fgrpo.parallelism=fsdp2 is not measured here (shard_model runs a "
+                         "forward at sharding time, which meta weights cannot)")
     shape = Qwen2Config(**dict(config, num_hidden_layers=layers or config["num_hidden_layers"]))
     shape._attn_implementation = "sdpa"
-    dtype = load_dtype(cfg.fgrpo.parallelism, cfg.model.dtype) if training else cfg.model.dtype
     with torch.device("meta"):
-        model = Qwen2ForCausalLM._from_config(shape, dtype=DTYPES[dtype])
+        model = Qwen2ForCausalLM._from_config(shape, dtype=DTYPES[cfg.model.dtype])
         if not (training and cfg.fgrpo.full_finetune):
             model = attach_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)
     if training:
         stack.enter_context(fake_process_group(ranks))
         if activation_checkpointing(cfg, "fgrpo", ranks, "cuda"):
             enable_activation_checkpointing(model)
-        if cfg.fgrpo.parallelism == "fsdp2":
-            shard_model(model, cfg.model.dtype)
     stack.enter_context(fake_tensors())
     return model.to_empty(device="cpu").eval()
 
@@ -263,7 +257,7 @@ def fgrpo_step(model, cfg, ranks: int, tracker: LiveBytesTracker) -> None:
         weights.reduce_gradients(world)
         weights.step(f.max_grad_norm)
         model.eval()
-        with gathered(model):
+        with gathered(model):  # a no-op without FSDP2: the trainer's rollout context
             _decode_pass(model, cfg, fgrpo_rollout_rows(cfg, ranks),
                          0 if f.full_finetune else 1, budget, sampled=True)
         model.train()
