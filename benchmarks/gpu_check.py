@@ -305,7 +305,7 @@ def fgrpo_step(model, device, lengths, engine: bool = False) -> dict:
 
     from fgrpo.advantages import group_advantages
     from fgrpo.loss import policy_loss
-    from fgrpo.loss import sequence_logprobs
+    from hpc.models.logprobs import sequence_logprobs
 
     prompt_len, new_tokens = lengths
     n, G = FGRPO["prompts"], FGRPO["G"]
@@ -355,7 +355,7 @@ def fgrpo_step(model, device, lengths, engine: bool = False) -> dict:
         opt.zero_grad()
         for s in range(0, ids.shape[0], FGRPO["micro_batch"]):
             rows = slice(s, s + FGRPO["micro_batch"])
-            logp = sequence_logprobs(model, ids[rows], torch.ones_like(ids[rows]))
+            logp, _ = sequence_logprobs(model, ids[rows], torch.ones_like(ids[rows]))
             loss, _ = policy_loss(logp, logp.detach(), adv[rows], cmask[rows, 1:],
                                   "token-mean", FGRPO["epsilon"], FGRPO["epsilon_high"],
                                   normalizer=valid)

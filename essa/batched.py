@@ -152,11 +152,13 @@ def _padded_group(factors: dict, start: int, k: int) -> dict:
 def score_members_engine(model, tokenizer, space, members: np.ndarray, task, prompts: list,
                          answers: list, max_new_tokens: int, batch_size: int, timer,
                          k: int) -> np.ndarray:
-    """:func:`score_members_batched` on the decoding engine: k members' factors stacked, up to
-    ``batch_size * k`` rows decoding at once, each row tagged with its member. Same phases and
-    result; the model's own adapter weights are not touched."""
+    """:func:`score_members_batched` on the decoding engine: k members' factors stacked (k
+    capped by the number of members only), up to ``batch_size * k`` rows decoding at once
+    (fewer when the engine's memory budget holds fewer: the rest decode in waves), each row
+    tagged with its member. Same phases and result; the model's own adapter weights are not
+    touched."""
     with timer.phase("rebuild"):
-        k = choose_k(model, tokenizer, k, len(members), prompts, batch_size, max_new_tokens)
+        k = max(1, min(k, len(members)))
         factors = space.factors_batch(members)
         prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
         eos = eos_ids(model, tokenizer)

@@ -49,7 +49,17 @@ class FGRPOConfig:
                              min=1, max=65536)
     temperature: float = param(1.0, "rollout sampling temperature", min=0.0, max=100.0)
     top_p: float = param(1.0, "rollout nucleus sampling", min=0.0, max=1.0)
-    full_finetune: bool = param(False, "train every weight instead of a LoRA")
+    full_finetune: bool = param(False, "train every weight instead of a LoRA (fp32 master "
+                                "weights and AdamW state, model.dtype compute)")
+    parallelism: str = param("ddp", "ddp: every rank holds the model, gradients all-reduced; "
+                             "fsdp2: weights, gradients and AdamW state sharded over the ranks "
+                             "(torch fully_shard per decoder layer), fp32 masters, model.dtype "
+                             "compute; needs fgrpo.batch_prompts divisible by the ranks",
+                             choices=["ddp", "fsdp2"])
+    offload_optimizer: bool = param(False, "move the AdamW moments (and fp32 master copies) "
+                                    "to host memory during each rollout phase, for the "
+                                    "gathered weights and KV cache (GPU only; costs two "
+                                    "host-device copies of them per step)")
     space: str = param("lora", "what the gradient trains: lora: every LoRA entry; sv: only "
                        "offsets to the top singular values of each factor of the SFT adapter "
                        "lora.adapter (ESSA's search space, essa.space=sv)",
@@ -63,6 +73,14 @@ class FGRPOConfig:
 class FGRPOJobConfig(JobConfig):
     per_rank_key = "fgrpo.batch_prompts"
     fgrpo: FGRPOConfig = field(default_factory=FGRPOConfig)
+
+    def validate_world(self, world) -> None:
+        super().validate_world(world)
+        if self.fgrpo.parallelism == "fsdp2" and self.fgrpo.batch_prompts % world.size:
+            raise UserError(f"config key 'fgrpo.batch_prompts': {self.fgrpo.batch_prompts} "
+                            f"prompts do not split evenly over {world.size} ranks; "
+                            f"fgrpo.parallelism=fsdp2 runs every forward on all ranks "
+                            f"together, so each needs the same number of rows")
 
     def validate(self):
         if 0.0 < self.fgrpo.clip_ratio_c <= 1.0:
@@ -78,6 +96,9 @@ class FGRPOJobConfig(JobConfig):
         if self.fgrpo.space == "sv" and not self.lora.adapter:
             raise UserError("config key 'fgrpo.space': sv starts from an SFT adapter; give its "
                             "folder in lora.adapter (hpc-sft writes <run.out>/adapter)")
+        if self.fgrpo.space == "sv" and self.fgrpo.parallelism == "fsdp2":
+            raise UserError("config key 'fgrpo.parallelism': fsdp2 trains LoRA or full "
+                            "fine-tuning; fgrpo.space=sv needs parallelism=ddp")
         if self.fgrpo.space != "sv" and self.fgrpo.alpha != 1.0:
             raise UserError(f"config key 'fgrpo.alpha': {self.fgrpo.alpha} applies only to "
                             f"fgrpo.space=sv")

@@ -1,16 +1,16 @@
-"""Gradients of the F-GRPO loss over one step's rollouts, and the step that applies them.
+"""Gradients of the F-GRPO loss over one step's rollouts.
 
 :func:`accumulate_gradients` runs forward/backward in micro-batches with the step's global
 normaliser (:func:`fgrpo.loss.step_normalizer`), so after a MEAN all-reduce every rank holds the
-gradient of the whole step's batch; :func:`optimizer_step` then clips and steps, or skips a
-non-finite gradient.
+gradient of the whole step's batch (the step that applies it:
+:meth:`hpc.models.parallelize.TrainedWeights.step`).
 """
 from __future__ import annotations
 
 import torch
 
-from fgrpo.loss import (entropy_from_logits, policy_loss, sequence_logprobs, step_counts,
-                        step_normalizer)
+from fgrpo.loss import policy_loss, step_counts, step_normalizer
+from hpc.models.logprobs import masked_mean, sequence_logprobs
 
 # Per-step sums accumulate_gradients returns (token-weighted stats are sums over tokens).
 GRADIENT_SUMS = ("loss", "tokens", "kl", "clip_fraction", "ratio", "entropy")
@@ -32,32 +32,36 @@ def accumulate_gradients(model, rollouts, advantages: torch.Tensor, cfg, world,
     sums = dict.fromkeys(GRADIENT_SUMS, 0.0)
     for start in range(0, rows, f.micro_batch):
         stop = min(start + f.micro_batch, rows)
-        ids, attn, cm = rollouts.rows(start, stop)
-        logp, logits = sequence_logprobs(model, ids, attn, with_logits=True)
-        old = logp.detach() if old_logp is None else old_logp[start:stop]
+        old = None if old_logp is None else old_logp[start:stop]
         ref = None if ref_logp is None else ref_logp[start:stop]
-        loss, stats = policy_loss(logp, old, advantages[start:stop], cm[:, 1:], f.loss_type,
-                                  f.epsilon, f.epsilon_high, f.beta, ref,
-                                  max_completion_length=max_new_tokens, normalizer=normalizer,
-                                  clip_ratio_c=f.clip_ratio_c)
-        loss.backward()
+        stats = micro_batch_backward(model, rollouts.rows(start, stop), advantages[start:stop],
+                                     old, ref, cfg, max_new_tokens, normalizer)
         n = stats["valid_tokens"]
         sums["tokens"] += n
         sums["kl"] += stats["kl"] * n
         sums["clip_fraction"] += stats["clip_fraction"] * n
         sums["ratio"] += stats["ratio_mean"] * n
-        sums["entropy"] += entropy_from_logits(logits, cm[:, 1:]) * n
-        sums["loss"] += float(loss.detach())
+        sums["entropy"] += stats["entropy"] * n
+        sums["loss"] += stats["loss"]
     return sums
 
 
-def optimizer_step(params, opt, max_grad_norm: float) -> bool:
-    """Clip and step, unless a gradient holds NaN or inf: then leave the weights and the
-    optimizer state untouched and return False (the caller counts a skipped step). Gradients
-    are all-reduced first, so every rank takes the same decision."""
-    if not all(torch.isfinite(p.grad).all() for p in params):
-        return False
-    if max_grad_norm > 0:
-        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    opt.step()
-    return True
+def micro_batch_backward(model, rows, advantages, old_logp, ref_logp, cfg, max_new_tokens: int,
+                         normalizer: float) -> dict:
+    """Loss and backward of one micro-batch: ``rows`` = (input_ids, attention_mask,
+    completion_mask), each (b, T); ``old_logp`` / ``ref_logp`` (b, T-1) or None. Returns
+    :func:`fgrpo.loss.policy_loss`'s stats plus ``loss`` and ``entropy`` (mean over valid
+    tokens) as floats only, so no tensor of this micro-batch outlives the call into the next
+    one's forward. Log-probs go through ``model.logprob_chunk`` (:mod:`hpc.models.logprobs`)."""
+    f = cfg.fgrpo
+    ids, attn, cm = rows
+    logp, entropy = sequence_logprobs(model, ids, attn, cfg.model.logprob_chunk,
+                                      with_entropy=True)
+    old = logp.detach() if old_logp is None else old_logp
+    loss, stats = policy_loss(logp, old, advantages, cm[:, 1:], f.loss_type, f.epsilon,
+                              f.epsilon_high, f.beta, ref_logp,
+                              max_completion_length=max_new_tokens, normalizer=normalizer,
+                              clip_ratio_c=f.clip_ratio_c)
+    loss.backward()
+    return dict(stats, loss=float(loss.detach()), entropy=masked_mean(entropy, cm[:, 1:]))
+

@@ -112,36 +112,6 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     return loss, dict(zip(stats, torch.stack(list(stats.values())).tolist()))  # one device sync
 
 
-def token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
-    """(B, T) log-probabilities (nats, float32) of ``tokens`` (B, T) under ``logits`` (B, T, V).
-
-    Equals ``log_softmax(logits.float(), -1).gather(-1, tokens)``, computed as gathered logit
-    minus logsumexp so no (B, T, V) log-softmax tensor is kept. Differentiable.
-    """
-    lf = logits.float()
-    picked = lf.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(lf, dim=-1)
-
-
-@torch.no_grad()
-def entropy_from_logits(logits: Tensor, mask: Tensor) -> float:
-    """Mean token entropy (nats) of softmax(``logits`` (B, T, V)) over valid tokens of ``mask``."""
-    entropy = torch.special.entr(torch.softmax(logits.float(), dim=-1)).sum(dim=-1)  # 0 log 0 = 0
-    valid = mask.bool()
-    total = torch.where(valid, entropy, torch.zeros_like(entropy)).sum()
-    return float(total / valid.sum().clamp(min=1))
-
-
-def sequence_logprobs(model, input_ids, attention_mask, with_logits: bool = False):
-    """Log-probabilities of tokens 1..T-1 given their prefix: (B, T-1) float32 (nats).
-
-    With ``with_logits`` also returns the logits (B, T-1, V) for the entropy statistic.
-    """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
-    logp = token_logprobs(logits, input_ids[:, 1:])
-    return (logp, logits) if with_logits else logp
-
-
 def step_counts(completion_mask: Tensor) -> np.ndarray:
     """This rank's [valid tokens, sequences] of one step (float64 (2,)); ``completion_mask``
     (rows, T) marks the loss's tokens."""

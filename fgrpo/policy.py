@@ -7,16 +7,19 @@ import copy
 
 import torch
 
-from fgrpo.loss import sequence_logprobs
 from hpc.models.loading import attach_lora, load_adapter, load_model
+from hpc.models.logprobs import sequence_logprobs
+from hpc.models.parallelize import load_dtype
 from hpc.models.quantize import attach_generation_copy
 
 
 def build_model(cfg, device):
-    """(policy, reference or None, tokenizer): LoRA (fresh or from lora.adapter) or full FT.
+    """(policy, reference or None, tokenizer): LoRA (fresh or from lora.adapter) or full FT,
+    in fp32 under fgrpo.parallelism=fsdp2 (sharded later; see :mod:`hpc.models.parallelize`).
     With ``model.quantize`` the LoRA policy decodes from a quantised copy of its frozen base
     linears (:func:`hpc.models.quantize.attach_generation_copy`) and trains on its own."""
-    model, tok = load_model(cfg.model.path, cfg.model.dtype, device)
+    model, tok = load_model(cfg.model.path, load_dtype(cfg.fgrpo.parallelism, cfg.model.dtype),
+                            device)
     if cfg.fgrpo.full_finetune:
         ref = copy.deepcopy(model).eval() if cfg.fgrpo.beta > 0 else None
         return model, ref, tok
@@ -29,9 +32,10 @@ def build_model(cfg, device):
 
 
 @torch.no_grad()
-def frozen_logprobs(model, rollouts, micro_batch: int) -> torch.Tensor:
-    """Log-probs of all rollouts without gradient: (rows, T-1) float32."""
-    parts = [sequence_logprobs(model, *rollouts.rows(s, s + micro_batch)[:2])
+def frozen_logprobs(model, rollouts, micro_batch: int, chunk: int) -> torch.Tensor:
+    """Log-probs of all rollouts without gradient: (rows, T-1) float32; ``chunk``: positions
+    per LM-head chunk (model.logprob_chunk, 0 = full logits)."""
+    parts = [sequence_logprobs(model, *rollouts.rows(s, s + micro_batch)[:2], chunk)[0]
              for s in range(0, rollouts.input_ids.shape[0], micro_batch)]
     return torch.cat(parts)
 

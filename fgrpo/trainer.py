@@ -4,10 +4,12 @@ Data parallel: every rank draws the same global batch of prompts from the shared
 its contiguous share, samples G completions per prompt, and computes its groups' advantages
 locally (a group never spans ranks). The loss follows the normaliser contract of
 :mod:`fgrpo.loss`, so the all-reduced gradient equals the single-process gradient on the union
-of all ranks' rollouts. ``fgrpo.space=sv`` trains only offsets to the SFT adapter's singular
+of all ranks' rollouts. ``fgrpo.parallelism`` holds the model replicated (DDP) or sharded
+(FSDP2), and the trained weights with fp32 masters (:mod:`hpc.models.parallelize`); under FSDP2
+the rollouts decode with the weights gathered for the phase. ``fgrpo.space=sv`` trains only offsets to the SFT adapter's singular
 values (ESSA's search space, :mod:`hpc.models.adapter_space`). The job lifecycle is
 :func:`hpc.runtime.loop.run_loop`'s. Run files: ``<run.out>/fgrpo.h5``, ``checkpoints/``,
-``adapter``.
+``adapter`` (LoRA) or ``model`` (full fine-tuning: a ``save_pretrained`` folder).
 """
 from __future__ import annotations
 
@@ -16,14 +18,16 @@ import torch
 
 from fgrpo.advantages import batch_moments, group_advantages, std_from_moments
 from fgrpo.config import FGRPOJobConfig
-from fgrpo.gradients import accumulate_gradients, optimizer_step
+from fgrpo.gradients import accumulate_gradients
 from fgrpo.metrics import METRICS, local_sums, step_metrics
 from fgrpo.policy import build_model, frozen_logprobs, reference_model
 from fgrpo.rollout import sample_rollouts
 from hpc.data.tasks import load_task
 from hpc.gradient_method import GradientMethod, step_seed
 from hpc.models.adapter_space import SingularValueSpace
-from hpc.runtime.dist import all_reduce_mean_, init_process_group
+from hpc.models.parallelize import (TrainedWeights, gathered, save_full_model,
+                                     save_gathered_adapter, shard_model)
+from hpc.runtime.dist import init_process_group
 from hpc.runtime.errors import UserError, user_errors_exit
 from hpc.runtime.job import finish, on_all_ranks, start_job, stop_if_preempted
 from hpc.runtime.loop import run_loop
@@ -52,19 +56,26 @@ class FGRPO(GradientMethod):
         self.model, self.ref_model, self.tok = on_all_ranks(world, lambda: build_model(
             cfg, job.device))
         stop_if_preempted(job, "model and adapter loading")
+        self.checkpointed = self.checkpoint_activations()
         init_process_group(world, job.device)
+        self.sharded = f.parallelism == "fsdp2"
+        if self.sharded:
+            shard_model(self.model, cfg.model.dtype)
+            if self.ref_model is not None:
+                shard_model(self.ref_model, cfg.model.dtype)
         self.space = None
         if f.space == "sv":  # ESSA's search space, trained by gradient
             self.space = SingularValueSpace.from_peft(self.model, f.alpha, cfg.lora.targets)
             self.params = self.space.parametrize(self.model)
         else:
             self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=f.learning_rate,
-                                     weight_decay=f.weight_decay)
+        self.weights = TrainedWeights(self.params, f.learning_rate, f.weight_decay)
+        self.collective_export = f.full_finetune or self.sharded  # gathers, rank 0 writes
         self.total_steps, self.keep_checkpoints, self.skipped = f.steps, f.keep_checkpoints, 0
 
     def attrs(self) -> dict:
-        return {"trainable_parameters": sum(p.numel() for p in self.params)}
+        return {"trainable_parameters": sum(p.numel() for p in self.params),
+                "activation_checkpointing": self.checkpointed}
 
     def step(self, i: int) -> dict:
         cfg, f, world, task, timer = self.job.cfg, self.f, self.job.world, self.task, self.timer
@@ -72,11 +83,12 @@ class FGRPO(GradientMethod):
             len(task.train), size=min(f.batch_prompts, len(task.train)), replace=False)
         mine = batch[my_slice(len(batch), world)]
         self.model.eval()
-        rollouts = sample_rollouts(self.model, self.tok, task,
-                                   [task.train.prompts[j] for j in mine],
-                                   [task.train.answers[j] for j in mine], f,
-                                   cfg.task.max_new_tokens, cfg.eval.batch_size,
-                                   step_seed(cfg.run.seed, i, world.rank), timer)
+        with self.weights.offloaded(f.offload_optimizer), gathered(self.model):
+            rollouts = sample_rollouts(self.model, self.tok, task,
+                                       [task.train.prompts[j] for j in mine],
+                                       [task.train.answers[j] for j in mine], f,
+                                       cfg.task.max_new_tokens, cfg.eval.batch_size,
+                                       step_seed(cfg.run.seed, i, world.rank), timer)
         batch_std = None
         if f.scale_rewards == "batch":
             batch_std = std_from_moments(world.allgather(
@@ -86,43 +98,68 @@ class FGRPO(GradientMethod):
                                success_threshold=f.success_threshold)
         row_adv = adv.advantages.reshape(-1).to(self.job.device)
         with timer.phase("forward_backward"):
-            old_logp = frozen_logprobs(self.model, rollouts, f.micro_batch) \
+            old_logp = frozen_logprobs(self.model, rollouts, f.micro_batch,
+                                       cfg.model.logprob_chunk) \
                 if f.num_iterations > 1 else None
             ref_logp = None
             if f.beta > 0:
                 with reference_model(self.model, self.ref_model) as ref:
-                    ref_logp = frozen_logprobs(ref, rollouts, f.micro_batch)
+                    ref_logp = frozen_logprobs(ref, rollouts, f.micro_batch,
+                                               cfg.model.logprob_chunk)
         self.train_mode(i)
         for _ in range(f.num_iterations):
-            self.opt.zero_grad(set_to_none=False)
+            self.weights.zero_grad()
             with timer.phase("forward_backward"):
                 sums = accumulate_gradients(self.model, rollouts, row_adv, cfg, world,
                                             cfg.task.max_new_tokens, old_logp, ref_logp)
             with timer.phase("waiting"):
                 world.arrive("gradient all-reduce", cfg.run.collective_timeout_s)
-            with timer.phase("allreduce"):
-                all_reduce_mean_([p.grad for p in self.params], world, tag="grad_allreduce")
+            with timer.phase("allreduce"):  # FSDP2 reduce-scattered during the backward
+                self.weights.reduce_gradients(world)
             with timer.phase("optimizer"):
-                finite = optimizer_step(self.params, self.opt, f.max_grad_norm)
+                finite = self.weights.step(f.max_grad_norm)
             if not finite:
                 self.skipped += 1
                 break
         return step_metrics(world, local_sums(rollouts, adv, sums, f.success_threshold), adv.focal_weight,
                             self.skipped)
 
+    def evaluate(self, sampled: bool):
+        with gathered(self.model):
+            return super().evaluate(sampled)
+
     def export(self, out_dir: str, step: int) -> None:
-        if self.space is not None:
+        """LoRA: the peft adapter ``<out_dir>/adapter``; full fine-tuning: the model
+        ``<out_dir>/model``. Full fine-tuning or FSDP2: every rank calls this
+        (``collective_export``) to gather the weights, rank 0 writes."""
+        is_root = self.job.world.is_root
+        if self.f.full_finetune:
+            save_full_model(self.model, self.tok, f"{out_dir}/model", self.job.cfg.model.dtype,
+                            is_root)
+        elif self.sharded:
+            save_gathered_adapter(self.model, f"{out_dir}/adapter", is_root)
+        elif self.space is not None:
             self.space.save_parametrized(self.model, f"{out_dir}/adapter")
-        elif not self.f.full_finetune:  # a fully fine-tuned model has no adapter to export
+        else:
             super().export(out_dir, step)
 
     def state_dict(self) -> dict:
-        return dict(super().state_dict(), skipped=self.skipped)
+        """Replicated state: the step-skip count, and under DDP the trained weights."""
+        weights = {} if self.sharded else self.weights.state_dict()
+        return dict(weights, skipped=self.skipped)
 
     def load_state_dict(self, state: dict) -> None:
         skipped = count(state["skipped"], "F-GRPO checkpoint", "skipped")
-        super().load_state_dict(state)
+        if not self.sharded:
+            self.weights.load_state_dict(state)
         self.skipped = skipped
+
+    def shard_state_dict(self) -> dict:
+        """FSDP2: this rank's shards of the fp32 masters and AdamW moments."""
+        return self.weights.state_dict()
+
+    def load_shard_state_dict(self, state: dict) -> None:
+        self.weights.load_state_dict(state)
 
 
 @user_errors_exit

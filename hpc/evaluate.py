@@ -94,6 +94,7 @@ def main(argv=None):
     from hpc.models.loading import load_adapter, load_model
     from hpc.models.quantize import quantize_base
     from hpc.runtime.runstore import RunStore, environment_attrs
+    from hpc.runtime.loop import share_graph_check
     from hpc.data.tasks import load_task
 
     job = start_job(EvalJobConfig, "eval", "hpc-eval", argv)
@@ -110,6 +111,7 @@ def main(argv=None):
     result = evaluate(model, tok, task, task.eval, cfg.eval, cfg.task.max_new_tokens, world,
                       seed=cfg.run.seed)
     log_eval(store, 0, result)
+    share_graph_check(world, store)
     store.close()
     if world.is_root:
         label = cfg.lora.adapter or cfg.model.path

@@ -7,7 +7,8 @@ import numpy as np
 import torch
 
 from hpc.evaluate import evaluate
-from hpc.models.loading import save_adapter
+from hpc.models.loading import enable_activation_checkpointing, save_adapter
+from hpc.models.memory_plan import activation_checkpointing
 from hpc.runtime.loop import Method
 from hpc.runtime.readback import bad_field
 
@@ -21,6 +22,16 @@ def step_seed(seed: int, step: int, rank: int) -> int:
 class GradientMethod(Method):
     """A :class:`hpc.runtime.loop.Method` whose subclass sets ``model`` (peft or plain), ``tok``,
     ``task``, ``params`` (the trained tensors) and ``opt`` (a torch optimizer over them)."""
+
+    def checkpoint_activations(self) -> bool:
+        """Turn on activation checkpointing of ``model`` where ``model.activation_checkpointing``
+        resolves to on (:func:`hpc.models.memory_plan.activation_checkpointing`); returns
+        whether it did."""
+        job = self.job
+        on = activation_checkpointing(job.cfg, self.name, job.world.size, job.device.type)
+        if on:
+            enable_activation_checkpointing(self.model)
+        return on
 
     def train_mode(self, i: int) -> None:
         """Put the model in training mode for step ``i`` and seed torch's RNG (LoRA dropout

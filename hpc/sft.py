@@ -17,6 +17,7 @@ import torch
 from hpc.data.tasks import load_task
 from hpc.gradient_method import GradientMethod
 from hpc.models.loading import attach_lora, load_model
+from hpc.models.logprobs import sequence_logprobs
 from hpc.models.quantize import attach_generation_copy
 from hpc.runtime.dist import all_reduce_mean_, init_process_group
 from hpc.data.prompts import completion_batch
@@ -49,6 +50,7 @@ class SFT(GradientMethod):
         self.model = attach_generation_copy(on_all_ranks(world, lambda: attach_lora(
             model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets, cfg.lora.dropout,
             seed=cfg.run.seed)), cfg.model.quantize)
+        self.checkpointed = self.checkpoint_activations()
         init_process_group(world, job.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.sft.lr,
@@ -65,7 +67,7 @@ class SFT(GradientMethod):
             ids, mask, labels = completion_batch(self.tok, [train.prompts[j] for j in mine],
                                                  [train.solutions[j] for j in mine],
                                                  self.job.device, chat=self.task.chat)
-            loss = self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss = completion_loss(self.model, ids, mask, labels, cfg.model.logprob_chunk)
             self.opt.zero_grad(set_to_none=False)
             loss.backward()
         with timer.phase("allreduce"):
@@ -75,6 +77,9 @@ class SFT(GradientMethod):
                 torch.nn.utils.clip_grad_norm_(self.params, cfg.sft.grad_clip)
             self.opt.step()
         return {"loss": float(world.allgather(np.array([loss.item()]), tag="metrics").mean())}
+
+    def attrs(self) -> dict:
+        return {"activation_checkpointing": self.checkpointed}
 
     def state_dict(self) -> dict:
         """LoRA weights, AdamW state and the data position (the batch generator's state)."""
@@ -89,6 +94,18 @@ class SFT(GradientMethod):
             raise bad_field("checkpoint", "data_rng", f"is not a {outer['bit_generator']} state "
                             f"of the data generator ({err})") from None
         super().load_state_dict(state)
+
+
+def completion_loss(model, input_ids, attention_mask, labels, chunk: int):
+    """Mean cross-entropy (nats) of the labelled tokens: ``input_ids``, ``attention_mask``,
+    ``labels`` (B, T), labels -100 where not learned. ``chunk`` 0: transformers' own loss over
+    the full logits (the reference); > 0: log-probs through the LM head in chunks of positions
+    (:mod:`hpc.models.logprobs`), the same value without (B, T, V) logits."""
+    if chunk == 0:
+        return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+    logp, _ = sequence_logprobs(model, input_ids, attention_mask, chunk)
+    learned = labels[:, 1:] != -100
+    return -torch.where(learned, logp, torch.zeros_like(logp)).sum() / learned.sum().clamp(min=1)
 
 
 @user_errors_exit

@@ -6,7 +6,8 @@ import torch
 
 from fgrpo.advantages import batch_moments, group_advantages, std_from_moments
 from fgrpo.config import FGRPOJobConfig
-from fgrpo.loss import LOSS_TYPES, entropy_from_logits, policy_loss, token_logprobs
+from fgrpo.loss import LOSS_TYPES, policy_loss
+from hpc.models.logprobs import masked_mean, token_entropy, token_logprobs
 from hpc.runtime.config import load_config
 from hpc.runtime.errors import UserError
 
@@ -431,13 +432,13 @@ def test_token_logprobs_by_hand():
     assert out[0].tolist() == approx([2.0 - lse0, 0.0 - lse1])
 
 
-def test_entropy_from_logits_by_hand():
+def test_token_entropy_by_hand():
     neg_inf = float("-inf")
     logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [1.0, 1.0, neg_inf, neg_inf]],
                            [[5.0, neg_inf, neg_inf, neg_inf], [float("nan")] * 4]])
     mask = torch.tensor([[1, 1], [1, 0]])
     # uniform over 4: ln 4; uniform over 2 (two -inf): ln 2; one-hot: 0; nan row is padding
-    assert entropy_from_logits(logits, mask) == approx((math.log(4) + math.log(2)) / 3)
+    assert masked_mean(token_entropy(logits), mask) == approx((math.log(4) + math.log(2)) / 3)
 
 
 # ---------------------------------------------------------------- config keys

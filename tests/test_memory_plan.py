@@ -1,16 +1,17 @@
 """The pre-flight memory plan against hand computations on the real Qwen2.5 shapes, against
 transformers' own parameter count, and against ESSA's run-time rule for members per pass."""
 import json
-import types
+import sys
 
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from conftest import REPO, our_lines, run_cli
-from essa.batched import members_that_fit
-from hpc.models.memory_plan import (DTYPE_BYTES, GIB, ModelShape, check_job_memory, essa_plan, fgrpo_plan,
-                                    main, plan_job_class)
+from hpc.models.memory_plan import (DTYPE_BYTES, GIB, ModelShape,
+                                    check_job_memory, essa_members_that_fit, essa_plan,
+                                    essa_scoring_phase, fgrpo_plan, main, plan_job_class,
+                                    weight_bytes)
 from hpc.runtime.config import load_config
 from hpc.runtime.errors import UserError
 
@@ -40,7 +41,14 @@ def model_folder(tmp_path, size):
 
 
 def cluster_config(folder, *overrides):
-    return load_config(plan_job_class(), CLUSTER, [f"model.path={folder}", *overrides])
+    cfg = load_config(plan_job_class(), CLUSTER, [f"model.path={folder}", *overrides])
+    cfg.overrides = overrides
+    return cfg
+
+
+def cfg_with(cfg, *overrides):
+    """``cfg`` with more ``section.key=value`` overrides (its own kept)."""
+    return cluster_config(cfg.model.path, *cfg.overrides, *overrides)
 
 
 @pytest.mark.parametrize("size", sorted(QWEN25))
@@ -60,27 +68,55 @@ def test_parameters_by_hand_and_by_transformers(size):
 
 def test_7b_figures_by_hand(tmp_path):
     """Qwen2.5-7B at the cluster config, 16 ranks: bf16, LoRA r=8 on q/k/v/o, 512 + 512 tokens,
-    eval.batch_size 64, population 96; F-GRPO fits at the config's micro_batch 8, not at 16."""
+    eval.batch_size 64 x eval.n_samples 16, population 96."""
     cfg = cluster_config(model_folder(tmp_path, "7B"))
     shape = ModelShape.from_folder(cfg.model.path)
     lora = 28 * 8 * ((3584 + 3584) + 2 * (3584 + 512) + (3584 + 3584))
     assert shape.lora_parameters(8, cfg.lora.targets) == lora == 5_046_272
-    essa = essa_plan(shape, cfg, cfg.essa, ranks=16)
+    essa = essa_plan(shape, cfg, ranks=16)
     weights = 7_615_616_512 * 2
+    budget = (80 * GIB - weights) // 2 // GIB * GIB  # half of what the weights leave: 32 GiB
+    assert budget == 32 * GIB and f"engine budget {32:.2f} GiB" in essa.notes[0]
     kv_token = 2 * 28 * 4 * 128 * 2  # K and V, all layers, bf16: 57,344 bytes
-    act_token = (4 * 3584 + 3 * 18944) * 2
-    member_pass = 64 * (1024 * (kv_token + act_token) + 4 * 152064)
-    assert [b for _, b in essa.parts] == [weights, 6 * lora * 4, member_pass]
-    assert essa.fits and essa.peak == weights + 6 * lora * 4 + member_pass
-    assert fgrpo_plan(shape, cfg, cfg.fgrpo, ranks=16).fits  # micro_batch 8
-    cfg = cluster_config(cfg.model.path, "fgrpo.micro_batch=16")
-    fgrpo = fgrpo_plan(shape, cfg, cfg.fgrpo, ranks=16)
-    lora_inputs_fp32 = 4 * 3584 * 4  # q, k, v, o inputs, cast to the fp32 adapter
-    train_token = 28 * ((6 * 3584 + 2 * 512 + 3 * 18944) * 2 + lora_inputs_fp32) + 152064 * 6
-    assert [b for _, b in fgrpo.parts] == [weights, lora * 16, 16 * 1024 * train_token]
-    assert not fgrpo.fits and "fgrpo.micro_batch=8" in fgrpo.advice
-    room = 0.9 * 80 * GIB - weights - lora * 16
-    assert 8 * 1024 * train_token <= room < 9 * 1024 * train_token
+
+    def engine(slots):  # KV cache, one stacked member (fp32), fp32 logits + int64 state a slot
+        return slots * 1024 * kv_token + lora * 4 + slots * (4 * 152064 + 48)
+
+    prefill = 8192 * (4 * 3584 + 3 * 18944) * 2  # one layer's activations of a prefill
+    assert [b for _, b in essa.phase("ESSA scoring").parts] == [weights, 6 * lora * 4,
+                                                                engine(64), prefill]
+    evaluation = essa.phase("evaluation").parts
+    act = (4 * 3584 + 3 * 18944) * 2  # one layer's activations a token
+
+    def transient(n, prompt):  # a decode step (logits bf16 + fp32, sampling) or a prefill
+        return max(n * (act + 152064 * (2 + 4 + 24)), min(n * prompt, 8192) * act)
+
+    slots = max(n for n in range(1, 1025) if engine(n) + transient(n, 1024) <= budget)
+    assert evaluation[1][1] == engine(slots) and slots < 1024  # waves within the budget
+    fgrpo = fgrpo_plan(shape, cfg, ranks=16)  # 8 prompts x G = 8 = 64 rollout rows
+    assert "activation checkpointing off (model.activation_checkpointing=auto)" in fgrpo.notes[0]
+    fgrpo = fgrpo_plan(shape, cfg_with(cfg, "model.activation_checkpointing='on'"), ranks=16)
+    train = fgrpo.phase("training (micro_batch 8)")
+    tokens = 8 * 1024
+    assert [b for _, b in train.parts] == [
+        weights, lora * 16, engine(64),  # the rollout's engine stays on the model
+        28 * tokens * 3584 * 2,  # checkpointed layer inputs
+        tokens * 3584 * (2 + 4 + 2),  # final norm input + fp32 upcast, flattened hidden
+        16 * 1024 * 152064 + 2 * tokens * 3584 * 2]  # one LM-head chunk, hidden gradients
+    assert "activation checkpointing on (model.activation_checkpointing=on)" in fgrpo.notes[0]
+
+
+def test_training_without_checkpointing_or_chunks_by_hand(tmp_path):
+    cfg = cluster_config(model_folder(tmp_path, "7B"), "model.activation_checkpointing='off'",
+                         "model.logprob_chunk=0")
+    shape = ModelShape.from_folder(cfg.model.path)
+    plan = fgrpo_plan(shape, cfg, ranks=8)
+    tokens = 8 * 1024
+    layer = (6 * 3584 + 2 * 3584 + 3 * 18944) * 2 + 4 * 3584 * 4  # K/V at all 28 heads
+    train = plan.phase("training (micro_batch 8)").parts
+    assert [b for _, b in train[3:]] == [28 * tokens * layer, 16 * tokens * 152064]
+    assert not plan.fits
+    assert plan.advice == "set model.activation_checkpointing=on"
 
 
 def saved_bytes_per_token(dtype, layers, shape, lora: bool, batch=2, tokens=32):
@@ -103,8 +139,10 @@ def saved_bytes_per_token(dtype, layers, shape, lora: bool, batch=2, tokens=32):
         return t
 
     ids = torch.randint(0, shape["vocab_size"], (batch, tokens))
+    mask = torch.ones_like(ids)
+    mask[0, -1] = 0  # right padding, as in F-GRPO's rollouts
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits = model(input_ids=ids).logits[:, :-1].float()
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
         logits.gather(-1, ids[:, 1:, None]) - torch.logsumexp(logits, -1, keepdim=True)
     return sum(saved.values()) / (batch * tokens)
 
@@ -112,8 +150,9 @@ def saved_bytes_per_token(dtype, layers, shape, lora: bool, batch=2, tokens=32):
 @pytest.mark.parametrize("dtype,lora", [("float32", True), ("bfloat16", True),
                                         ("bfloat16", False), ("float32", False)])
 def test_training_activations_match_autograd(dtype, lora):
-    """The plan's per-layer activations against what autograd really keeps (one layer more
-    minus one layer less, so embeddings and logits cancel): within 3%."""
+    """The plan's per-layer activations against what autograd really keeps on the padded path
+    F-GRPO's rollouts take (one layer more minus one layer less, so embeddings and logits
+    cancel): within 3%."""
     tiny = dict(hidden_size=768, num_attention_heads=12, num_key_value_heads=2,
                 intermediate_size=2000, vocab_size=512, tie_word_embeddings=False)
     torch_dtype = getattr(torch, dtype)
@@ -125,32 +164,72 @@ def test_training_activations_match_autograd(dtype, lora):
     assert planned == pytest.approx(measured, rel=0.03)
 
 
-def test_essa_members_per_pass_follows_the_run_time_rule(tmp_path):
-    cfg = cluster_config(model_folder(tmp_path, "7B"), "essa.members_per_pass=8")
+def test_essa_members_per_pass_that_fit(tmp_path):
+    cfg = cluster_config(model_folder(tmp_path, "7B"))
     shape = ModelShape.from_folder(cfg.model.path)
-    plan = essa_plan(shape, cfg, cfg.essa, ranks=16)
-    config = types.SimpleNamespace(num_attention_heads=28, num_key_value_heads=4,
-                                   hidden_size=3584, num_hidden_layers=28,
-                                   intermediate_size=18944, vocab_size=152064)
-    lora_bytes = shape.lora_parameters(8, cfg.lora.targets) * 4
-    free = int(0.9 * 80 * GIB) - 7_615_616_512 * 2
-    k = members_that_fit(config, 2, lora_bytes, free, 6, 64, 1024)
-    assert f"members that fit per pass: {k} " in plan.notes[0]
-    assert plan.parts[2][0].startswith(f"{min(k, 6)} member(s) per pass")
+    fit = essa_members_that_fit(shape, cfg, 16)
+    assert fit >= 2  # Done-when: 7B bf16 has room for k >= 2 members per pass
+    usable = 0.9 * 80 * GIB
+    assert essa_scoring_phase(shape, cfg, 16, fit).peak <= usable
+    if fit < 6:  # this rank's members: 96 / 16
+        beyond = essa_scoring_phase(shape, cfg, 16, fit + 1)  # in waves, or over the memory
+        assert beyond.peak > usable or "in waves" in beyond.parts[2][0]
+    plan = essa_plan(shape, cfg_with(cfg, "essa.members_per_pass=64"), 16)
+    assert plan.phase("ESSA scoring").parts[2][0].startswith("engine: 6 member(s)")  # 96 / 16
 
 
-def test_full_finetune_with_reference(tmp_path):
+def test_full_finetune_state_ddp_and_fsdp2(tmp_path):
     cfg = cluster_config(model_folder(tmp_path, "1.5B"), "fgrpo.full_finetune=true",
                          "fgrpo.beta=0.04", "plan.gpu_memory_gib=141")
-    plan = fgrpo_plan(ModelShape.from_folder(cfg.model.path), cfg, cfg.fgrpo, ranks=16)
-    n = 1_543_714_304
-    assert [b for _, b in plan.parts[:3]] == [2 * n, 3 * 2 * n, 2 * n]
+    shape, n = ModelShape.from_folder(cfg.model.path), 1_543_714_304
+    plan = fgrpo_plan(shape, cfg, ranks=16)
+    # bf16 weights, then bf16 gradients + fp32 masters and their gradients + fp32 AdamW
+    # moments, then the reference copy: 20 bytes a parameter besides the reference
+    assert [b for _, b in plan.phase("rollout").parts[:3]] == [2 * n, (2 + 8 + 8) * n, 2 * n]
+    step = plan.phase("gradient reduction and AdamW step").parts
+    assert step[-1][1] == 4 * n  # the all-reduce's flat fp32 copy
+    sharded = fgrpo_plan(shape, cfg_with(cfg, "fgrpo.parallelism=fsdp2"), ranks=16)
+    rollout = sharded.phase("rollout").parts
+    assert [b for _, b in rollout[:4]] == [4 * n // 16, 12 * n // 16, 4 * n // 16, 2 * n]
+    offload = fgrpo_plan(shape, cfg_with(cfg, "fgrpo.parallelism=fsdp2",
+                                         "fgrpo.offload_optimizer=true"), ranks=16)
+    assert offload.phase("rollout").parts[3][1] == -8 * n // 16
 
 
-def test_32b_does_not_fit_one_80gib_gpu_and_says_what_to_change(tmp_path):
-    cfg = cluster_config(model_folder(tmp_path, "32B"))
+def test_int8_weights_count_torchaos_scales(tmp_path):
+    cfg = cluster_config(model_folder(tmp_path, "32B"), "model.quantize=int8")
+    shape = ModelShape.from_folder(cfg.model.path)
+    linears = sum(64 * i * o for i, o in shape.module_shapes().values())
+    scales = sum(64 * o * 5 for i, o in shape.module_shapes().values())  # fp32 scale + int8 zero
+    assert weight_bytes(shape, cfg, quantized=True) == (shape.parameters() - linears) * 2 + \
+        linears + scales
+    plan = essa_plan(shape, cfg, ranks=16)
+    assert plan.fits and "members per pass that fit in one wave: 1 " in plan.notes[1]
+    big = essa_plan(shape, cfg_with(cfg, "plan.gpu_memory_gib=141"), ranks=16)
+    assert "members per pass that fit in one wave: 3 " in big.notes[1]
+
+
+def test_done_when_targets_at_the_cluster_config(tmp_path):
+    """hpc-plan at configs/cluster/math.yaml on 80 GB GPUs (see README)."""
+    seven = cluster_config(model_folder(tmp_path, "7B"))
+    shape7 = ModelShape.from_folder(seven.model.path)
+    assert fgrpo_plan(shape7, seven, 8).fits  # the shipped config: 7B LoRA at 8 ranks
+    full7 = cfg_with(seven, "fgrpo.full_finetune=true")
+    assert not fgrpo_plan(shape7, full7, 8).fits  # DDP: 20 bytes a parameter
+    assert fgrpo_plan(shape7, full7, 8).advice == \
+        "use 8 ranks with fgrpo.parallelism=fsdp2 (checkpointing, chunked log-probs)"
+    assert fgrpo_plan(shape7, cfg_with(full7, "fgrpo.parallelism=fsdp2"), 8).fits
+    assert essa_members_that_fit(shape7, seven, 16) >= 2
+    big = cluster_config(model_folder(tmp_path, "32B"))
+    shape32 = ModelShape.from_folder(big.model.path)
+    assert not fgrpo_plan(shape32, big, 16).fits
+    assert fgrpo_plan(shape32, cfg_with(big, "fgrpo.micro_batch=1"), 16).fits
+
+
+def test_32b_on_a_48gib_gpu_is_refused_with_int8_as_the_fix(tmp_path):
+    cfg = cluster_config(model_folder(tmp_path, "32B"), "plan.gpu_memory_gib=48")
     with pytest.raises(UserError, match=r"memory plan: ESSA needs .* usable of "
-                                        r"plan\.gpu_memory_gib=80; to fit: lower eval\.batch_size"):
+                                        r"plan\.gpu_memory_gib=48; to fit: model\.quantize=int8"):
         check_job_memory(cfg, "essa", 16, "cuda")
     check_job_memory(cfg, "essa", 16, "cpu")  # no GPU: nothing to check
     check_job_memory(cfg, "sft", 16, "cuda")  # planned: ESSA and F-GRPO only
@@ -173,8 +252,61 @@ def test_job_that_cannot_fit_ends_before_loading_weights(tmp_path):
              "job.select_device = lambda world, requested: types.SimpleNamespace(type='cuda')\n"
              "from essa.trainer import main\nmain(sys.argv[1:])\n")
     proc = run_cli(["-c", probe, CLUSTER, f"model.path={model_folder(tmp_path, '32B')}",
-                    "lora.adapter=unused", f"run.out={tmp_path / 'run'}"], timeout=120)
+                    "plan.gpu_memory_gib=48", "lora.adapter=unused",
+                    f"run.out={tmp_path / 'run'}"], timeout=120)
     lines = our_lines(proc.stderr)
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert lines[0].startswith("error: memory plan: ESSA needs")
     assert not (tmp_path / "run").exists()
+
+
+# --- the plan against torch's memory tracker running the package's own code on fake tensors
+
+sys.path.insert(0, f"{REPO}/benchmarks")
+from memory_tracker import measure, peak_bytes  # noqa: E402
+
+F_GRPO_RANKS, ESSA_RANKS = 8, 16
+NO_SAVINGS = ("model.activation_checkpointing='off'", "model.logprob_chunk=0")
+TRACKED = [  # (size, case, overrides): the cluster config, each phase a job goes through
+    ("1.5B", "essa", ()), ("1.5B", "after_evaluation", ()), ("1.5B", "fgrpo", ()),
+    ("1.5B", "fgrpo", ("fgrpo.full_finetune=true",)),
+    ("7B", "essa", ()), ("7B", "evaluation", ()), ("7B", "after_evaluation", ()),
+    ("7B", "fgrpo", ()), ("7B", "fgrpo", NO_SAVINGS),
+    ("7B", "fgrpo", ("model.activation_checkpointing='on'", "model.logprob_chunk=0")),
+    ("7B", "fgrpo", ("fgrpo.full_finetune=true",)),
+    ("32B", "essa", ()), ("32B", "fgrpo", ()), ("32B", "fgrpo", ("fgrpo.full_finetune=true",)),
+]
+
+
+def planned_bytes(case, cfg, ranks):
+    """The plan's figure for what the tracker measures in ``case``."""
+    shape = ModelShape.from_folder(cfg.model.path)
+    if case == "fgrpo":  # one step: rollout, training, all-reduce and AdamW
+        return max(p.peak for p in fgrpo_plan(shape, cfg, ranks).phases
+                   if p.name != "evaluation")
+    plan = essa_plan(shape, cfg, ranks)
+    return {"essa": plan.phase("ESSA scoring").peak, "evaluation": plan.phase("evaluation").peak,
+            "after_evaluation": plan.peak}[case]
+
+
+@pytest.mark.parametrize("size,case,overrides", TRACKED,
+                         ids=[f"{s}-{c}-{'-'.join(o) or 'cluster'}" for s, c, o in TRACKED])
+def test_plan_within_15_percent_of_torch_tracker(tmp_path, size, case, overrides):
+    """hpc-plan against torch's MemTracker running the engine (ESSA scoring, evaluation) and an
+    F-GRPO step (rollout, accumulate_gradients, all-reduce, optimizer_step) of the real shape on
+    fake tensors; 2 and 4 layers measured, extended linearly (next test)."""
+    cfg = cluster_config(model_folder(tmp_path, size), *overrides)
+    ranks = F_GRPO_RANKS if case == "fgrpo" else ESSA_RANKS
+    measured = peak_bytes(case, cfg, ranks, layers_from=(2, 4))
+    assert planned_bytes(case, cfg, ranks) == pytest.approx(measured, rel=0.15)
+
+
+@pytest.mark.parametrize("case", ["fgrpo", "after_evaluation"])
+def test_tracker_peak_is_linear_in_layers(tmp_path, case):
+    """What the plan-vs-tracker test relies on: at the 1.5B shape (shorter sequences), the peak
+    measured at all 28 layers equals the line through 2 and 4 layers (within 0.5%)."""
+    cfg = cluster_config(model_folder(tmp_path, "1.5B"), "plan.max_prompt_tokens=128",
+                         "task.max_new_tokens=128", "eval.n_samples=4")
+    ranks = F_GRPO_RANKS if case == "fgrpo" else ESSA_RANKS
+    assert peak_bytes(case, cfg, ranks, (2, 4)) == pytest.approx(measure(case, cfg, ranks),
+                                                                 rel=0.005)

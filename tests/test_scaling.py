@@ -7,8 +7,8 @@ import pytest
 
 from hpc.runtime.runstore import RunStore
 from hpc.analysis.scaling import (GPUS, LINKS, QWEN25_32B, GpuCheck, Link, Measured, Network,
-                                 Roofline, Workload, allgather, essa_step, grpo_step, main,
-                                 predict, ring_allreduce)
+                                 Roofline, Sharding, Workload, allgather, essa_step, grpo_step,
+                                 main, predict, ring_allgather, ring_allreduce)
 
 GPU_CHECK = str(Path(__file__).resolve().parents[1] / "benchmarks" / "results" /
                 "gpu_check-h200-2026-11-30.json")
@@ -105,6 +105,54 @@ def test_paper_preset_prints_table_assumptions_and_figures(capsys):
     rows = predict([16, 128], PAPER_W, paper_costs(), NDR)
     assert f"prediction: {rows[0]['ratio']:.2f}x at 16 GPUs, {rows[1]['ratio']:.2f}x at 128" in out
     assert "where they differ" in out and "sensitivity" in out
+
+
+def test_ring_allgather_and_sharded_step_by_hand():
+    link = Link(bandwidth=1e10, latency=1e-5)
+    # (N-1)/N * bytes / bw + (N-1) * latency = 3/4 * 0.1 s + 3e-5 s
+    assert ring_allgather(1e9, 4, link) == pytest.approx(0.07503)
+    assert ring_allgather(1e9, 1, link) == 0.0
+    nv, ib = LINKS["nvlink-h100"], LINKS["infiniband-ndr"]
+    assert NDR.shard_collective(1e9, 8) == pytest.approx(7 / 8 * 1e9 / 450e9 + 7e-6)
+    assert NDR.shard_collective(1e9, 16) == pytest.approx(15 / 16 * 1e9 / 50e9 + 15 * 2e-6)
+    # Qwen2.5-32B, 16 GPUs: an update of 64 prompts is 4 prompts x G = 8 = 32 sequences a GPU,
+    # 4 micro-batches of 8; 8 updates a step -> 32 micro-batches, each gathering 65 GB of bf16
+    # weights twice and reduce-scattering 130 GB of fp32 gradients
+    shard = Sharding(32.5e9, micro_batch=8)
+    terms = shard.step(16, PAPER_W, NDR)
+    gather = 15 / 16 * 65e9 / 50e9 + 15 * 2e-6
+    assert terms["gather_forward"] == terms["gather_backward"] == pytest.approx(32 * gather)
+    assert terms["reduce_scatter"] == pytest.approx(32 * (15 / 16 * 130e9 / 50e9 + 30e-6))
+    assert terms["rollout_gather"] == pytest.approx(gather)
+    # 128 GPUs: half a prompt a GPU rounds up to one (8 sequences, one micro-batch an update)
+    assert shard.step(128, PAPER_W, NDR)["gather_forward"] == pytest.approx(
+        8 * (127 / 128 * 65e9 / 50e9 + 127 * 2e-6))
+    assert Sharding(32.5e9, grad_bytes=2.0).step(16, PAPER_W, NDR)["reduce_scatter"] == \
+        pytest.approx(terms["reduce_scatter"] / 2, rel=1e-4)
+
+
+def test_sharded_32b_rows_exist_and_sum(capsys):
+    cost = Roofline(QWEN25_32B, GPUS["h100"], 256, 512, 1024, True)
+    shard = Sharding(QWEN25_32B.params)
+    rows = predict([16, 32, 64, 128], PAPER_W, cost, NDR, shard)
+    for r in rows:
+        g = r["grpo"]
+        assert set(g) == {"generate", "forward_backward", "gather_forward", "gather_backward",
+                          "reduce_scatter", "rollout_gather", "optimizer"}
+        assert r["grpo_step"] == pytest.approx(sum(g.values()))
+        assert r["essa_step"] == pytest.approx(sum(r["essa"].values()))
+        assert g["optimizer"] == pytest.approx(8 * cost.optimizer_s / r["gpus"])
+    plain = predict([16], PAPER_W, cost, NDR)[0]
+    assert rows[0]["grpo"]["generate"] == plain["grpo"]["generate"]
+    main(["--paper", "--sharded"])
+    out = capsys.readouterr().out
+    assert "sharded full-parameter GRPO (FSDP2" in out
+    assert f"prediction: {rows[0]['ratio']:.2f}x at 16 GPUs, {rows[-1]['ratio']:.2f}x at 128" in out
+    breakdown = out.split("per-term breakdown:\n")[1]
+    for term in ("weight all-gather (forward)", "gradient reduce-scatter",
+                 "rollout weight gather", "forward+backward"):
+        assert term in breakdown
+    assert "at 128 GPUs the GRPO step is" in breakdown
 
 
 def write_run(path, method, ranks, config, phases, heldout_key, accuracy=(0.2, 0.4, 0.6),

@@ -64,6 +64,12 @@ def allgather(nbytes: float, n: int, link: Link) -> float:
     return (n - 1) * link.latency + nbytes / link.bandwidth if n > 1 else 0.0
 
 
+def ring_allgather(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-gather (or reduce-scatter) of ``nbytes`` in total, ``nbytes / n`` a rank:
+    (n-1)/n * bytes / bandwidth + (n-1) * latency."""
+    return (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency if n > 1 else 0.0
+
+
 @dataclass(frozen=True)
 class Network:
     inter: Link
@@ -82,10 +88,46 @@ class Network:
         return ring_allreduce(nbytes, g, self.intra) + \
             ring_allreduce(nbytes / g, math.ceil(n / g), self.inter)
 
+    def slowest(self, n: int) -> Link:
+        """The slowest link a collective over ``n`` GPUs crosses."""
+        return self.intra if self.intra is not None and n <= self.per_node else self.inter
+
     def allgather(self, nbytes: float, n: int) -> float:
         """All-gather over the slowest link it crosses (tiny payloads: latency-bound)."""
-        link = self.intra if self.intra is not None and n <= self.per_node else self.inter
-        return allgather(nbytes, n, link)
+        return allgather(nbytes, n, self.slowest(n))
+
+    def shard_collective(self, nbytes: float, n: int) -> float:
+        """All-gather or reduce-scatter of a sharded model's ``nbytes`` over all ``n`` GPUs:
+        one ring over the slowest link (beyond a node every GPU's NIC carries (n-1)/n of the
+        bytes, whatever the order inside a node)."""
+        return ring_allgather(nbytes, n, self.slowest(n))
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """Full-parameter GRPO with the weights, gradients and AdamW state sharded over all GPUs
+    (FSDP2, ``fgrpo.parallelism=fsdp2``): per micro-batch the bf16 weights are all-gathered for
+    the forward and again for the backward (resharded after the forward) and the gradients
+    reduce-scattered; per step the rollout gathers the bf16 weights once into the decoding
+    engine."""
+
+    params: float                 # parameters
+    micro_batch: int = 8          # sequences per forward/backward
+    weight_bytes: float = 2.0     # bf16 compute weights, gathered
+    grad_bytes: float = 4.0       # fp32 reduction (MixedPrecisionPolicy reduce_dtype)
+
+    def micro_batches(self, seqs: int) -> int:
+        return max(1, math.ceil(seqs / self.micro_batch))
+
+    def step(self, n: int, w: "Workload", net: Network) -> dict:
+        """Seconds of each communication term of one GRPO step on ``n`` GPUs."""
+        updates = math.ceil(w.grpo_batch / w.grpo_minibatch)
+        seqs = math.ceil(w.grpo_minibatch / n) * w.grpo_generations  # a GPU's, per update
+        micro = updates * self.micro_batches(seqs)
+        gather = net.shard_collective(self.weight_bytes * self.params, n)
+        return {"gather_forward": micro * gather, "gather_backward": micro * gather,
+                "reduce_scatter": micro * net.shard_collective(self.grad_bytes * self.params, n),
+                "rollout_gather": gather}
 
 
 @dataclass(frozen=True)
@@ -571,21 +613,31 @@ def essa_step(n: int, w: Workload, cost, net: Network) -> dict:
             "update": w.essa_update_s}
 
 
-def grpo_step(n: int, w: Workload, cost, net: Network) -> dict:
+def grpo_step(n: int, w: Workload, cost, net: Network, sharding: Sharding | None = None
+              ) -> dict:
     """Seconds per GRPO step by phase on ``n`` GPUs: data parallel over prompts (a group of G
-    never spans GPUs); batch / mini-batch optimizer updates, each after one all-reduce."""
+    never spans GPUs); batch / mini-batch optimizer updates, each after one all-reduce, or with
+    ``sharding`` the sharded model's gathers and reduce-scatters (:class:`Sharding`) and an
+    optimizer step on 1/n of the state."""
     seqs = math.ceil(w.grpo_batch / n) * w.grpo_generations
     updates = math.ceil(w.grpo_batch / w.grpo_minibatch)
-    return {"generate": cost.grpo_generate(seqs), "forward_backward": cost.train(seqs),
-            "allreduce": updates * net.allreduce(cost.grad_bytes, n),
-            "optimizer": updates * cost.optimizer_s}
+    phases = {"generate": cost.grpo_generate(seqs), "forward_backward": cost.train(seqs)}
+    if sharding is None:
+        return dict(phases, allreduce=updates * net.allreduce(cost.grad_bytes, n),
+                    optimizer=updates * cost.optimizer_s)
+    return dict(phases, **sharding.step(n, w, net), optimizer=updates * cost.optimizer_s / n)
 
 
-def predict(gpus: list, w: Workload, cost, net: Network) -> list:
+COMMUNICATION = ("allreduce", "gather_forward", "gather_backward", "reduce_scatter",
+                 "rollout_gather")
+
+
+def predict(gpus: list, w: Workload, cost, net: Network, sharding: Sharding | None = None
+            ) -> list:
     """One dict per GPU count: phases, step seconds, time to target and the ratio."""
     rows = []
     for n in gpus:
-        e, g = essa_step(n, w, cost, net), grpo_step(n, w, cost, net)
+        e, g = essa_step(n, w, cost, net), grpo_step(n, w, cost, net, sharding)
         row = {"gpus": n, "essa": e, "grpo": g, "essa_step": sum(e.values()),
                "grpo_step": sum(g.values())}
         row["essa_ttt"] = w.essa_steps * row["essa_step"]
@@ -607,16 +659,51 @@ def _duration(x: float) -> str:
 
 def format_rows(rows: list) -> str:
     head = ["GPUs", "ESSA gen s", "ESSA comm s", "ESSA step s", "GRPO gen s", "GRPO f+b s",
-            "GRPO allred s", "GRPO step s", "ESSA to target", "GRPO to target", "GRPO/ESSA"]
+            "GRPO comm s", "GRPO step s", "ESSA to target", "GRPO to target", "GRPO/ESSA"]
     lines = [head]
     for r in rows:
         e, g = r["essa"], r["grpo"]
+        comm = _comm(r)
         lines.append([str(r["gpus"])] + [_sec(x) for x in (
             e["generate"], e["communication"], r["essa_step"], g["generate"],
-            g["forward_backward"], g["allreduce"], r["grpo_step"])] +
+            g["forward_backward"], comm, r["grpo_step"])] +
             [_duration(r["essa_ttt"]), _duration(r["grpo_ttt"]), f"{r['ratio']:.2f}x"])
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(wd) for c, wd in zip(line, widths)) for line in lines)
+
+
+TERMS = {"generate": "generation", "forward_backward": "forward+backward",
+         "allreduce": "gradient all-reduce", "gather_forward": "weight all-gather (forward)",
+         "gather_backward": "weight all-gather (backward)",
+         "reduce_scatter": "gradient reduce-scatter", "rollout_gather": "rollout weight gather",
+         "optimizer": "optimizer", "communication": "fitness all-gather",
+         "update": "CMA-ES update"}
+
+
+def term_breakdown(rows: list) -> list:
+    """Lines: seconds of each term of a step per GPU count, and which GRPO terms drive the
+    ratio (those that shrink least from the smallest to the largest GPU count)."""
+    lines = []
+    for method in ("grpo", "essa"):
+        terms = list(rows[0][method])
+        head = [f"{METHOD_NAMES.get(method, method.upper())} term, s a step"] + \
+            [f"{r['gpus']} GPUs" for r in rows]
+        table = [head] + [[TERMS.get(t, t)] + [_sec(r[method][t]) for r in rows] for t in terms]
+        table.append(["step"] + [_sec(r[f"{method}_step"]) for r in rows])
+        widths = [max(len(line[i]) for line in table) for i in range(len(head))]
+        lines += ["  ".join(c.ljust(wd) if i == 0 else c.rjust(wd)
+                            for i, (c, wd) in enumerate(zip(line, widths))) for line in table]
+        lines.append("")
+    first, last = rows[0], rows[-1]
+    shares = sorted(((last["grpo"][t] / last["grpo_step"], t) for t in last["grpo"]),
+                    reverse=True)
+    lines.append(f"at {last['gpus']} GPUs the GRPO step is " + ", ".join(
+        f"{TERMS.get(t, t)} {share:.0%}" for share, t in shares if share >= 0.005) +
+        f"; from {first['gpus']} to {last['gpus']} GPUs " + ", ".join(
+        f"{TERMS.get(t, t)} shrinks {first['grpo'][t] / last['grpo'][t]:.1f}x"
+        for _, t in shares if last["grpo"][t] > 0) + f", ESSA's step "
+        f"{first['essa_step'] / last['essa_step']:.1f}x")
+    return lines
 
 
 def common_assumptions(w: Workload, net_name: str, net: Network, steps_source: str) -> list:
@@ -650,7 +737,13 @@ def common_assumptions(w: Workload, net_name: str, net: Network, steps_source: s
 PAPER = {16: (2.0, 2.0), 128: (6.0, 7.8)}  # ESSA speed-up over GRPO in time to target
 
 
-def paper_comparison(rows: list, w: Workload, cost, net: Network) -> list:
+def _comm(row: dict) -> float:
+    """GRPO communication seconds of one step in a :func:`predict` row."""
+    return sum(row["grpo"].get(k, 0.0) for k in COMMUNICATION)
+
+
+def paper_comparison(rows: list, w: Workload, cost, net: Network,
+                     sharding: Sharding | None = None) -> list:
     """Lines setting the prediction beside the paper's figures and saying where they differ."""
     by_n = {r["gpus"]: r for r in rows}
     if 16 not in by_n or 128 not in by_n:
@@ -665,7 +758,7 @@ def paper_comparison(rows: list, w: Workload, cost, net: Network) -> list:
     g16, g128 = (math.ceil(w.grpo_batch / n) * g for n in (16, 128))
     alt = dataclasses.replace(w, grpo_batch=max(1, w.grpo_batch // g),
                               grpo_minibatch=max(1, w.grpo_minibatch // g))
-    a_alt, b_alt = predict([16, 128], alt, cost, net)
+    a_alt, b_alt = predict([16, 128], alt, cost, net, sharding)
     return [
         "paper (arXiv 2507.04453, Qwen2.5-32B on PRM800K): ESSA reaches near-optimal accuracy "
         f"about {p16:g}x faster than GRPO on 16 GPUs and {lo:g}-{hi:g}x faster on 128 GPUs "
@@ -677,12 +770,18 @@ def paper_comparison(rows: list, w: Workload, cost, net: Network) -> list:
         f"{math.ceil(w.population / 128)} members, its communication stays microseconds) "
         f"and GRPO {grpo_su:.1f}x: GRPO's generation and training are data parallel too, and "
         f"only its per-GPU share falling from {g16} to {g128} completions (a batch bound by "
-        f"the longest completion rather than by throughput) and its all-reduces hold it back. "
+        f"the longest completion rather than by throughput) and its "
+        + ("sharded communication (weight gathers and gradient reduce-scatters: "
+           f"{_comm(a):.0f} s a step at 16 GPUs, {_comm(b):.0f} s at 128, {_comm(b) / b['grpo_step']:.0%} "
+           "of the step there; a GPU's share of a 64-prompt update stops falling beyond 64 "
+           "GPUs, so its gathers per update do not) " if sharding else "all-reduces ")
+        + "hold it back. "
         f"The model's ratio therefore grows {growth:.2f}x where the paper's grows "
         f"{paper_growth}; "
         "the rest of the paper's gap must come from what the model leaves out: a GRPO "
-        "framework's fixed costs per step (weight sync to the inference engine, switching "
-        "between training and generation, sharded 32B training, load imbalance across long "
+        "framework's fixed costs per step (weight sync to an inference engine, switching "
+        "between training and generation, " + ("" if sharding else "sharded 32B training, ") +
+        "load imbalance across long "
         "completions), which do not shrink with N, or from GRPO needing more steps at larger "
         "N. The level at 16 GPUs is set by the steps-to-target inputs, not fitted: the "
         f"paper's {p16:g}x would need GRPO to take {implied:.1f}x as many steps as ESSA takes "
@@ -729,6 +828,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", type=kind, default=default,
                        help=f"model (default Qwen2.5-32B: {default:g})")
     p.add_argument("--full-finetune", action="store_true", help="GRPO trains every weight")
+    p.add_argument("--sharded", action="store_true",
+                   help="full-parameter GRPO sharded over all GPUs (FSDP2): weight "
+                   "all-gathers and gradient reduce-scatters instead of the all-reduce "
+                   "(implies --full-finetune)")
+    p.add_argument("--micro-batch", type=int, default=8,
+                   help="with --sharded: sequences per forward/backward (one gather each)")
+    p.add_argument("--reduce-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="with --sharded: dtype of the gradient reduce-scatter")
     for name, default, kind, what in (
             ("prompt-tokens", 256, int, "mean prompt length"),
             ("completion-tokens", 512, int, "mean completion length"),
@@ -774,6 +881,8 @@ def setup(args) -> tuple:
     if args.target is not None and not args.runs:
         raise UserError("--target takes the steps to target from --runs; without runs give "
                         "--essa-steps and --grpo-steps")
+    if args.micro_batch < 1:
+        raise UserError(f"--micro-batch must be positive (got {args.micro_batch})")
     if args.gpu_check_model is not None and args.gpu_check is None:
         raise UserError("--gpu-check-model names a model of --gpu-check, which is missing")
     if (args.runs or args.gpu_check) and (args.gen_tps or args.train_tps):
@@ -789,7 +898,8 @@ def setup(args) -> tuple:
         model = Model(args.params, args.layers, args.hidden, args.intermediate, args.kv_dim,
                       args.lora_rank)
         cost = Roofline(model, GPUS[args.gpu], args.prompt_tokens, args.completion_tokens,
-                        args.max_new_tokens, args.full_finetune, args.decode_mfu,
+                        args.max_new_tokens, args.full_finetune or args.sharded,
+                        args.decode_mfu,
                         args.train_mfu, gen_tps=args.gen_tps, gen_batch=args.gen_batch,
                         train_tps=args.train_tps)
     defaults = measured.workload_defaults() if measured else PAPER_WORKLOAD
@@ -822,22 +932,36 @@ def setup(args) -> tuple:
         net = Network(LINKS[args.network], None, args.gpus_per_node)
     else:
         net = Network(LINKS[args.network], LINKS[args.intra], args.gpus_per_node)
-    return w, cost, net, source, notes
+    sharding = None
+    if args.sharded:
+        sharding = Sharding(args.params, args.micro_batch,
+                            grad_bytes=4.0 if args.reduce_dtype == "float32" else 2.0)
+        notes.append(
+            f"sharded full-parameter GRPO (FSDP2 over all N GPUs): per micro-batch of "
+            f"{sharding.micro_batch} sequences the {sharding.weight_bytes * args.params / 1e9:.0f}"
+            f" GB of bf16 weights are all-gathered for the forward and again for the backward, "
+            f"and {sharding.grad_bytes * args.params / 1e9:.0f} GB of {args.reduce_dtype} "
+            f"gradients reduce-scattered; the rollout gathers the bf16 weights once a step; "
+            f"ring cost (N-1)/N bytes/bw + (N-1) latency over the slowest link; AdamW on 1/N "
+            f"of the state; nothing overlapped with compute")
+    return w, cost, net, source, notes, sharding
 
 
 @user_errors_exit
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    w, cost, net, source, notes = setup(args)
-    rows = predict(sorted(args.gpus), w, cost, net)
+    w, cost, net, source, notes, sharding = setup(args)
+    rows = predict(sorted(args.gpus), w, cost, net, sharding)
     print("predicted per step and to target (GRPO/ESSA > 1: ESSA reaches the target first)")
     print(format_rows(rows))
     print("\nassumptions:")
     for line in cost.assumptions() + notes + common_assumptions(w, args.network, net, source):
         print(f"- {line}")
+    print("\nper-term breakdown:")
+    print("\n".join(term_breakdown(rows)))
     if args.paper:
         print()
-        print("\n".join(paper_comparison(rows, w, cost, net)))
+        print("\n".join(paper_comparison(rows, w, cost, net, sharding)))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,18 @@ rotary embedding, LM head); no weight is copied. Per call:
   is k = 1 (no mask; the same ops as peft's LoRA forward).
 
 Per step the host reads back only the new tokens (rows,) to see which rows ended.
+
+**Memory.** :func:`engine_memory` is the one formula of what an engine holds (KV cache, stacked
+members, per-slot buffers, the transient peak of a step); :func:`engine_for` sizes every engine
+within a byte budget (:func:`memory_budget`: ``model.engine_memory_gib``, or a share of the
+device's free memory) and at most ``model.engine_slots`` slots, so a call with more requests
+than slots decodes them in waves through the slots (continuous batching), and an engine larger
+than the current phase asks for is replaced by one of that phase's size.
+
+**Self-check.** The first time a decode shape is captured as a CUDA graph, a few steps replayed
+from the graph are compared with the same steps run eagerly (:func:`compare_steps`); on a
+mismatch the engine decodes eagerly from then on and :func:`graph_check_failure` says why, for
+the job to switch graphs off on every rank and record it (:func:`hpc.runtime.loop.share_graph_check`).
 """
 from __future__ import annotations
 
@@ -42,11 +54,121 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 LINEARS = ATTENTION + ("gate_proj", "up_proj", "down_proj")
 PREFILL_TOKENS = 8192  # most prompt tokens (padded) per prefill forward
 ADMIT_SHARE = 8  # with live rows, admit once 1/ADMIT_SHARE of the slots are free
+GIB = 2 ** 30
+MAX_LEN_STEP = 64  # an engine's max_len is rounded up to a multiple of this
+ENGINE_MEMORY_SHARE = 0.5  # of the device's free memory, model.engine_memory_gib = 0 on CUDA
+CPU_ENGINE_MEMORY_GIB = 8.0  # the budget of model.engine_memory_gib = 0 on CPU
+SLOT_STATE_BYTES = 6 * 8  # int64 per slot: token, position, member, two sampling keys, live
+ACTIVATION_VALUES = (4, 3)  # (x hidden, x intermediate) values per token live in one layer
+SAMPLING_BYTES_PER_LOGIT = 24  # keyed sampling's temporaries per (row, vocab entry) at their
+#   peak (int64 hash words, float32 uniforms, noise, scores, top-p's sort)
+GRAPH_CHECK_STEPS = 3  # steps of a newly captured shape compared with eager ones
+GRAPH_CHECK_TOLERANCE = 1 / 64  # |graph - eager| logits, relative to max(1, max |eager|):
+#   four bfloat16 ulps (2**-8 each) of the largest logit
 
 
 def bucket(n: int, cap: int) -> int:
     """Smallest power of two >= n, at most ``cap`` (and >= 1)."""
     return min(cap, 1 << max(0, n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """The figures of a decoder model that the engine's memory depends on, named as in
+    :class:`hpc.models.memory_plan.ModelShape` (which :func:`engine_memory` also takes)."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    vocab: int
+
+    @classmethod
+    def from_config(cls, config) -> "DecodeShape":
+        """From a Hugging Face model config object."""
+        heads = config.num_attention_heads
+        return cls(layers=config.num_hidden_layers,
+                   kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                   hidden=config.hidden_size, intermediate=config.intermediate_size,
+                   vocab=config.vocab_size)
+
+
+def engine_memory(shape, slots: int, max_len: int, k: int = 0, dtype_bytes: int = 2,
+                  member_params: int = 0, member_bytes: int = 4,
+                  prompt_tokens: int | None = None) -> dict:
+    """Bytes a :class:`DecodeEngine` holds, by part: {part: bytes}. Pure arithmetic.
+
+    ``shape``: layers L, kv_heads g, head_dim d, hidden h, intermediate I, vocab V (a
+    :class:`DecodeShape` or memory_plan's ModelShape); ``slots`` rows of ``max_len`` tokens
+    (the engine rounds max_len up to a multiple of MAX_LEN_STEP: pass the rounded figure for
+    a built engine); ``k`` members of ``member_params`` LoRA parameters each (one member's r *
+    (in + out) summed over its adapted linears) of ``member_bytes`` each; ``dtype_bytes``: bytes
+    per value of the model's dtype (e); ``prompt_tokens``: the longest prompt P (default
+    max_len).
+
+    * ``kv_cache``: 2 * L * slots * g * max_len * d * e (keys and values of every slot);
+    * ``members``: k * member_params * member_bytes (the stacked A_cat, B_cat);
+    * ``slot_buffers``: slots * (4 V + SLOT_STATE_BYTES) (fp32 logits and int64 state per slot);
+    * ``step_peak``: the larger transient of a decode step over all slots, slots * ((4 h + 3 I)
+      e + V (e + 4 + SAMPLING_BYTES_PER_LOGIT)) (one layer's activations, the logits in the
+      model dtype and fp32, keyed sampling's temporaries), and a prefill forward: the larger of
+      T (4 h + 3 I) e, T = min(slots * P, max(PREFILL_TOKENS, P)) tokens, and its last logits
+      slots * V (e + 4).
+
+    The first three live as long as the engine; the last only during a step (coefficients
+    measured on CPU with a tensor-lifetime tracker: README, "Decoding engine")."""
+    e = dtype_bytes
+    prompt = max_len if prompt_tokens is None else prompt_tokens
+    per_token = (ACTIVATION_VALUES[0] * shape.hidden + ACTIVATION_VALUES[1] * shape.intermediate) * e
+    logits = slots * shape.vocab * (e + 4)
+    step = slots * per_token + logits + slots * shape.vocab * SAMPLING_BYTES_PER_LOGIT
+    prefill = max(min(slots * prompt, max(PREFILL_TOKENS, prompt)) * per_token, logits)
+    return {"kv_cache": 2 * shape.layers * slots * shape.kv_heads * max_len * shape.head_dim * e,
+            "members": k * member_params * member_bytes,
+            "slot_buffers": slots * (4 * shape.vocab + SLOT_STATE_BYTES),
+            "step_peak": max(step, prefill)}
+
+
+def engine_bytes(shape, slots: int, max_len: int, k: int = 0, dtype_bytes: int = 2,
+                 member_params: int = 0, member_bytes: int = 4,
+                 prompt_tokens: int | None = None) -> int:
+    """Total bytes of :func:`engine_memory` (same arguments): the engine's peak."""
+    return sum(engine_memory(shape, slots, max_len, k, dtype_bytes, member_params,
+                             member_bytes, prompt_tokens).values())
+
+
+def slots_within(budget_bytes: int, shape, max_len: int, k: int = 0, dtype_bytes: int = 2,
+                 member_params: int = 0, member_bytes: int = 4, most: int = 1 << 20) -> int:
+    """The most slots (<= ``most``) whose :func:`engine_bytes` fits in ``budget_bytes``; 0 when
+    not even one slot fits."""
+    lo, hi = 0, most
+    while lo < hi:  # engine_bytes grows with slots
+        mid = (lo + hi + 1) // 2
+        if engine_bytes(shape, mid, max_len, k, dtype_bytes, member_params,
+                        member_bytes) <= budget_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+_DERIVED_BUDGET: dict = {}  # device -> bytes, derived once per process
+
+
+def memory_budget(device: torch.device, gib: float) -> int:
+    """The engine's budget in bytes: ``gib`` GiB when > 0; else on CUDA ENGINE_MEMORY_SHARE of
+    the device's free memory at the first call of the process (rounded down to whole GiB, so
+    ranks with a few MiB more or less agree), on CPU CPU_ENGINE_MEMORY_GIB."""
+    if gib > 0:
+        return int(gib * GIB)
+    if device.type != "cuda":
+        return int(CPU_ENGINE_MEMORY_GIB * GIB)
+    if str(device) not in _DERIVED_BUDGET:
+        free, _ = torch.cuda.mem_get_info(device)
+        _DERIVED_BUDGET[str(device)] = int(ENGINE_MEMORY_SHARE * free) // GIB * GIB
+    return _DERIVED_BUDGET[str(device)]
 
 
 @dataclass
@@ -89,6 +211,10 @@ class KVCache:
         for t in (self.k, self.v):
             t[:, dst, :, :length] = t[:, src, :, :length]
 
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
 
 def _core(model):
     """(Qwen2ForCausalLM, {id(module): name in ``model``}) of a HF or peft model."""
@@ -108,10 +234,11 @@ class DecodeEngine:
 
     Build with :func:`engine_for` (cached per model and shape); load members with
     :meth:`set_members`; decode with :meth:`run`. ``ranks``: {adapted module name: r}.
+    ``replay``: None (every step eager), :class:`GraphedDecode` (CUDA graphs, self-checked) or
+    a subclass of it; called with the engine.
     """
 
-    def __init__(self, model, slots: int, max_len: int, k: int, ranks: dict,
-                 cuda_graphs: bool = True):
+    def __init__(self, model, slots: int, max_len: int, k: int, ranks: dict, replay=None):
         base, names = _core(model)
         cfg = base.config
         self.model, self.k, self.ranks = model, k, ranks
@@ -146,8 +273,15 @@ class DecodeEngine:
         self.positions = torch.zeros(slots, **long)  # cache position that token goes to
         self.members = torch.zeros(slots, **long)
         self.logits = None  # (slots, vocab) float32, written by decode_step
-        self.graphs = (GraphedDecode(self) if cuda_graphs and self.device.type == "cuda"
-                       else None)
+        self.replay = replay
+        self.graphs = replay(self) if replay is not None else None
+        self.shape = DecodeShape.from_config(cfg)
+        self.member_params, self.member_bytes = member_size(model, ranks)
+
+    def memory(self) -> dict:
+        """:func:`engine_memory` of this engine's shape (bytes by part)."""
+        return engine_memory(self.shape, self.slots, self.cache.max_len, self.k,
+                             self.dtype.itemsize, self.member_params, self.member_bytes)
 
     @property
     def slots(self) -> int:
@@ -248,10 +382,11 @@ class DecodeEngine:
         return self.lm_head(last[:, None])[:, 0].float()
 
     def step(self, rows: int, ctx: int) -> torch.Tensor:
-        """:meth:`decode_step` (replayed from a CUDA graph when enabled); logits (rows, V)."""
-        if self.graphs is not None:
-            self.graphs.run(rows, ctx)
-        else:
+        """:meth:`decode_step` (replayed from a CUDA graph when enabled); logits (rows, V).
+        A shape whose self-check fails turns this engine's graphs off: the step runs eagerly."""
+        if self.graphs is not None and not self.graphs.run(rows, ctx):
+            self.graphs = None
+        if self.graphs is None:
             self.decode_step(rows, ctx)
         return self.logits[:rows]
 
@@ -399,25 +534,104 @@ class _Scheduler:
 
 class GraphedDecode:
     """CUDA graphs of :meth:`DecodeEngine.decode_step`, one per (rows, ctx) bucket, captured on
-    first use (after one warm-up call on a side stream) in one shared memory pool."""
+    first use (after one warm-up call on a side stream) in one shared memory pool, and checked
+    against the eager step (:func:`compare_steps`) before the first replay.
+
+    A subclass may override :meth:`capture` (what "replaying" a shape runs); the test of the
+    self-check replaces it by a perturbed eager step, which runs on any device."""
 
     def __init__(self, engine: DecodeEngine):
-        self.engine, self.graphs, self.pool = engine, {}, None
+        self.engine, self.replays, self.pool = engine, {}, None
 
-    def run(self, rows: int, ctx: int) -> None:
-        graph = self.graphs.get((rows, ctx))
-        if graph is None:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self.engine.decode_step(rows, ctx)  # warm-up: allocations, library handles
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.engine.decode_step(rows, ctx)
-            self.pool = graph.pool()
-            self.graphs[(rows, ctx)] = graph
-        graph.replay()
+    def capture(self, rows: int, ctx: int):
+        """Capture ``decode_step(rows, ctx)``; returns the function that replays it."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.engine.decode_step(rows, ctx)  # warm-up: allocations, library handles
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.engine.decode_step(rows, ctx)
+        self.pool = graph.pool()
+        return graph.replay
+
+    def run(self, rows: int, ctx: int) -> bool:
+        """Replay the step of shape (rows, ctx), capturing and checking it on first use.
+        False when the check failed (nothing replayed; :func:`disable_cuda_graphs` says why)."""
+        replay = self.replays.get((rows, ctx))
+        if replay is None:
+            replay = self.capture(rows, ctx)
+            failure = compare_steps(self.engine, replay, rows, ctx)
+            if failure:
+                disable_cuda_graphs(f"decode shape (rows {rows}, context {ctx}): {failure}")
+                return False
+            self.replays[(rows, ctx)] = replay
+        replay()
+        return True
+
+
+def compare_steps(engine: DecodeEngine, replay, rows: int, ctx: int,
+                  steps: int = GRAPH_CHECK_STEPS) -> str:
+    """Run ``steps`` decode steps of shape (rows, ctx) eagerly and through ``replay`` from the
+    engine's current inputs; each next step feeds the eager step's greedy tokens at the same
+    cache positions. Returns '' when every step's logits agree within GRAPH_CHECK_TOLERANCE *
+    max(1, max |eager logit|) and the greedy tokens are equal wherever the eager step's top two
+    logits are further apart than that, else what differed. The engine's input tokens are
+    restored; the cache positions written are the rows' current ones, which the next real step
+    writes again."""
+    saved = engine.tokens[:rows].clone()
+    try:
+        for i in range(steps):
+            engine.decode_step(rows, ctx)
+            eager = engine.logits[:rows].clone()
+            replay()
+            graph = engine.logits[:rows]
+            tol = GRAPH_CHECK_TOLERANCE * max(1.0, float(eager.abs().max()))
+            diff = float((graph - eager).abs().max())
+            if not diff <= tol:  # NaN fails too
+                return (f"step {i + 1} of {steps}: logits differ by up to {diff:.3g}, more than "
+                        f"the tolerance {tol:.3g}")
+            top2 = eager.topk(2, dim=-1).values
+            clear = top2[:, 0] - top2[:, 1] > tol
+            flips = int(((graph.argmax(-1) != eager.argmax(-1)) & clear).sum())
+            if flips:
+                return f"step {i + 1} of {steps}: greedy tokens differ in {flips} of {rows} rows"
+            engine.tokens[:rows] = eager.argmax(-1)
+    finally:
+        engine.tokens[:rows] = saved
+    return ""
+
+
+_GRAPH_CHECK = {"failure": ""}  # this process: why CUDA graphs are off ('' = they are not)
+
+
+def disable_cuda_graphs(reason: str) -> None:
+    """Turn CUDA graphs off for the rest of this process (engines built or reused later decode
+    eagerly); the first reason is kept."""
+    _GRAPH_CHECK["failure"] = _GRAPH_CHECK["failure"] or reason
+
+
+def reset_graph_check() -> None:
+    """CUDA graphs on again (each job starts so: :func:`hpc.models.generation.configure`)."""
+    _GRAPH_CHECK["failure"] = ""
+
+
+def graph_check_failure() -> str:
+    """Why CUDA graphs are off in this process ('' while they are on)."""
+    return _GRAPH_CHECK["failure"]
+
+
+def member_size(model, ranks: dict) -> tuple:
+    """(parameters of one member: r * (in + out) summed over the adapted linears ``ranks``,
+    bytes per parameter of the adapter's dtype)."""
+    params, elem = 0, 4
+    for name in ranks:
+        module = model.get_submodule(name)
+        a, b = module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight
+        params += a.numel() + b.numel()
+        elem = a.element_size()
+    return params, elem
 
 
 def adapter_ranks(model) -> dict:
@@ -432,21 +646,51 @@ def adapter_ranks(model) -> dict:
 
 
 @torch.inference_mode()
-def engine_for(model, slots: int, max_len: int, k: int, cuda_graphs: bool = True
-               ) -> DecodeEngine:
-    """The model's engine for at least ``slots`` rows of ``max_len`` tokens and exactly ``k``
-    members, kept on the model (attribute ``_decode_engine``) and reused across calls with its
-    cache and CUDA graphs; one of another shape replaces it. Built in inference mode: its
-    tensors are only ever touched inside it."""
+def engine_for(model, slots: int, max_len: int, k: int, replay=None, *, most: int = 0,
+               budget_bytes: int = 0, max_slots: int = 0) -> DecodeEngine:
+    """The model's engine for a call that needs ``slots`` rows of ``max_len`` tokens with
+    exactly ``k`` members, kept on the model (attribute ``_decode_engine``) and reused across
+    calls with its cache and CUDA graphs. Built in inference mode: its tensors are only ever
+    touched inside it.
+
+    Size: ``bucket(slots)``, at most ``max_slots`` (0 = no cap) and at most the slots whose
+    :func:`engine_bytes` fits ``budget_bytes`` (0 = :func:`memory_budget` of the device, CPU
+    default); max_len rounded up to MAX_LEN_STEP. ``most``: the rows of the calling phase
+    (default ``slots``): the engine on the model is reused when it has the same members,
+    adapter and ``replay``, at least ``max_len`` positions and between the call's size and
+    ``bucket(most)`` (capped alike) slots; else it is freed and one of the call's size built.
+    So a phase never holds more slots than it asks for, whatever an earlier phase held."""
     ranks = adapter_ranks(model) if k else {}
+    param = next(model.parameters())
+    shape = DecodeShape.from_config(model.config)
+    length = -(-max_len // MAX_LEN_STEP) * MAX_LEN_STEP
+    params, elem = member_size(model, ranks)
+    budget = budget_bytes or memory_budget(param.device, 0)
+    cap = slots_within(budget, shape, length, k, param.element_size(), params, elem,
+                       most=max_slots or 1 << 20)
+    if cap < 1:
+        one = engine_bytes(shape, 1, length, k, param.element_size(), params, elem)
+        raise UserError(f"the decoding engine's memory budget ({budget / GIB:.2f} GiB, "
+                        f"model.engine_memory_gib) holds no row of {length} tokens (one needs "
+                        f"{one / GIB:.2f} GiB): raise model.engine_memory_gib")
+    want = min(bucket(slots, 1 << 30), cap)
+    top = max(want, min(bucket(most or slots, 1 << 30), cap))
+    if graph_check_failure():
+        replay = None
     engine = model.__dict__.get("_decode_engine")
+    if engine is not None and engine.graphs is not None and graph_check_failure():
+        engine.graphs = None  # another rank's check failed: this one decodes eagerly too
+        engine.replay = None
     fits = (engine is not None and engine.k == k and engine.ranks == ranks
-            and engine.slots >= slots and engine.cache.max_len >= max_len
-            and (engine.graphs is not None) == (cuda_graphs and engine.device.type == "cuda"))
+            and want <= engine.slots <= top and engine.cache.max_len >= max_len
+            and engine.replay == replay)
     if not fits:
-        model.__dict__.pop("_decode_engine", None)  # free the old cache first
-        engine = None
-        engine = DecodeEngine(model, bucket(slots, 1 << 30), -(-max_len // 64) * 64, k,
-                              ranks, cuda_graphs)
+        release_engine(model)  # free the old cache first
+        engine = DecodeEngine(model, want, length, k, ranks, replay)
         model.__dict__["_decode_engine"] = engine
     return engine
+
+
+def release_engine(model) -> None:
+    """Drop the model's engine (its KV cache, members and CUDA graphs) if it has one."""
+    model.__dict__.pop("_decode_engine", None)

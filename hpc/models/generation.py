@@ -27,14 +27,19 @@ import contextlib
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
-from hpc.models.engine import Request, adapter_ranks, engine_for
+from hpc.models.engine import (GraphedDecode, Request, adapter_ranks, engine_for,
+                               memory_budget, reset_graph_check)
 from hpc.models.quantize import generation_weights
 from hpc.models.sampling import KeyedGumbelProcessor, Sampling
 from hpc.runtime.config import ModelConfig
 
 PATHS = ("engine", "hf")
-SETTINGS = {"engine": ModelConfig.engine, "cuda_graphs": ModelConfig.cuda_graphs}
-"""This process's generation path and CUDA-graph switch (:func:`configure`)."""
+SETTINGS = {"engine": ModelConfig.engine, "cuda_graphs": ModelConfig.cuda_graphs,
+            "engine_memory_gib": ModelConfig.engine_memory_gib,
+            "engine_slots": ModelConfig.engine_slots, "replay": None}
+"""This process's generation path, CUDA-graph switch and engine budget (:func:`configure`);
+``replay``: a :class:`hpc.models.engine.GraphedDecode` subclass every engine uses on any
+device instead (:func:`replaying_with`), None for the default."""
 
 from hpc.models.chat import stop_token_ids
 
@@ -49,8 +54,32 @@ def take_generated_tokens() -> int:
 
 
 def configure(model_cfg) -> None:
-    """Take ``engine`` and ``cuda_graphs`` from a job's ``model`` config section."""
-    SETTINGS.update(engine=model_cfg.engine, cuda_graphs=model_cfg.cuda_graphs)
+    """Take ``engine``, ``cuda_graphs``, ``engine_memory_gib`` and ``engine_slots`` from a
+    job's ``model`` config section; CUDA graphs start on (a failed self-check of an earlier
+    job in this process is forgotten)."""
+    SETTINGS.update(engine=model_cfg.engine, cuda_graphs=model_cfg.cuda_graphs,
+                    engine_memory_gib=model_cfg.engine_memory_gib,
+                    engine_slots=model_cfg.engine_slots)
+    reset_graph_check()
+
+
+@contextlib.contextmanager
+def replaying_with(replay):
+    """Within the block, engines replay their decode steps with ``replay`` (a
+    :class:`hpc.models.engine.GraphedDecode` subclass) on any device, self-check included: the
+    hook by which tests put a perturbed "captured" step under a whole job."""
+    before = SETTINGS["replay"]
+    SETTINGS["replay"] = replay
+    try:
+        yield
+    finally:
+        SETTINGS["replay"] = before
+
+
+def engine_budget(device) -> int:
+    """This process's engine budget in bytes (``model.engine_memory_gib``, see
+    :func:`hpc.models.engine.memory_budget`)."""
+    return memory_budget(device, SETTINGS["engine_memory_gib"])
 
 
 @contextlib.contextmanager
@@ -130,8 +159,11 @@ def _engine_rows(model, tokenizer, texts, keys, max_new_tokens, sampling, rows) 
 
 def run_requests(model, requests: list, eos: list, sampling, rows: int,
                  factors: dict | None = None) -> list:
-    """Decode engine :class:`Request` s with ``rows`` slots: k members from ``factors``
-    ({module: (A (k, r, in), B (k, out, r))}), else the model's own adapter (k = 1) or none."""
+    """Decode engine :class:`Request` s, at most ``rows`` at once (the phase's rows; fewer
+    when the engine's budget or ``model.engine_slots`` holds fewer: the rest wait for free
+    slots): k members from ``factors`` ({module: (A (k, r, in), B (k, out, r))}), else the
+    model's own adapter (k = 1) or none. The engine is sized by
+    :func:`hpc.models.engine.engine_for` for ``min(rows, len(requests))`` rows."""
     if factors is not None:
         k = next(iter(factors.values()))[0].shape[0]
     else:
@@ -139,7 +171,11 @@ def run_requests(model, requests: list, eos: list, sampling, rows: int,
     if not requests:  # a rank with no share of the problems
         return []
     max_len = max(len(r.prompt) + r.max_new for r in requests)
-    engine = engine_for(model, min(rows, len(requests)), max_len, k, SETTINGS["cuda_graphs"])
+    device = _model_device(model)
+    replay = SETTINGS["replay"] or (GraphedDecode if SETTINGS["cuda_graphs"]
+                                    and device.type == "cuda" else None)
+    engine = engine_for(model, min(rows, len(requests)), max_len, k, replay, most=rows,
+                        budget_bytes=engine_budget(device), max_slots=SETTINGS["engine_slots"])
     if k:
         engine.set_members(factors)
     rows_out = engine.run(requests, eos, sampling)

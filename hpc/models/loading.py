@@ -123,6 +123,18 @@ def attach_lora(model, rank: int, alpha: float, targets: list[str], dropout: flo
         return get_peft_model(model, config)
 
 
+def enable_activation_checkpointing(model) -> None:
+    """Checkpoint every decoder layer of ``model`` (a transformers causal LM or a peft model
+    around one) in training mode: the forward keeps only each layer's input (B, T, h) and the
+    backward recomputes the layer, with transformers' per-layer hook and torch's
+    non-reentrant :func:`torch.utils.checkpoint.checkpoint` (which needs no input that
+    requires grad, so it works under LoRA's frozen base). ``preserve_rng_state``: the recompute
+    replays the forward's dropout masks, so gradients and resumed runs stay bitwise."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.activation_checkpointing_enable(
+        activation_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": True})
+
+
 def randomize_lora_b(peft_model, std: float, generator: torch.Generator) -> None:
     """Fill every LoRA B (zero when attached) with N(0, std^2) draws from ``generator`` (a CPU
     generator; parameters in name order), so the adapter is non-zero and all its singular

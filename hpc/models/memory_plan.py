@@ -1,5 +1,5 @@
 """Pre-flight memory plan of ESSA and F-GRPO on a real model, from its ``config.json`` alone (no
-weights, no torch), so that a job that cannot fit ends before it loads anything.
+weights are read), so that a job that cannot fit ends before it loads anything.
 
 Model shape (Qwen2 / Llama family: GQA attention, SwiGLU MLP, RMSNorm): ``hidden_size`` h,
 ``num_hidden_layers`` L, ``num_attention_heads`` a, ``num_key_value_heads`` g (default a),
@@ -8,29 +8,45 @@ Model shape (Qwen2 / Llama family: GQA attention, SwiGLU MLP, RMSNorm): ``hidden
 model type is ``qwen2``. Parameters: V*h embeddings, per layer q (h*a*d), k and v (h*g*d each),
 o (a*d*h), 3*h*I MLP, 2*h norms (+ a*d + 2*g*d biases), a final h norm, V*h lm_head unless tied.
 
-Memory per GPU, e = bytes per value of ``model.dtype``, a sequence = ``plan.max_prompt_tokens``
-+ ``task.max_new_tokens`` tokens, GiB = 2**30 bytes; a plan fits when its peak is at most
-``USABLE_SHARE`` of ``plan.gpu_memory_gib`` (the rest: CUDA context, NCCL buffers, allocator
-fragmentation):
+Memory per GPU by phase, e = bytes per value of ``model.dtype``, a sequence =
+``plan.max_prompt_tokens`` + ``task.max_new_tokens`` tokens, GiB = 2**30 bytes; a plan fits
+when its largest phase is at most ``USABLE_SHARE`` of ``plan.gpu_memory_gib`` (the rest: CUDA
+context, NCCL buffers, allocator fragmentation) and every engine holds a row in its budget:
 
-* ESSA: weights + the LoRA factors of the rank's members (peft keeps them in fp32) + one pass
-  of k members, each generating ``min(eval.batch_size, essa.minibatch)`` rows: per token the
-  KV cache (2*L*g*d values) and one layer's activations (4*h + 3*I values), per row fp32 logits
-  (4*V bytes) -- the rule of :func:`essa.batched.members_that_fit`, which caps k at run time.
-* F-GRPO: weights + the reference model (a second copy of the weights only for full
-  fine-tuning with ``fgrpo.beta`` > 0; under LoRA the reference is the base with the adapter
-  off) + trainable state (LoRA: fp32 weight, gradient and two AdamW moments, 16 bytes a
-  parameter; full: gradient and two AdamW moments in the model dtype, 3*e bytes a parameter)
-  + the larger of the rollout phase (``min(eval.batch_size, prompts per rank) * G`` rows, as
-  ESSA's pass) and the training phase: ``fgrpo.micro_batch`` sequences whose activations are
-  kept for backward (no activation checkpointing), per token and layer (5*h + 2*g*d + 3*I)
-  values in fp32, (6*h + 2*g*d + 3*I) in 16-bit dtypes (the RMSNorms upcast), plus the input
-  of every LoRA target in fp32 under a 16-bit model (peft casts it to the adapter's dtype),
-  or with full fine-tuning (3*h + I) values more, (4*h + I) in 16 bits (the inputs of the
-  trained linear layers),
-  plus per token the logits and their fp32 copy (V*(e + 4) bytes). These coefficients were
-  measured with autograd's saved-tensor hooks on Qwen2 layers with SDPA attention and are
-  checked that way by tests/test_memory_plan.py.
+* the decoding engine (:func:`hpc.models.engine.engine_memory`: KV cache, stacked members,
+  per-slot buffers, a step's transient), sized per phase as the job sizes it: the phase's rows
+  bucketed, capped by ``model.engine_slots`` and by its budget (``model.engine_memory_gib``, or
+  half of what the resident state leaves, whole GiB); larger phases decode in waves, and a
+  phase's engine is replaced by the next phase's, so the evaluation's engine does not outlive
+  it. The rollout's engine stays on the model through F-GRPO's training under DDP; FSDP2's
+  gathered copy and its engine are freed after the rollout.
+* ESSA: weights (decoder linears at ``model.quantize``'s bytes with torchao's scales), the
+  rank's members' LoRA factors (fp32), and the scoring engine of k members x
+  ``min(eval.batch_size, essa.minibatch)`` rows; the evaluation phase instead holds the
+  evaluation engine (``eval.batch_size x eval.n_samples`` rows asked).
+* F-GRPO state (:mod:`hpc.models.parallelize`): DDP LoRA: weights + 16 bytes per LoRA
+  parameter (+ the quantised rollout copy of the decoder linears under ``model.quantize``);
+  DDP full fine-tuning: 20 bytes a parameter for a 16-bit model (weights, gradients, fp32
+  masters and their gradients, fp32 AdamW moments; 16 in fp32), + a flat fp32 gradient copy
+  (4 bytes a parameter) in the all-reduce and AdamW step; FSDP2: fp32 weight shards and, for
+  full fine-tuning, fp32 gradient and moment shards, 1/ranks each, + the gathered model in
+  ``model.dtype`` during rollouts and evaluation, two gathered layers, the root unit and a
+  layer's gradients during training; ``fgrpo.offload_optimizer`` moves the moments (and DDP's
+  masters) to host memory for the rollout.
+* F-GRPO training, one micro-batch of ``fgrpo.micro_batch`` sequences: without activation
+  checkpointing every layer keeps (6h + 2ad + 3I) values a token in 16 bits ((5h + ...) in
+  fp32; K and V at all a heads, as transformers' padded path saves them) plus the inputs of
+  the LoRA targets in fp32, or (4h + I) values more with full fine-tuning; with it
+  (``model.activation_checkpointing``) each layer keeps its input (h values) and one layer is
+  recomputed at a time. Log-probs: full-vocabulary logits cost 16 V bytes a position at the
+  backward's peak; in chunks (``model.logprob_chunk`` = c) the final norm's input and the
+  flattened hidden states stay, and one chunk's 16 c V bytes come and go.
+
+These terms were checked against torch's memory tracker running the package's own engine and
+F-GRPO step on fake tensors (benchmarks/memory_tracker.py, tests/test_memory_plan.py: within
+15% for Qwen2.5-1.5B, 7B and 32B). When a plan does not fit, the advice is the first of a list
+of changes (checkpointing, chunked log-probs, smaller micro-batches, FSDP2 over more ranks,
+optimizer offload, a smaller engine budget, int8 weights) under which it does.
 
 ``hpc-plan [CONFIG.yaml] [section.key=value ...] [--ranks N]`` prints the plan of both methods;
 :func:`check_job_memory` is called by every job at start.
@@ -38,12 +54,16 @@ fragmentation):
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import math
 import os
 from dataclasses import dataclass
 
+from hpc.models.engine import (ENGINE_MEMORY_SHARE, MAX_LEN_STEP, bucket, engine_memory,
+                               slots_within)
+from hpc.models.quantize import bytes_per_parameter
 from hpc.runtime.cli import EXIT_CODES_HELP
 from hpc.runtime.config import JobConfig, load_config
 from hpc.runtime.errors import UserError, user_errors_exit
@@ -54,7 +74,6 @@ ESSA_MEMBER_SHARE = 0.5  # essa.batched.MEMORY_SHARE: the share of free memory k
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LORA_BYTES_PER_PARAM = 4  # peft keeps adapter weights in fp32
 LORA_TRAIN_BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW exp_avg + exp_avg_sq
-PLANNED_METHODS = ("essa", "fgrpo")
 
 
 @dataclass(frozen=True)
@@ -128,7 +147,7 @@ class ModelShape:
         """Activations one decoder layer keeps for backward, per token (see the module doc);
         ``full``: every weight trains, so the inputs of the linear layers are kept too."""
         h_coef = 5 if elem == 4 else 6  # the RMSNorms' fp32 upcasts cost one more h in 16 bits
-        kv = self.kv_heads * self.head_dim
+        kv = self.heads * self.head_dim  # K and V saved at all heads (repeat_kv, padded path)
         values = h_coef * self.hidden + 2 * kv + 3 * self.intermediate
         if full:  # measured: (3*h + I) more in fp32, (4*h + I) in 16 bits
             values += (h_coef - 2) * self.hidden + self.intermediate
@@ -142,127 +161,400 @@ class ModelShape:
                 + self.vocab * (elem + 4))
 
 
+def essa_members_per_pass(cfg, ranks: int) -> int:
+    """k: the members ESSA decodes in one pass (``essa.members_per_pass``, at most this rank's
+    share of the population)."""
+    return max(1, min(cfg.essa.members_per_pass, math.ceil(cfg.essa.population / ranks)))
+
+
+def evaluation_rows(cfg) -> int:
+    """Rows the held-out evaluation's sampled pass decodes at once: ``eval.batch_size`` prompts
+    x ``eval.n_samples`` samples."""
+    return cfg.eval.batch_size * cfg.eval.n_samples
+
+
 def gib(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f} GiB"
 
 
+def _bytes(cfg) -> int:
+    return DTYPE_BYTES[cfg.model.dtype]
+
+
+def _seq(cfg) -> int:
+    return cfg.plan.max_prompt_tokens + cfg.task.max_new_tokens
+
+
+def weight_bytes(shape: ModelShape, cfg, quantized: bool = False) -> int:
+    """The base weights in ``model.dtype``; ``quantized``: the decoder layers' linears at
+    ``model.quantize``'s bytes a weight (torchao's scales included), the rest unchanged."""
+    e = _bytes(cfg)
+    if not quantized or cfg.model.quantize == "none":
+        return shape.parameters() * e
+    linears = sum(shape.layers * i * o * (bytes_per_parameter(cfg.model.quantize, i, e) - e)
+                  for i, o in shape.module_shapes().values())
+    return int(shape.parameters() * e + linears)
+
+
+def quantized_copy_bytes(shape: ModelShape, cfg) -> int:
+    """F-GRPO's quantised copy of the decoder linears for its rollouts (0 without quantize)."""
+    if cfg.model.quantize == "none":
+        return 0
+    return int(sum(shape.layers * i * o * bytes_per_parameter(cfg.model.quantize, i, _bytes(cfg))
+                   for i, o in shape.module_shapes().values()))
+
+
+def dequantized_linear_bytes(shape: ModelShape, cfg) -> int:
+    """torchao's eager weight-only path materialises one linear's weight in the activation
+    dtype per call: the largest, transient."""
+    if cfg.model.quantize == "none":
+        return 0
+    return max(i * o for i, o in shape.module_shapes().values()) * _bytes(cfg)
+
+
+def _max_len(cfg) -> int:
+    return -(-_seq(cfg) // MAX_LEN_STEP) * MAX_LEN_STEP
+
+
+def engine_budget(cfg, resident: int) -> int:
+    """The engine's budget (hpc.models.engine.memory_budget): ``model.engine_memory_gib``, or
+    ENGINE_MEMORY_SHARE of the memory ``resident`` bytes leave of ``plan.gpu_memory_gib`` at the
+    first generation, whole GiB."""
+    if cfg.model.engine_memory_gib > 0:
+        return int(cfg.model.engine_memory_gib * GIB)
+    free = max(0, cfg.plan.gpu_memory_gib * GIB - resident)
+    return int(ENGINE_MEMORY_SHARE * free) // GIB * GIB
+
+
+def engine_slots(shape: ModelShape, cfg, rows: int, k: int, budget: int) -> int:
+    """Slots of a phase that asks for ``rows`` rows (hpc.models.generation.run_requests): the
+    rows bucketed, capped by ``model.engine_slots`` and by what fits ``budget``."""
+    n_lora = shape.lora_parameters(cfg.lora.rank, cfg.lora.targets) if k else 0
+    within = slots_within(budget, shape, _max_len(cfg), k, _bytes(cfg), n_lora,
+                          LORA_BYTES_PER_PARAM)
+    return min(bucket(rows, 1 << 30), cfg.model.engine_slots or 1 << 30, within)
+
+
+def engine_parts(shape: ModelShape, cfg, what: str, rows: int, k: int, budget: int) -> list:
+    """(label, bytes) of a phase's engine (hpc.models.engine.engine_memory): what lives with
+    it, and its step's transient peak (with a dequantised linear under model.quantize)."""
+    slots = engine_slots(shape, cfg, rows, k, budget)
+    n_lora = shape.lora_parameters(cfg.lora.rank, cfg.lora.targets) if k else 0
+    parts = engine_memory(shape, max(1, slots), _max_len(cfg), k, _bytes(cfg), n_lora,
+                          LORA_BYTES_PER_PARAM, prompt_tokens=cfg.plan.max_prompt_tokens)
+    if slots < 1:
+        label = (f"engine: {what}: NO ROW FITS its budget of {gib(budget)} "
+                 f"(model.engine_memory_gib); one row")
+    else:
+        waves = f" ({rows} rows asked: in waves)" if slots < rows else ""
+        label = (f"engine: {what}: {slots} slots x {_max_len(cfg)} positions{waves}: KV cache, "
+                 f"members, buffers")
+    return [(label, parts["kv_cache"] + parts["members"] + parts["slot_buffers"]),
+            ("its prefill or decode-step temporaries",
+             parts["step_peak"] + dequantized_linear_bytes(shape, cfg))]
+
+
+@dataclass
+class Phase:
+    """One phase of a job on one GPU: what is alive at its peak, (label, bytes) pairs."""
+
+    name: str
+    parts: list
+
+    @property
+    def peak(self) -> int:
+        return sum(b for _, b in self.parts)
+
+
 @dataclass
 class MethodPlan:
-    """One method's memory on one GPU: named parts (bytes), the peak, verdict, advice."""
+    """One method's memory on one GPU: its phases, the peak over them, verdict, advice."""
 
     method: str
-    parts: list  # (label, bytes)
-    peak: int
+    phases: list
     usable: int
     notes: list
     advice: str = ""
 
     @property
+    def peak(self) -> int:
+        return max(p.peak for p in self.phases)
+
+    @property
     def fits(self) -> bool:
-        return self.peak <= self.usable
+        """The peak fits and every engine holds a row within its budget."""
+        return self.peak <= self.usable and not any(
+            "NO ROW FITS" in label for p in self.phases for label, _ in p.parts)
+
+    def phase(self, name: str) -> Phase:
+        return next(p for p in self.phases if p.name == name)
 
     def lines(self) -> list:
         out = [f"{self.method} per GPU:"]
-        out += [f"  {label:<72} {gib(nbytes):>11}" for label, nbytes in self.parts]
+        for p in self.phases:
+            out.append(f"  phase {p.name}: {gib(p.peak)}")
+            out += [f"    {label:<74} {gib(nbytes):>11}" for label, nbytes in p.parts]
         verdict = "fits" if self.fits else "DOES NOT FIT"
-        out.append(f"  {'peak':<72} {gib(self.peak):>11}  of {gib(self.usable)} usable: {verdict}")
+        out.append(f"  {'peak':<76} {gib(self.peak):>11}  of {gib(self.usable)} usable: "
+                   f"{verdict}")
         out += [f"  {note}" for note in self.notes]
         if not self.fits:
             out.append(f"  to fit: {self.advice}")
         return out
 
 
-def _rows_that_fit(room: float, row_bytes: int) -> int:
-    return max(0, int(room // row_bytes))
+def _usable(cfg) -> int:
+    return int(USABLE_SHARE * cfg.plan.gpu_memory_gib * GIB)
 
 
-def essa_plan(shape: ModelShape, cfg, essa, ranks: int) -> MethodPlan:
-    """ESSA on one GPU (``cfg``: a job config; ``essa``: its essa section)."""
-    elem = DTYPE_BYTES[cfg.model.dtype]
-    usable = int(USABLE_SHARE * cfg.plan.gpu_memory_gib * GIB)
-    seq = cfg.plan.max_prompt_tokens + cfg.task.max_new_tokens
-    weights = shape.parameters() * elem
-    members = math.ceil(essa.population / ranks)
+def _with(cfg, **changes):
+    """A copy of ``cfg`` with ``section__key=value`` changes."""
+    out = copy.deepcopy(cfg)
+    for name, value in changes.items():
+        section, key = name.split("__")
+        setattr(getattr(out, section), key, value)
+    return out
+
+
+def _smallest_fix(build, shape, cfg, ranks: int, candidates: list) -> str:
+    """The first of ``candidates`` ((advice, {section__key: value}, ranks or None)) under
+    which ``build``'s plan fits, or ''."""
+    for advice, changes, new_ranks in candidates:
+        if build(shape, _with(cfg, **changes), new_ranks or ranks, advise=False).fits:
+            return advice
+    return ""
+
+
+def evaluation_phase(shape: ModelShape, cfg, resident: list, k: int, budget: int) -> Phase:
+    """The held-out evaluation's sampled pass (the larger of its two) on top of ``resident``."""
+    return Phase("evaluation", resident + engine_parts(
+        shape, cfg, "eval.batch_size x eval.n_samples rows, own adapter", evaluation_rows(cfg),
+        k, budget))
+
+
+def essa_resident(shape: ModelShape, cfg) -> list:
+    return [(f"weights ({cfg.model.dtype}" + (f", decoder linears {cfg.model.quantize}"
+                                              if cfg.model.quantize != "none" else "") + ")",
+             weight_bytes(shape, cfg, quantized=True))]
+
+
+def essa_scoring_phase(shape: ModelShape, cfg, ranks: int, k: int) -> Phase:
+    members = math.ceil(cfg.essa.population / ranks)
     lora = shape.lora_parameters(cfg.lora.rank, cfg.lora.targets) * LORA_BYTES_PER_PARAM
-    rows = min(cfg.eval.batch_size, essa.minibatch)
-    row_bytes = seq * shape.inference_token_bytes(elem) + 4 * shape.vocab
-    member_pass = rows * row_bytes
-    free = usable - weights
-    fit = max(0, int((ESSA_MEMBER_SHARE * free - members * lora) // member_pass))
-    k = max(1, min(essa.members_per_pass, members, fit))
-    parts = [(f"weights ({shape.parameters():,} parameters, {cfg.model.dtype})", weights),
-             (f"LoRA factors of this rank's {members} members (fp32)", members * lora),
-             (f"{k} member(s) per pass x {rows} rows x {seq} tokens (KV, activations, logits)",
-              k * member_pass)]
-    peak = sum(b for _, b in parts)
-    notes = [f"one member's pass: {gib(member_pass)} (KV cache "
-             f"{gib(rows * seq * 2 * shape.layers * shape.kv_heads * shape.head_dim * elem)}); "
-             f"members that fit per pass: {fit} (essa.members_per_pass={essa.members_per_pass}; "
-             f"run time caps k at {ESSA_MEMBER_SHARE:.0%} of the free memory)"]
-    room = usable - weights - members * lora
-    if weights > usable:
-        advice = (f"the weights alone need {gib(weights)}: use GPUs with more memory"
-                  + (" or model.dtype=bfloat16" if elem == 4 else ""))
-    else:
-        advice = (f"lower eval.batch_size to {_rows_that_fit(room, row_bytes)} (rows per pass) "
-                  f"or shorten plan.max_prompt_tokens / task.max_new_tokens")
-    return MethodPlan("ESSA", parts, peak, usable, notes, advice)
+    resident = essa_resident(shape, cfg)
+    rows = min(cfg.eval.batch_size, cfg.essa.minibatch) * k
+    return Phase("ESSA scoring", resident + [
+        (f"LoRA factors of this rank's {members} members (fp32)", members * lora),
+        *engine_parts(shape, cfg, f"{k} member(s) x {rows // k} rows", rows, k,
+                      engine_budget(cfg, resident[0][1]))])
 
 
-def fgrpo_plan(shape: ModelShape, cfg, fgrpo, ranks: int) -> MethodPlan:
-    """F-GRPO on one GPU (``cfg``: a job config; ``fgrpo``: its fgrpo section)."""
-    elem = DTYPE_BYTES[cfg.model.dtype]
-    usable = int(USABLE_SHARE * cfg.plan.gpu_memory_gib * GIB)
-    seq = cfg.plan.max_prompt_tokens + cfg.task.max_new_tokens
-    n_params = shape.parameters()
-    weights = n_params * elem
-    parts = [(f"weights ({n_params:,} parameters, {cfg.model.dtype})", weights)]
-    if fgrpo.full_finetune:
-        parts.append(("gradients + AdamW moments, every weight (model dtype)", 3 * elem * n_params))
-        if fgrpo.beta > 0:
-            parts.append(("reference model (fgrpo.beta > 0 with full fine-tuning)", weights))
+def essa_members_that_fit(shape: ModelShape, cfg, ranks: int) -> int:
+    """The most members per pass whose scoring phase fits with every row in one wave (0: not
+    even one), at most this rank's members."""
+    k, most = 0, math.ceil(cfg.essa.population / ranks)
+    rows = min(cfg.eval.batch_size, cfg.essa.minibatch)
+    while k < most:
+        phase = essa_scoring_phase(shape, cfg, ranks, k + 1)
+        if phase.peak > _usable(cfg) or "in waves" in phase.parts[2][0]:
+            break
+        k += 1
+    return k if k or rows else 0
+
+
+def essa_plan(shape: ModelShape, cfg, ranks: int, advise: bool = True) -> MethodPlan:
+    """ESSA on one GPU: scoring passes of k members (``essa.members_per_pass``), and the
+    held-out evaluation (its engine is given back before the next scoring pass)."""
+    k = essa_members_per_pass(cfg, ranks)
+    resident = essa_resident(shape, cfg)
+    budget = engine_budget(cfg, resident[0][1])
+    phases = [essa_scoring_phase(shape, cfg, ranks, k),
+              evaluation_phase(shape, cfg, resident, 1, budget)]
+    fit = essa_members_that_fit(shape, cfg, ranks)
+    notes = [f"engine budget {gib(budget)} (model.engine_memory_gib="
+             f"{cfg.model.engine_memory_gib:g}: 0 = {ENGINE_MEMORY_SHARE:.0%} of the memory "
+             f"the weights leave, whole GiB)",
+             f"members per pass that fit in one wave: {fit} of this rank's "
+             f"{math.ceil(cfg.essa.population / ranks)} (essa.members_per_pass="
+             f"{cfg.essa.members_per_pass})"]
+    plan = MethodPlan("ESSA", phases, _usable(cfg), notes)
+    if advise and not plan.fits:
+        plan.advice = _smallest_fix(essa_plan, shape, cfg, ranks, [
+            *[(f"essa.members_per_pass={k2}", {"essa__members_per_pass": k2}, None)
+              for k2 in range(k - 1, 0, -1)],
+            *[(f"model.engine_memory_gib={g}", {"model__engine_memory_gib": float(g)}, None)
+              for g in (32, 16, 8, 4)],
+            *([("model.quantize=int8", {"model__quantize": "int8"}, None),
+               ("model.quantize=int8 and model.engine_memory_gib=8",
+                {"model__quantize": "int8", "model__engine_memory_gib": 8.0}, None)]
+              if cfg.model.quantize == "none" else []),
+        ]) or (f"the weights alone need {gib(resident[0][1])}: use GPUs with more memory"
+               + (" or model.quantize=int8" if cfg.model.quantize == "none" else ""))
+    return plan
+
+
+def _checkpointed(cfg, ranks: int) -> bool:
+    return activation_checkpointing(cfg, "fgrpo", ranks, "cuda", planned=True)
+
+
+def training_activation_parts(shape: ModelShape, cfg, ranks: int) -> list:
+    """(label, bytes) of one F-GRPO micro-batch's forward/backward at its peak: what the
+    forward keeps for the backward plus the larger backward transient."""
+    e, f = _bytes(cfg), cfg.fgrpo
+    tokens = f.micro_batch * _seq(cfg)
+    targets = () if f.full_finetune else cfg.lora.targets
+    layer = shape.training_layer_bytes(e, targets, f.full_finetune)
+    chunk = cfg.model.logprob_chunk
+    upcast = 4 if e < 4 else 0
+    if chunk:  # the final norm's input (+ fp32 upcast), the flattened hidden, one head chunk
+        head = [(f"final norm and hidden for the LM head ({tokens} positions)",
+                 tokens * shape.hidden * (2 * e + upcast))]
+        head_transient = 16 * min(chunk, tokens) * shape.vocab + 2 * tokens * shape.hidden * e
+        head_label = f"one LM-head chunk of {min(chunk, tokens)} positions (model.logprob_chunk)"
+    else:  # logits, their fp32 copy and three fp32 backward temporaries
+        head, head_transient = [], 16 * tokens * shape.vocab
+        head_label = f"full-vocabulary logits of {tokens} positions (model.logprob_chunk=0)"
+    if _checkpointed(cfg, ranks):
+        kept = [(f"checkpointed layer inputs ({shape.layers} layers x {tokens} tokens)",
+                 shape.layers * tokens * shape.hidden * e)]
+        layer_transient = tokens * layer + 2 * tokens * shape.hidden * e
     else:
-        n_lora = shape.lora_parameters(cfg.lora.rank, cfg.lora.targets)
+        kept = [(f"activations of {shape.layers} layers x {tokens} tokens (no checkpointing)",
+                 shape.layers * tokens * layer)]
+        layer_transient = 0
+    peak = ((head_label, head_transient) if head_transient >= layer_transient else
+            ("one layer's recomputation and its gradients", layer_transient))
+    return kept + head + [peak]
+
+
+def _sharded(cfg) -> bool:
+    return cfg.fgrpo.parallelism == "fsdp2"
+
+
+def fgrpo_state_parts(shape: ModelShape, cfg, ranks: int) -> list:
+    """(label, bytes) F-GRPO holds through the whole step (hpc.models.parallelize): under DDP
+    the model in ``model.dtype`` and, for full fine-tuning, its gradients, fp32 masters and
+    their gradients (16-bit models) and fp32 AdamW moments; under FSDP2 fp32 masters,
+    gradients and moments, 1/ranks of each."""
+    f, n, e = cfg.fgrpo, shape.parameters(), _bytes(cfg)
+    n_lora = shape.lora_parameters(cfg.lora.rank, cfg.lora.targets)
+    if _sharded(cfg):
+        parts = [(f"fp32 weight shards ({n:,} parameters / {ranks} ranks)", 4 * n // ranks)]
+        if f.full_finetune:
+            parts.append(("fp32 gradient and AdamW moment shards", 12 * n // ranks))
+        else:
+            parts.append((f"LoRA {n_lora:,} parameters / {ranks} ranks: fp32 weights, "
+                          f"gradients, AdamW", 16 * n_lora // ranks))
+        if f.full_finetune and f.beta > 0:
+            parts.append(("reference model shards (fgrpo.beta > 0)", 4 * n // ranks))
+        return parts
+    parts = [(f"weights ({n:,} parameters, {cfg.model.dtype})", n * e)]
+    if f.full_finetune:
+        masters = 8 * n if e < 4 else 0  # fp32 masters and their gradients
+        parts.append((f"gradients ({cfg.model.dtype})" + (", fp32 masters and their gradients"
+                                                          if masters else "")
+                       + ", fp32 AdamW moments", n * e + masters + 8 * n))
+        if f.beta > 0:
+            parts.append(("reference model (fgrpo.beta > 0 with full fine-tuning)", n * e))
+    else:
         parts.append((f"LoRA {n_lora:,} parameters: fp32 weights, gradients, AdamW",
-                      n_lora * LORA_TRAIN_BYTES_PER_PARAM))
-    state = sum(b for _, b in parts)
-    prompts = min(cfg.eval.batch_size, math.ceil(fgrpo.batch_prompts / ranks))
-    rollout_rows = prompts * fgrpo.num_generations
-    rollout_row = seq * shape.inference_token_bytes(elem) + 4 * shape.vocab
-    lora_targets = () if fgrpo.full_finetune else cfg.lora.targets
-    train_row = seq * shape.training_token_bytes(elem, lora_targets, fgrpo.full_finetune)
-    rollout, train = rollout_rows * rollout_row, fgrpo.micro_batch * train_row
-    parts.append((f"rollout: {prompts} prompts x G={fgrpo.num_generations} rows x {seq} tokens"
-                  if rollout >= train else
-                  f"training: micro_batch {fgrpo.micro_batch} x {seq} tokens (activations, "
-                  f"logits)", max(rollout, train)))
-    other = (f"training phase (micro_batch {fgrpo.micro_batch}): {gib(train)}" if rollout >= train
-             else f"rollout phase ({rollout_rows} rows): {gib(rollout)}")
-    room = usable - state
-    if state > usable:
-        advice = (f"weights and optimizer state alone need {gib(state)}: "
-                  + ("train a LoRA (fgrpo.full_finetune=false)" if fgrpo.full_finetune else
-                     "use GPUs with more memory") + (" or model.dtype=bfloat16" if elem == 4 else ""))
-    else:
-        fixes = []
-        for what, total, row, key in (("training sequence", train, train_row, "fgrpo.micro_batch"),
-                                      ("rollout row", rollout, rollout_row, "eval.batch_size")):
-            if total <= room:
-                continue
-            n = _rows_that_fit(room, row)
-            if key == "eval.batch_size":
-                n //= fgrpo.num_generations
-            fixes.append(f"{key}={n}" if n else
-                         f"one {what} alone needs {gib(row)} with {gib(room)} left (no "
-                         f"activation checkpointing or model sharding here): GPUs with more "
-                         f"memory")
-        advice = ", ".join(fixes + ["or shorten plan.max_prompt_tokens / task.max_new_tokens"])
-    return MethodPlan("F-GRPO", parts, state + max(rollout, train), usable, [other], advice)
+                       n_lora * LORA_TRAIN_BYTES_PER_PARAM))
+    if cfg.model.quantize != "none":
+        parts.append((f"{cfg.model.quantize} copy of the decoder linears for rollouts",
+                      quantized_copy_bytes(shape, cfg)))
+    return parts
+
+
+def offloaded_bytes(shape: ModelShape, cfg, ranks: int) -> int:
+    """What ``fgrpo.offload_optimizer`` moves to host memory for the rollout: the AdamW
+    moments and, under DDP with a 16-bit model, the fp32 masters."""
+    if not cfg.fgrpo.offload_optimizer:
+        return 0
+    n = shape.parameters() if cfg.fgrpo.full_finetune else \
+        shape.lora_parameters(cfg.lora.rank, cfg.lora.targets)
+    if _sharded(cfg):
+        return 8 * n // ranks
+    return n * (8 + (4 if cfg.fgrpo.full_finetune and _bytes(cfg) < 4 else 0))
+
+
+def gathered_parts(shape: ModelShape, cfg) -> list:
+    """FSDP2's gathered weights during the forward/backward: two decoder layers in the
+    compute dtype (one prefetched), the root unit (embeddings, LM head, final norm) kept
+    from forward to backward, and a layer's unsharded gradients with their fp32 copy for the
+    reduce-scatter (two with overlap)."""
+    e, layer = _bytes(cfg), shape.layer_parameters()
+    root = shape.parameters() - shape.layers * layer
+    grads = 2 * layer * (e + 4) if cfg.fgrpo.full_finetune else 0
+    return [("FSDP2: two gathered layers, the gathered root, a layer's gradients for the "
+             "reduce-scatter", 2 * layer * e + root * e + grads)]
+
+
+def fgrpo_rollout_rows(cfg, ranks: int) -> int:
+    return min(cfg.eval.batch_size, math.ceil(cfg.fgrpo.batch_prompts / ranks)) * \
+        cfg.fgrpo.num_generations
+
+
+def fgrpo_plan(shape: ModelShape, cfg, ranks: int, advise: bool = True) -> MethodPlan:
+    """F-GRPO on one GPU: rollout, training (micro-batch forward/backward), the gradient
+    reduction and AdamW step, and the held-out evaluation."""
+    f, n = cfg.fgrpo, shape.parameters()
+    state = fgrpo_state_parts(shape, cfg, ranks)
+    resident = sum(b for _, b in state)
+    k = 0 if f.full_finetune else 1
+    rows = fgrpo_rollout_rows(cfg, ranks)
+    gathered = [(f"gathered {cfg.model.dtype} model for decoding", n * _bytes(cfg))] \
+        if _sharded(cfg) else []
+    generating = list(state)  # the rollout's; the evaluation offloads nothing
+    if offloaded_bytes(shape, cfg, ranks):
+        generating.append(("moved to host for the rollout (fgrpo.offload_optimizer)",
+                           -offloaded_bytes(shape, cfg, ranks)))
+    generating += gathered
+    budget = engine_budget(cfg, sum(b for _, b in generating))
+    rollout_engine = engine_parts(shape, cfg, f"{rows // f.num_generations} prompts x G="
+                                  f"{f.num_generations}", rows, k, budget)
+    rollout = Phase("rollout", generating + rollout_engine)
+    kept = [] if _sharded(cfg) else [("rollout engine, kept on the model", rollout_engine[0][1])]
+    train = Phase(f"training (micro_batch {f.micro_batch})", state + kept
+                  + (gathered_parts(shape, cfg) if _sharded(cfg) else [])
+                  + training_activation_parts(shape, cfg, ranks))
+    phases = [rollout, train]
+    if f.full_finetune:
+        extra = (("AdamW foreach temporaries", 4 * n // ranks) if _sharded(cfg) else
+                 ("flat fp32 gradient copy of the all-reduce / AdamW foreach temporaries", 4 * n))
+        phases.append(Phase("gradient reduction and AdamW step", state + kept + [extra]))
+    phases.append(evaluation_phase(shape, cfg, state + gathered, k, budget))
+    chunk = cfg.model.logprob_chunk
+    plan = MethodPlan("F-GRPO", phases, _usable(cfg), [
+        f"parallelism {f.parallelism} over {ranks} ranks; activation checkpointing "
+        f"{'on' if _checkpointed(cfg, ranks) else 'off'} (model.activation_checkpointing="
+        f"{cfg.model.activation_checkpointing}); "
+        + (f"log-probs in chunks of {chunk} positions" if chunk else
+           "full-vocabulary logits (model.logprob_chunk=0)")
+        + f"; engine budget {gib(budget)}"])
+    if advise and not plan.fits:
+        ckpt, chunked = {"model__activation_checkpointing": "on"}, {"model__logprob_chunk": 1024}
+        both = dict(ckpt, **chunked)
+        fsdp = dict(both, fgrpo__parallelism="fsdp2")
+        plan.advice = _smallest_fix(fgrpo_plan, shape, cfg, ranks, [
+            ("set model.activation_checkpointing=on", ckpt, None),
+            ("set model.logprob_chunk=1024", chunked, None),
+            ("set model.activation_checkpointing=on and model.logprob_chunk=1024", both, None),
+            *[(f"fgrpo.micro_batch={m} with checkpointing and chunked log-probs",
+               dict(both, fgrpo__micro_batch=m), None) for m in (4, 2, 1) if m < f.micro_batch],
+            *[(f"use {r} ranks with fgrpo.parallelism=fsdp2 (checkpointing, chunked log-probs)",
+               fsdp, r) for r in (ranks, 8, 16, 32, 64, 128) if r >= ranks],
+            *[(f"use {r} ranks with fgrpo.parallelism=fsdp2, fgrpo.offload_optimizer=true and "
+               f"model.engine_memory_gib={g}",
+               dict(fsdp, fgrpo__offload_optimizer=True, model__engine_memory_gib=float(g)), r)
+              for r in (ranks, 16, 32, 64, 128) if r >= ranks for g in (8, 4, 2)],
+        ]) or (f"weights and optimizer state alone need {gib(resident)}: "
+               + ("train a LoRA (fgrpo.full_finetune=false)" if f.full_finetune else
+                  "use GPUs with more memory"))
+    return plan
 
 
 def model_summary(shape: ModelShape, cfg) -> list:
     n = shape.parameters()
-    seq = cfg.plan.max_prompt_tokens + cfg.task.max_new_tokens
     weights = ", ".join(f"{name} {gib(n * b)}" for name, b in DTYPE_BYTES.items())
     n_lora = shape.lora_parameters(cfg.lora.rank, cfg.lora.targets)
     unknown = [t for t in cfg.lora.targets if t not in shape.module_shapes()]
@@ -274,21 +566,22 @@ def model_summary(shape: ModelShape, cfg) -> list:
             f"LoRA rank {cfg.lora.rank} on {', '.join(cfg.lora.targets)}: {n_lora:,} parameters"
             + (f" (not counted, unknown to the plan: {', '.join(unknown)})" if unknown else ""),
             f"sequence: {cfg.plan.max_prompt_tokens} prompt tokens (plan.max_prompt_tokens) + "
-            f"{cfg.task.max_new_tokens} new (task.max_new_tokens) = {seq} tokens",
+            f"{cfg.task.max_new_tokens} new (task.max_new_tokens) = {_seq(cfg)} tokens",
             f"GPU memory assumed: {cfg.plan.gpu_memory_gib:g} GiB (plan.gpu_memory_gib), "
             f"{USABLE_SHARE:.0%} usable"]
+
+
+PLANS = {"essa": essa_plan, "fgrpo": fgrpo_plan}
 
 
 def check_job_memory(cfg, method: str, ranks: int, device_type: str) -> None:
     """At job start: UserError (one line) when ``method``'s plan does not fit. Only for ESSA and
     F-GRPO on CUDA with a local model folder and ``plan.gpu_memory_gib`` > 0."""
     path = cfg.model.path
-    if (method not in PLANNED_METHODS or device_type != "cuda" or cfg.plan.gpu_memory_gib <= 0
+    if (method not in PLANS or device_type != "cuda" or cfg.plan.gpu_memory_gib <= 0
             or not os.path.isfile(os.path.join(path, "config.json"))):
         return
-    shape = ModelShape.from_folder(path)
-    build = essa_plan if method == "essa" else fgrpo_plan
-    plan = build(shape, cfg, getattr(cfg, method), ranks)
+    plan = PLANS[method](ModelShape.from_folder(path), cfg, ranks)
     if not plan.fits:
         raise UserError(f"memory plan: {plan.method} needs {gib(plan.peak)} per GPU, more than "
                         f"{gib(plan.usable)} usable of plan.gpu_memory_gib="
@@ -296,12 +589,40 @@ def check_job_memory(cfg, method: str, ranks: int, device_type: str) -> None:
                         f"with the same config)")
 
 
+def activation_checkpointing(cfg, method: str, ranks: int, device_type: str,
+                             planned: bool = False) -> bool:
+    """``model.activation_checkpointing`` resolved for a job of ``method`` (sft or fgrpo) on
+    ``ranks`` ranks: on / off as given; auto = on exactly when, on CUDA with a local model
+    folder and ``plan.gpu_memory_gib`` > 0, the job does not fit without it (F-GRPO: its plan
+    with checkpointing off; SFT: the weights, the trainable state and ``ceil(sft.batch_size /
+    ranks)`` sequences' activations). ``planned``: for the plan itself, which may assume any
+    model folder."""
+    choice = cfg.model.activation_checkpointing
+    if choice != "auto":
+        return choice == "on"
+    path = cfg.model.path
+    if ((device_type != "cuda" and not planned) or cfg.plan.gpu_memory_gib <= 0
+            or not os.path.isfile(os.path.join(path, "config.json"))):
+        return False
+    shape = ModelShape.from_folder(path)
+    if method == "fgrpo":
+        plan = fgrpo_plan(shape, _with(cfg, model__activation_checkpointing="off"), ranks,
+                          advise=False)
+        return not plan.fits
+    elem = DTYPE_BYTES[cfg.model.dtype]
+    state = (shape.parameters() * elem + LORA_TRAIN_BYTES_PER_PARAM
+             * shape.lora_parameters(cfg.lora.rank, cfg.lora.targets))
+    train = math.ceil(cfg.sft.batch_size / ranks) * _seq(cfg) * \
+        shape.training_token_bytes(elem, cfg.lora.targets)
+    return state + train > _usable(cfg)
+
+
 def plan_text(cfg, ranks: int) -> str:
     """The full plan of both methods for ``cfg`` (a config with essa and fgrpo sections)."""
     shape = ModelShape.from_folder(cfg.model.path)
     lines = model_summary(shape, cfg) + [f"ranks: {ranks}", ""]
-    lines += essa_plan(shape, cfg, cfg.essa, ranks).lines() + [""]
-    lines += fgrpo_plan(shape, cfg, cfg.fgrpo, ranks).lines()
+    lines += essa_plan(shape, cfg, ranks).lines() + [""]
+    lines += fgrpo_plan(shape, cfg, ranks).lines()
     return "\n".join(lines)
 
 

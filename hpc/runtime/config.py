@@ -45,7 +45,26 @@ class ModelConfig:
                         "per row) or 'hf' (Hugging Face generate, the reference)",
                         choices=["engine", "hf"])
     cuda_graphs: bool = param(True, "engine on CUDA: replay each decode step from a CUDA "
-                              "graph (one per batch/context bucket); false runs it eagerly")
+                              "graph (one per batch/context bucket), each checked against the "
+                              "eager step at capture; false runs it eagerly")
+    engine_memory_gib: float = param(0.0, "memory budget of the decoding engine per GPU (GiB: "
+                                     "KV cache, stacked members, per-row buffers, a step's "
+                                     "peak); a phase that asks for more rows decodes them in "
+                                     "waves. 0 = half the device's free memory at the first "
+                                     "generation on CUDA, 8 GiB on CPU", min=0.0, max=1e6)
+    engine_slots: int = param(0, "most rows the decoding engine decodes at once (0 = as many "
+                              "as the phase asks for within model.engine_memory_gib)",
+                              min=0, max=1 << 20)
+    activation_checkpointing: str = param(
+        "auto", "SFT and F-GRPO training: keep only each decoder layer's input and recompute "
+        "the layer in the backward (torch.utils.checkpoint, non-reentrant, dropout replayed); "
+        "auto: on where the memory plan's training figure without it exceeds plan.gpu_memory_gib "
+        "on CUDA", choices=["auto", "on", "off"])
+    logprob_chunk: int = param(
+        1024, "SFT and F-GRPO: positions per chunk through the LM head for token log-probs and "
+        "entropy, each chunk's logits recomputed in the backward, so no (batch, T, vocabulary) "
+        "logits exist; 0 = the model's full logits (the reference path)", min=0,
+        max=1_048_576)
     quantize: str = param("none", "weight-only quantisation (torchao, extra 'quant') of the "
                           "decoder layers' base linears for generation: ESSA scoring and "
                           "evaluation in place; F-GRPO/SFT rollouts and evaluation from a "
@@ -190,6 +209,8 @@ def _coerce(key: str, value, ftype, meta):
     elif ftype is str:
         if isinstance(value, (dict, list)) or value is None:
             raise UserError(f"config key '{key}': expected a string, got {value!r}")
+        if isinstance(value, bool) and {"on", "off"} <= set(meta.get("choices") or ()):
+            value = "on" if value else "off"  # YAML 1.1 reads on/off (yes/no, true/false) as bools
         out = str(value)
     elif ftype is list:
         if isinstance(value, str):

@@ -16,35 +16,44 @@ for every method:
    (:class:`Method` construction, model loading, the start evaluation) stops the job before
    its first step at the next safe point (:func:`hpc.runtime.job.stop_if_preempted`);
 4. per step: phase seconds per rank, payload bytes per tag and the loop's metrics (tokens
-   generated, training and wall seconds), then the stop decision (preemption signal on any
+   generated, training and wall seconds), whether a rank's decoding engine failed its
+   CUDA-graph self-check (:func:`share_graph_check`, also after the final evaluation), then
+   the stop decision (preemption signal on any
    rank; ``run.max_time_s`` or ``run.max_train_s`` on rank 0's clock; the method's target;
    ``run.max_generated_tokens``),
    then a checkpoint every ``run.checkpoint_every`` steps, on stop and at the end. The step's
    row goes out before its checkpoint: a kill in between leaves a row that the resumed run
    truncates and recomputes, never a checkpoint without its row;
 5. preempted: close the run file as ``preempted`` and return (the caller exits 3); else the
-   final evaluation, the export (rank 0), and the run file closed as ``complete``.
+   final evaluation, the export (rank 0; every rank for a ``collective_export`` method, whose
+   export gathers sharded weights), and the run file closed as ``complete``.
 
 Checkpoints hold ``{"step", "elapsed_s", "overhead_s", "generated_tokens", "run_file",
-"method": method.state_dict()}``.
+"method": method.state_dict(), "shard_ranks"}``; a :attr:`Method.sharded` method's per-rank state
+goes to per-rank shards (:mod:`hpc.runtime.shards`) written before it, ``shard_ranks`` their
+count (0: none).
 """
 from __future__ import annotations
 
 import abc
 import json
+import sys
 import time
 
 import numpy as np
 import torch
 
+from hpc.models.engine import disable_cuda_graphs, graph_check_failure, reset_graph_check
 from hpc.models.generation import take_generated_tokens
 from hpc.runtime.checkpoint import load_latest, save_checkpoint
+from hpc.runtime.errors import UserError
 from hpc.runtime.job import (Job, agree_on_resume_step, on_all_ranks, progress_bar,
                              stop_if_preempted)
 from hpc.runtime.preempt import preempted_exit, should_stop
-from hpc.runtime.results import EvalResult, log_eval
 from hpc.runtime.readback import amount, count
+from hpc.runtime.results import EvalResult, log_eval
 from hpc.runtime.runstore import RunStore, check_snapshot, environment_attrs
+from hpc.runtime.shards import load_shard, save_shard
 from hpc.runtime.timing import PhaseTimer, gather_timings
 
 # What a phase's seconds are spent on, for readers of the run file (hpc-report, hpc-scaling):
@@ -77,6 +86,8 @@ class Method(abc.ABC):
     phases: dict = {}            # {phase: kind in PHASE_KINDS}, in the order of a step
     heldout_accuracy: str = "accuracy"  # the held-out column that accuracy curves follow
     metrics: tuple = ()          # names of step()'s metrics, in order
+    sharded: bool = False        # part of the state is per rank (shard_state_dict)
+    collective_export: bool = False  # export() runs on every rank (it gathers), writes on 0
 
     def __init__(self, job: Job):
         stop_if_preempted(job, "the job's start (world, run folder)")
@@ -108,7 +119,8 @@ class Method(abc.ABC):
 
     @abc.abstractmethod
     def export(self, out_dir: str, step: int) -> None:
-        """Write the result after ``step`` steps into ``out_dir`` (rank 0 only)."""
+        """Write the result after ``step`` steps into ``out_dir`` (rank 0 only; on every rank
+        when :attr:`collective_export`, writing on rank 0)."""
 
     @abc.abstractmethod
     def state_dict(self) -> dict:
@@ -117,6 +129,14 @@ class Method(abc.ABC):
     @abc.abstractmethod
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned."""
+
+    def shard_state_dict(self) -> dict:
+        """This rank's own part of the state (only when :attr:`sharded`)."""
+        raise NotImplementedError
+
+    def load_shard_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`shard_state_dict` returned on this rank."""
+        raise NotImplementedError
 
 
 def run_attrs(job: Job, method: Method) -> dict:
@@ -141,10 +161,35 @@ def resume_fields(state: dict, path: str) -> dict:
               "overhead_s": amount(state.get("overhead_s", 0.0), source, "overhead_s"),
               "generated_tokens": count(state.get("generated_tokens", 0), source,
                                         "generated_tokens", maximum=2 ** 62),
+              "shard_ranks": count(state.get("shard_ranks", 0), source, "shard_ranks",
+                                   maximum=2 ** 20),
               "run_file": state.get("run_file")}
     if fields["run_file"] is not None:
         check_snapshot(fields["run_file"], source)
     return fields
+
+
+def share_graph_check(world, store: RunStore, failed: np.ndarray | None = None) -> bool:
+    """Collective: when the decoding engine's self-check failed on any rank
+    (:func:`hpc.models.engine.graph_check_failure`), CUDA graphs go off on every rank, rank 0
+    prints one line and the run file gets the attribute ``cuda_graphs_disabled`` (the rank and
+    the reason). ``failed``: each rank's flag (size,) when already gathered (the loop sends it
+    with a step's token count), else gathered here. Returns whether graphs went off."""
+    if failed is None:
+        failed = world.allgather(np.array([bool(graph_check_failure())], dtype=np.int8),
+                                 tag="control")
+    if not failed.any():
+        return False
+    rank = int(np.flatnonzero(failed)[0])
+    message = f"rank {rank}: " + world.comm.bcast(graph_check_failure(), root=rank)  # once
+    reset_graph_check()  # every rank keeps the same reason, the failing rank's included
+    disable_cuda_graphs(message)
+    if world.is_root:
+        print(f"warning: the decoding engine's CUDA-graph self-check failed on {message}; CUDA "
+              f"graphs are off for the rest of the run (decoding goes on eagerly)",
+              file=sys.stderr, flush=True)
+    store.set_attrs(cuda_graphs_disabled=message)
+    return True
 
 
 def out_of_budget(run_cfg, wall_s: float, train_s: float) -> bool:
@@ -157,12 +202,24 @@ def _due(every: int, step: int, total: int) -> bool:
     return bool(every) and step % every == 0 or step == total
 
 
+def _load_shards(ckpt_dir: str, world, method: Method, state: dict) -> None:
+    """This rank's shard of checkpoint ``state``, or one line why the run cannot resume."""
+    ranks = state.get("shard_ranks", 0)
+    if bool(ranks) != method.sharded:
+        written = "sharded (fgrpo.parallelism=fsdp2)" if ranks else "replicated (ddp)"
+        raise UserError(f"the checkpoint of step {state['step']} in {ckpt_dir} holds a "
+                        f"{written} state; resume with the parallelism that wrote it")
+    if ranks:
+        method.load_shard_state_dict(load_shard(ckpt_dir, world, state["step"], ranks))
+
+
 def run_loop(job: Job, method: Method) -> dict:
     """Run ``method`` for ``job`` (see the module docstring); returns on every rank a summary:
     ``start`` and ``final`` (EvalResult or None), ``steps``, ``wall_s``, ``preempted``."""
     cfg, world = job.cfg, job.world
     ckpt_dir = f"{job.out_dir}/checkpoints"
-    resumed = dict(step=0, elapsed_s=0.0, overhead_s=0.0, generated_tokens=0, run_file=None)
+    resumed = dict(step=0, elapsed_s=0.0, overhead_s=0.0, generated_tokens=0, shard_ranks=0,
+                   run_file=None)
 
     def accept(state: dict, path: str) -> None:  # a UserError: load_latest tries the previous
         fields = resume_fields(state, path)
@@ -170,7 +227,9 @@ def run_loop(job: Job, method: Method) -> dict:
         resumed.update(fields)
 
     if job.resume:
-        load_latest(ckpt_dir, warn=world.is_root, accept=accept)
+        state = load_latest(ckpt_dir, warn=world.is_root, accept=accept)
+        if state is not None:
+            on_all_ranks(world, lambda: _load_shards(ckpt_dir, world, method, resumed))
     start, elapsed0 = resumed["step"], resumed["elapsed_s"]
     overhead, tokens = resumed["overhead_s"], resumed["generated_tokens"]
     agree_on_resume_step(world, start)
@@ -189,14 +248,17 @@ def run_loop(job: Job, method: Method) -> dict:
     total = method.total_steps
     progress = progress_bar(job, total, method.name, initial=start)
     t0 = time.perf_counter() - elapsed0
-    step, preempted = start, False
+    step, preempted, graphs_off = start, False, False
     world.take_bytes()  # start-up traffic (bootstrap, start evaluation) is not a step's
     while step < total:
         take_generated_tokens()  # what evaluations decoded is not a step's
         metrics = method.step(step)
         step += 1
-        tokens += int(world.allgather(np.array([take_generated_tokens()], dtype=np.int64),
-                                      tag="control").sum())
+        # with the tokens, whether this rank's engine self-check failed (until graphs are off)
+        sent = [take_generated_tokens(), not graphs_off and bool(graph_check_failure())]
+        gathered = world.allgather(np.array(sent, dtype=np.int64), tag="control")
+        tokens += int(gathered[:, 0].sum())
+        graphs_off = graphs_off or share_graph_check(world, store, gathered[:, 1])
         metrics.update(generated_tokens=tokens, train_s=time.perf_counter() - t0 - overhead,
                        wall_s=time.perf_counter() - t0)
         reached = False
@@ -216,12 +278,17 @@ def run_loop(job: Job, method: Method) -> dict:
         if _due(cfg.run.checkpoint_every, step, total) or stop:
             begin = time.perf_counter()
             with timer.phase("checkpoint"):
+                if method.sharded:
+                    save_shard(ckpt_dir, world, step, method.shard_state_dict(),
+                               keep=method.keep_checkpoints)
                 if world.is_root:
                     save_checkpoint(ckpt_dir, step, {
                         "step": step, "elapsed_s": time.perf_counter() - t0,
                         "overhead_s": overhead + time.perf_counter() - begin,
                         "generated_tokens": tokens, "run_file": store.snapshot(),
-                        "method": method.state_dict()}, keep=method.keep_checkpoints)
+                        "method": method.state_dict(),
+                        "shard_ranks": world.size if method.sharded else 0},
+                        keep=method.keep_checkpoints)
             overhead += time.perf_counter() - begin
         progress.update(1)
         progress.set_postfix({name: f"{metrics[name]:.3f}" for name in method.metrics[:1]},
@@ -234,7 +301,9 @@ def run_loop(job: Job, method: Method) -> dict:
         return preempted_exit(world, store, step, wall)
     final = method.evaluate(sampled=True)
     log_eval(store, step, final)
-    if world.is_root:
+    if not graphs_off:
+        share_graph_check(world, store)
+    if world.is_root or method.collective_export:
         method.export(job.out_dir, step)
     store.set_attrs(steps_done=step, wall_seconds=wall)
     store.close("complete")

@@ -14,6 +14,7 @@ from fgrpo.advantages import group_advantages
 from fgrpo.config import FGRPOConfig
 from fgrpo.rollout import Rollouts
 from fgrpo.gradients import accumulate_gradients
+from hpc.runtime.config import ModelConfig
 from hpc.runtime.dist import all_reduce_mean_, init_process_group
 from hpc.models.loading import attach_lora, randomize_lora_b
 from hpc.toys.toy import tiny_model
@@ -37,7 +38,8 @@ g0 = sum(counts[: world.rank])
 rows = slice(g0 * G, (g0 + counts[world.rank]) * G)
 mine = Rollouts(ids[rows], attn[rows], cmask[rows], rewards[g0:g0 + counts[world.rank]],
                 lengths[rows])
-cfg = SimpleNamespace(fgrpo=FGRPOConfig(loss_type=sys.argv[2], micro_batch=3, gamma=1.0))
+cfg = SimpleNamespace(fgrpo=FGRPOConfig(loss_type=sys.argv[2], micro_batch=3, gamma=1.0),
+                      model=ModelConfig())
 adv = group_advantages(mine.rewards, "group", 1.0).advantages.reshape(-1)
 params = [p for p in model.parameters() if p.requires_grad]
 accumulate_gradients(model, mine, adv, cfg, world, max_new_tokens=T)

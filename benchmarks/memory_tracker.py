@@ -1,0 +1,327 @@
+"""Peak GPU memory of the package's own code paths, measured by torch's memory tracker on fake
+tensors: no weights, no GPU, any model shape (Qwen2.5-1.5B to 32B) in seconds.
+
+    python benchmarks/memory_tracker.py [CONFIG.yaml] model.path=FOLDER [key=value ...]
+        [--ranks N] [--cases essa,evaluation,after_evaluation,fgrpo]
+
+Each case builds the model from ``model.path``'s ``config.json`` (no weights needed) under ``FakeTensorMode`` (``from_config`` in
+the config's ``model.dtype``; tensors on the ``cpu`` device: on a CPU-only torch a fake ``cuda``
+leaf that needs a gradient aborts the process) and runs, under
+``torch.distributed._tools.mem_tracker.MemTracker``, what a job runs:
+
+* ``essa``: one scoring pass as :func:`essa.batched.score_members_engine` drives the decoding
+  engine: ``engine_for`` with ``eval.batch_size * k`` slots of ``plan.max_prompt_tokens +
+  task.max_new_tokens`` positions and k stacked members, one prefill of as many prompts as the
+  scheduler admits at once (``PREFILL_TOKENS``), then one decode step over every slot at the
+  full context;
+* ``evaluation``: the held-out evaluation's sampled pass (``eval.batch_size * eval.n_samples``
+  rows) on the job's own adapter (k = 1);
+* ``after_evaluation``: the evaluation, then an ESSA scoring pass: what the job holds once the
+  start evaluation's engine has (or has not) been given back;
+* ``fgrpo``: one F-GRPO step on one rank as :mod:`fgrpo.trainer` runs it from its second step
+  on: the rollout's engine pass (``min(eval.batch_size, prompts per rank) * G`` rows), then (gradients and AdamW moments allocated): AdamW on the trainable parameters (fgrpo.policy.build_model's LoRA or full fine-tuning),
+  :func:`fgrpo.gradients.accumulate_gradients` over two micro-batches of full-length rows, the
+  gradient all-reduce (:func:`hpc.runtime.dist.all_reduce_mean_` over torch's fake process
+  group when ``--ranks`` > 1) and the AdamW step of
+  :class:`hpc.models.parallelize.TrainedWeights` (fp32 masters for a 16-bit full fine-tune).
+  ``fgrpo.parallelism=fsdp2`` is refused: the fake model is built on the meta device, where
+  :func:`hpc.models.parallelize.shard_model`'s settling forward cannot run.
+
+Host reads of tensor values (``float(loss)``, ``.tolist()``) get 1 (:class:`HostReadsOne`):
+memory does not depend on them. Figures are live tensor bytes only: no CUDA context, library
+workspaces or allocator fragmentation (the plan's ``USABLE_SHARE`` keeps room for those).
+
+Layers: ``layers=n`` builds n decoder layers only; :func:`peak_bytes` with ``layers_from``
+measures two small layer counts and extends the line through them to the model's count (exact
+for a case whose peak is affine in the layer count, which tests/test_memory_plan.py checks).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils._python_dispatch import TorchDispatchMode
+
+GIB = 2 ** 30
+CASES = ("essa", "evaluation", "after_evaluation", "fgrpo")
+
+
+class HostReadsOne(TorchDispatchMode):
+    """Under FakeTensorMode: every read of a tensor's value on the host (``item``, ``float``,
+    ``bool``, ``tolist``) gives 1, so code that logs statistics or checks finiteness runs."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def fake_tensors():
+    with FakeTensorMode(allow_non_fake_inputs=True), HostReadsOne():
+        yield
+
+
+def fake_model(config: dict, cfg, case: str, ranks: int, stack: contextlib.ExitStack,
+               layers: int | None = None):
+    """The model of ``config`` (a config.json dict) as the job builds it, in eval mode: in
+    ``model.dtype``, with the job's fresh LoRA adapter
+    unless F-GRPO fine-tunes every weight, and for F-GRPO with activation checkpointing where
+    it resolves to on (and torch's fake process group of ``ranks`` entered in ``stack``).
+    Built on the meta device, then given fake storage under :func:`fake_tensors` (entered in
+    ``stack`` too). ``layers`` overrides
+    ``num_hidden_layers``."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from hpc.models.loading import DTYPES, attach_lora, enable_activation_checkpointing
+    from hpc.models.memory_plan import activation_checkpointing
+
+    training = case == "fgrpo"
+    if training and cfg.fgrpo.parallelism == "fsdp2":
+        raise ValueError("fgrpo.parallelism=fsdp2 is not measured here (shard_model runs a "
+                         "forward at sharding time, which meta weights cannot)")
+    shape = Qwen2Config(**dict(config, num_hidden_layers=layers or config["num_hidden_layers"]))
+    shape._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM._from_config(shape, dtype=DTYPES[cfg.model.dtype])
+        if not (training and cfg.fgrpo.full_finetune):
+            model = attach_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)
+    if training:
+        stack.enter_context(fake_process_group(ranks))
+        if activation_checkpointing(cfg, "fgrpo", ranks, "cuda"):
+            enable_activation_checkpointing(model)
+    stack.enter_context(fake_tensors())
+    return model.to_empty(device="cpu").eval()
+
+
+def _member_factors(model, k: int) -> dict:
+    """{module: (A (k, r, in), B (k, out, r))} of k members, the adapter's dtype."""
+    from hpc.models.engine import adapter_ranks
+
+    out = {}
+    for name in adapter_ranks(model):
+        module = model.get_submodule(name)
+        a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+        out[name] = (a.new_zeros((k,) + a.shape), b.new_zeros((k,) + b.shape))
+    return out
+
+
+def _decode_pass(model, cfg, rows: int, k: int, budget: int, sampled: bool) -> None:
+    """One pass as :func:`hpc.models.generation.run_requests` runs it: ``engine_for`` for
+    ``rows`` rows, at most the slots the model's full shape gets within ``budget`` bytes
+    (:func:`hpc.models.memory_plan.engine_slots`; kept on the model), members loaded, one prefill of
+    the rows admitted at once, one decode step over every slot at the full context, and (for
+    ``sampled`` phases) the keyed sampling of its tokens."""
+    from hpc.models.engine import PREFILL_TOKENS, engine_for
+    from hpc.models.memory_plan import engine_slots
+    from hpc.models.sampling import Sampling, pick_tokens
+
+    prompt, seq = _lengths(cfg)
+    # the slots the budget gives the model's full shape (not the fewer layers built here)
+    slots = engine_slots(_shape(cfg), cfg, rows, k, budget)
+    engine = engine_for(model, rows, seq, k, None, most=rows, budget_bytes=1 << 60,
+                        max_slots=slots)
+    with torch.inference_mode():
+        if k:
+            engine.set_members(_member_factors(model, k) if k > 1 else None)
+        n = max(1, min(engine.slots, PREFILL_TOKENS // prompt))
+        ids = torch.zeros((n, prompt), dtype=torch.int64)
+        admitted = torch.arange(n)
+        engine.prefill(ids, torch.full((n,), prompt), admitted, admitted % max(k, 1))
+        engine.positions[:] = seq - 1
+        logits = engine.step(engine.slots, engine.cache.max_len)
+        if sampled:
+            keys = torch.zeros(engine.slots, dtype=torch.int64)
+            pick_tokens(logits, Sampling(1.0, 1.0, 0), keys, keys, keys)
+
+
+def _lengths(cfg) -> tuple:
+    prompt = cfg.plan.max_prompt_tokens
+    return prompt, prompt + cfg.task.max_new_tokens
+
+
+def _shape(cfg):
+    from hpc.models.memory_plan import ModelShape
+
+    return ModelShape.from_folder(cfg.model.path)
+
+
+def essa_pass(model, cfg, ranks: int) -> None:
+    from hpc.models.memory_plan import engine_budget, essa_members_per_pass, weight_bytes
+
+    k = essa_members_per_pass(cfg, ranks)
+    budget = engine_budget(cfg, weight_bytes(_shape(cfg), cfg, quantized=True))
+    _decode_pass(model, cfg, min(cfg.eval.batch_size, cfg.essa.minibatch) * k, k, budget,
+                 sampled=False)
+
+
+def evaluation_pass(model, cfg, ranks: int) -> None:
+    from hpc.models.memory_plan import engine_budget, evaluation_rows, weight_bytes
+
+    budget = engine_budget(cfg, weight_bytes(_shape(cfg), cfg, quantized=True))
+    _decode_pass(model, cfg, evaluation_rows(cfg), 1, budget, sampled=True)
+
+
+class _NoModules:
+    """Stands in for MemTracker's ModTracker: no module hooks, no module statistics."""
+
+    parents: set = set()
+    is_bw = False
+
+    def register_user_hooks(self, *hooks):
+        pass
+
+    def clear_user_hooks(self):
+        pass
+
+    def get_known_fqn(self, module):
+        return ""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+class LiveBytesTracker(MemTracker):
+    """MemTracker of the whole process's live tensor bytes, without its per-module statistics:
+    the engine calls a model's modules many times and one by one (the module statistics refuse
+    a second call), and under inference mode their gradient hooks fail."""
+
+    def __init__(self):
+        super().__init__()
+        self._mod_tracker = _NoModules()
+
+
+class _OneRankWorld:
+    """The World that accumulate_gradients needs: ``size`` ranks with identical counts."""
+
+    def __init__(self, size: int):
+        self.size, self.rank, self.timeout_s = size, 0, 60.0
+
+    def allgather(self, value, tag=""):
+        return [value] * self.size
+
+    def arrive(self, *args, **kwargs):
+        pass
+
+    def count(self, *args, **kwargs):
+        pass
+
+
+@contextlib.contextmanager
+def fake_process_group(ranks: int):
+    """torch's fake process group of ``ranks`` (collectives return at once) for the duration."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if ranks == 1:
+        yield
+        return
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def fgrpo_step(model, cfg, ranks: int, tracker: LiveBytesTracker) -> None:
+    """One F-GRPO step on rank 0 of ``ranks`` (module docstring)."""
+    from fgrpo.gradients import accumulate_gradients
+    from fgrpo.rollout import Rollouts
+    from hpc.models.memory_plan import engine_budget, fgrpo_plan, fgrpo_rollout_rows
+    from hpc.models.parallelize import TrainedWeights, gathered
+
+    f = cfg.fgrpo
+    _, seq = _lengths(cfg)
+    params = [p for p in model.parameters() if p.requires_grad]
+    rows = 2 * f.micro_batch
+    ids = torch.zeros((rows, seq), dtype=torch.int64)
+    rollouts = Rollouts(ids, torch.ones_like(ids), torch.ones((rows, seq)),
+                        torch.zeros((max(1, rows // f.num_generations), f.num_generations)),
+                        torch.full((rows,), seq))
+    world = _OneRankWorld(ranks)
+    plan = fgrpo_plan(_shape(cfg), cfg, ranks, advise=False)
+    budget = engine_budget(cfg, sum(b for _, b in plan.phases[0].parts[:-2]))
+    tracker.track_external(model)
+    with tracker:
+        weights = TrainedWeights(params, f.learning_rate, f.weight_decay)
+        for p in params:  # the state of a step after the first: gradients, AdamW moments
+            p.grad = torch.zeros_like(p)
+        weights.reduce_gradients(world)
+        weights.step(f.max_grad_norm)
+        model.eval()
+        with gathered(model):  # a no-op without FSDP2: the trainer's rollout context
+            _decode_pass(model, cfg, fgrpo_rollout_rows(cfg, ranks),
+                         0 if f.full_finetune else 1, budget, sampled=True)
+        model.train()
+        weights.zero_grad()
+        accumulate_gradients(model, rollouts, torch.ones(rows), cfg, world,
+                             cfg.task.max_new_tokens)
+        weights.reduce_gradients(world)
+        weights.step(f.max_grad_norm)
+
+
+def model_config(cfg) -> dict:
+    with open(f"{cfg.model.path}/config.json") as fh:
+        return json.load(fh)
+
+
+def measure(case: str, cfg, ranks: int = 1, layers: int | None = None) -> int:
+    """Peak live bytes of ``case`` (:data:`CASES`) for the model of ``cfg.model.path`` under
+    job config ``cfg`` (with essa and fgrpo sections) on rank 0 of ``ranks``."""
+    if case not in CASES:
+        raise ValueError(f"case {case!r} is not one of {CASES}")
+    config = model_config(cfg)
+    with contextlib.ExitStack() as stack:
+        model = fake_model(config, cfg, case, ranks, stack, layers)
+        tracker = LiveBytesTracker()
+        if case == "fgrpo":
+            fgrpo_step(model, cfg, ranks, tracker)
+        else:  # ESSA loads its adapter frozen (is_trainable=False)
+            model.requires_grad_(False)
+            tracker.track_external(model)
+            with tracker:
+                if case in ("evaluation", "after_evaluation"):
+                    evaluation_pass(model, cfg, ranks)
+                if case in ("essa", "after_evaluation"):
+                    essa_pass(model, cfg, ranks)
+        return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+def peak_bytes(case: str, cfg, ranks: int = 1, layers_from: tuple = ()) -> int:
+    """:func:`measure` at the model's layer count; with ``layers_from`` (two small counts)
+    measured at those and extended linearly to it."""
+    if not layers_from:
+        return measure(case, cfg, ranks)
+    (l1, l2), target = layers_from, model_config(cfg)["num_hidden_layers"]
+    p1, p2 = (measure(case, cfg, ranks, n) for n in (l1, l2))
+    return p1 + (p2 - p1) * (target - l1) // (l2 - l1)
+
+
+def main(argv=None):
+    from hpc.models.memory_plan import plan_job_class
+    from hpc.runtime.config import load_config
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("items", nargs="*", metavar="CONFIG.yaml | section.key=value")
+    p.add_argument("--ranks", type=int, default=1)
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--layers-from", type=int, nargs=2, default=(2, 4), metavar=("L1", "L2"),
+                   help="measure at these layer counts and extend linearly (0 0: every layer)")
+    args = p.parse_args(argv)
+    cfg = load_config(plan_job_class(), next((i for i in args.items if "=" not in i), None),
+                      [i for i in args.items if "=" in i])
+    layers = tuple(args.layers_from) if all(args.layers_from) else ()
+    for case in args.cases.split(","):
+        print(f"{case:<18} {peak_bytes(case, cfg, args.ranks, layers) / GIB:8.2f} GiB")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Run alone or under mpirun: an ESSA job on the toy with its decoding engine watched.
+
+``engine_job.py OUT_PREFIX MODE [essa key=value ...]``; each rank writes
+``OUT_PREFIX.<rank>.json``:
+
+* ``memory``: the start evaluation, then the first generation, as :func:`run_loop` runs them;
+  after each, the engine's slots, max_len, k, KV-cache bytes and :func:`engine_memory`.
+* ``perturb-<R>``: the whole job with every engine's decode steps "replayed" by
+  :class:`CheckedStep` on any device (so the self-check runs on CPU), rank R's replay perturbed;
+  at the end, this rank's :func:`graph_check_failure` and whether its engine still replays.
+"""
+import json
+import sys
+
+from essa.config import ESSAJobConfig
+from essa.trainer import ESSA
+from hpc.models.engine import GraphedDecode, graph_check_failure
+from hpc.models.generation import replaying_with
+from hpc.runtime.job import finish, start_job
+from hpc.runtime.loop import run_loop
+from hpc.runtime.runstore import RunStore
+from hpc.runtime.timing import PhaseTimer
+
+
+class CheckedStep(GraphedDecode):
+    """A "captured" decode step that is the eager step, its logits plus ``offset`` (0: an exact
+    capture, which the self-check passes; 1: a broken one, which it catches)."""
+
+    offset = 0.0
+
+    def capture(self, rows: int, ctx: int):
+        engine = self.engine
+
+        def replay():
+            engine.decode_step(rows, ctx)
+            engine.logits[:rows] += self.offset
+
+        return replay
+
+
+class PerturbedStep(CheckedStep):
+    offset = 1.0
+
+
+def engine_state(model) -> dict:
+    engine = model.__dict__["_decode_engine"]
+    return {"slots": engine.slots, "max_len": engine.cache.max_len, "k": engine.k,
+            "kv_bytes": engine.cache.nbytes, "memory": engine.memory(),
+            "replays": engine.graphs is not None}
+
+
+def main():
+    prefix, mode, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+    job = start_job(ESSAJobConfig, "essa", "essa", argv)
+    method = ESSA(job)
+    report = {}
+    if mode == "memory":
+        method.store = RunStore(f"{job.out_dir}/essa.h5", job.world.is_root, {})
+        method.timer = PhaseTimer(list(method.phases))
+        method.evaluate(sampled=True)
+        report["after_start_eval"] = engine_state(method.model)
+        method.step(0)
+        report["after_generation"] = engine_state(method.model)
+        method.store.close()
+    else:
+        bad_rank = int(mode.split("-")[1])
+        with replaying_with(PerturbedStep if job.world.rank == bad_rank else CheckedStep):
+            summary = run_loop(job, method)
+        finish(job, summary, "sft start", "essa mean")
+        report.update(failure=graph_check_failure(), end=engine_state(method.model))
+    with open(f"{prefix}.{job.world.rank}.json", "w") as fh:
+        json.dump(report, fh)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""fgrpo.parallelism=fsdp2 against ddp under the real mpirun (gloo, fp32 toy), fp32 master
+weights under bf16 compute, the full fine-tune's export, per-rank checkpoint shards."""
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import our_lines, run_mpi
+from hpc.models.loading import tiny_model
+from hpc.models.parallelize import TrainedWeights
+from hpc.runtime.checkpoint import list_checkpoints, load_latest
+from hpc.runtime.runstore import RunFile
+from hpc.runtime.world import World
+
+STEPS = 2
+
+
+def fgrpo_args(out, *extra):
+    return ["-m", "fgrpo", "model.path=toy", "task.n_train=64", "task.n_eval=12",
+            "fgrpo.batch_prompts=6", "fgrpo.num_generations=4", f"fgrpo.steps={STEPS}",
+            "fgrpo.num_iterations=2",
+            "fgrpo.micro_batch=8", "eval.every=0", "eval.n_samples=1", "run.progress=false",
+            "run.checkpoint_every=1", f"fgrpo.keep_checkpoints={STEPS}", f"run.out={out}",
+            *extra]
+
+
+def checkpoint_at(directory, step, tmp_path):
+    """The checkpoint of ``step`` in ``directory`` (through the public loader)."""
+    one = tmp_path / f"one-{abs(hash(str(directory)))}-{step}"
+    one.mkdir(exist_ok=True)
+    for path in list_checkpoints(str(directory)):
+        if path.endswith(f"step-{step:08d}.safetensors"):
+            shutil.copy(path, one)
+            shutil.copy(path[:-len(".safetensors")] + ".sha256", one)
+    return load_latest(str(one))
+
+
+def masters_at(out, step, ranks, tmp_path):
+    """The trained fp32 tensors after ``step``: DDP's from the checkpoint, FSDP2's rank
+    shards (dim-0 chunks) concatenated."""
+    state = checkpoint_at(out / "checkpoints", step, tmp_path)
+    if not state["shard_ranks"]:
+        return state["method"]["params"]
+    shards = [checkpoint_at(out / "checkpoints" / f"rank-{r:05d}", step, tmp_path)["state"]
+              for r in range(ranks)]
+    return [torch.cat(parts) for parts in zip(*(s["params"] for s in shards))]
+
+
+def relative(a, b):
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_fsdp2_equals_ddp_step_by_step(tmp_path, ranks, mode):
+    extra = ["fgrpo.full_finetune=true", "fgrpo.learning_rate=1e-4"] if mode == "full" else []
+    outs = {}
+    for parallelism in ("ddp", "fsdp2"):
+        outs[parallelism] = out = tmp_path / parallelism
+        proc = run_mpi(ranks, fgrpo_args(out, f"fgrpo.parallelism={parallelism}", *extra),
+                       timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    ddp, fsdp = (RunFile(str(outs[p] / "fgrpo.h5")).group("metrics") for p in ("ddp", "fsdp2"))
+    assert ddp["step"].tolist() == list(range(1, STEPS + 1))
+    assert (np.abs(ddp["loss"]) > 1e-6).all()  # a second pass over the rollouts: ratio != 1
+    for key in ("loss", "entropy", "reward_mean", "ratio_mean", "completion_length"):
+        np.testing.assert_allclose(fsdp[key], ddp[key], rtol=1e-5, atol=1e-9, err_msg=key)
+    previous = None
+    for step in range(1, STEPS + 1):
+        a = masters_at(outs["ddp"], step, ranks, tmp_path)
+        b = masters_at(outs["fsdp2"], step, ranks, tmp_path)
+        assert len(a) == len(b) and all(x.shape == y.shape for x, y in zip(a, b))
+        assert max(relative(y, x) for x, y in zip(a, b)) < 1e-5, step
+        if previous is not None:  # the weights moved between the compared steps
+            assert any(not torch.equal(x, p) for x, p in zip(a, previous))
+        previous = a
+
+
+def test_full_finetune_export_loads_in_transformers_and_reproduces_accuracy(tmp_path):
+    """An FSDP2 full fine-tune's export is a save_pretrained folder: plain transformers loads
+    it, and hpc-eval on it logs the run's final accuracy."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    proc = run_mpi(2, fgrpo_args(out, "fgrpo.parallelism=fsdp2", "fgrpo.full_finetune=true",
+                                 "fgrpo.learning_rate=1e-3"), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    folder = out / "model"
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(folder))
+    model = AutoModelForCausalLM.from_pretrained(str(folder))
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    logged = RunFile(str(out / "fgrpo.h5")).group("eval")
+    proc = run_mpi(2, ["-m", "hpc.evaluate", f"model.path={folder}", "task.n_train=64",
+                       "task.n_eval=12", "eval.n_samples=1", "run.progress=false",
+                       f"run.out={tmp_path / 'eval'}"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    evaluated = RunFile(str(tmp_path / "eval" / "eval.h5")).group("eval")
+    assert evaluated["accuracy"][-1] == logged["accuracy"][-1]
+
+
+def assert_one_line(stderr, words):
+    """The job said why in one line (once, from rank 0), with no traceback."""
+    lines = our_lines(stderr)
+    assert sum(words in line for line in lines) == 1, lines
+    assert not any("Traceback" in line for line in lines), lines
+
+
+def test_resume_on_another_rank_count_is_refused(tmp_path):
+    out = tmp_path / "run"
+    proc = run_mpi(2, fgrpo_args(out, "fgrpo.parallelism=fsdp2", "fgrpo.steps=1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_mpi(3, fgrpo_args(out, "fgrpo.parallelism=fsdp2", "fgrpo.steps=2") +
+                   ["--resume"])
+    assert proc.returncode == 2
+    assert_one_line(proc.stderr, "sharded over 2 ranks")
+
+
+def test_uneven_prompts_over_ranks_exit_2(tmp_path):
+    proc = run_mpi(2, fgrpo_args(tmp_path / "run", "fgrpo.parallelism=fsdp2",
+                                 "fgrpo.batch_prompts=5"))
+    assert proc.returncode == 2
+    assert_one_line(proc.stderr, "'fgrpo.batch_prompts'")
+
+
+def _bf16_full_finetune(masters: bool, steps: int = 120, lr: float = 1e-6):
+    """A bf16 full fine-tune of a tiny model at ``lr`` on one fixed batch, with fp32 masters
+    (:class:`TrainedWeights`) or, as before, AdamW directly on the bf16 weights. Returns
+    (per step: bf16 weights changed, per step: fraction of fp32 masters that moved, mean
+    |total change| of the bf16 weights / (steps * lr))."""
+    model, _ = tiny_model(hidden=32, layers=2, seed=0)
+    model = model.to(torch.bfloat16).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    start = [p.detach().float().clone() for p in params]
+    n = sum(p.numel() for p in params)
+    one_rank = World(comm=None, rank=0, size=1, local_rank=0, local_size=1, hostname="here")
+    weights = TrainedWeights(params, lr, 0.0) if masters else None
+    opt = None if masters else torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    ids = torch.randint(3, 40, (4, 12), generator=torch.Generator().manual_seed(0))
+    changed, master_moved = [], []
+    for _ in range(steps):
+        before = [p.detach().clone() for p in params]
+        master_before = [m.detach().clone() for m in weights.masters] if masters else []
+        weights.zero_grad() if masters else opt.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        if masters:
+            weights.reduce_gradients(one_rank)
+            assert weights.step(max_grad_norm=0.0)
+        else:
+            opt.step()
+        changed.append(sum(int((p != b).sum()) for p, b in zip(params, before)))
+        master_moved.append(sum(int((m != b).sum()) for m, b in
+                                zip(weights.masters, master_before)) / n if masters else 0.0)
+    total = sum(float((p.detach().float() - s).abs().sum()) for p, s in zip(params, start))
+    return changed, master_moved, total / n / (steps * lr)
+
+
+def test_bf16_full_finetune_at_lr_1e6_moves_its_weights():
+    """At lr 1e-6 an AdamW step (about lr per weight) is far below half a bf16 ulp at the
+    weights' scale (~6e-5 at 0.02). With fp32 masters every master moves every step, the bf16
+    weights change every step, and over 120 steps they travel about what AdamW asked (their
+    mean |change| near 120 * lr). The old path (AdamW on the bf16 weights) fails the same
+    check: only the few near-zero weights ever move."""
+    changed, master_moved, travelled = _bf16_full_finetune(masters=True)
+    assert all(c > 0 for c in changed)
+    assert all(f > 0.9 for f in master_moved)
+    assert travelled > 0.5
+    _, _, old_travelled = _bf16_full_finetune(masters=False)
+    assert old_travelled < 0.1
+
+
+def test_bf16_lora_with_reference_kl_runs(tmp_path):
+    """bf16 compute over fp32 shards, LoRA, a KL term (whose reference pass freezes the LoRA
+    factors for a moment through peft's disable_adapter): the gradients come back in fp32."""
+    out = tmp_path / "run"
+    proc = run_mpi(2, fgrpo_args(out, "fgrpo.parallelism=fsdp2", "model.dtype=bfloat16",
+                                 "fgrpo.beta=0.1", "fgrpo.steps=2", "fgrpo.num_iterations=1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = RunFile(str(out / "fgrpo.h5")).group("metrics")
+    assert metrics["step"].tolist() == [1, 2] and metrics["kl"][-1] > 0
