@@ -76,6 +76,9 @@ def shard_model(model, compute_dtype: str):
     with torch.no_grad():
         model(input_ids=torch.zeros((1, 1), dtype=torch.long,
                                     device=next(model.parameters()).device))
+    # The root stays gathered after a forward; reshard it, so that model.parameters() are the
+    # shards (the masters the optimizer steps), not the gathered copies.
+    _hf_model(model).reshard()
     return model
 
 

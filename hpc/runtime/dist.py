@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 import socket
 
@@ -82,3 +83,6 @@ def all_reduce_mean_(tensors: list[torch.Tensor], world: World, tag: str = "allr
 def destroy_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    # FSDP2's modules and device mesh keep the group alive through reference cycles; free them
+    # now, so its gloo worker threads are joined while the interpreter can still serve them.
+    gc.collect()
