@@ -37,6 +37,7 @@ from hpc.models.loading import attach_lora, load_model, randomize_lora_b
 from hpc.models.quantize import quantize_base
 from hpc.runtime.config import TaskConfig
 from hpc.runtime.timing import PhaseTimer
+from hpc.toys.builtin import model_folder
 
 # model: (task, prompt format, new tokens), as configs/demo and configs/demo-chat
 TASKS = {"toy": ("arith", "plain", 8), "toy-chat": ("wordprob", "chat", 144)}
@@ -67,9 +68,10 @@ def fitness(model, tok, space, members, task, n: int, max_new: int, k: int) -> n
 def compare(name: str, n_eval: int, minibatch: int, args) -> None:
     """Print the two comparisons (module docstring) for built-in model ``name``."""
     task_name, prompt_format, max_new = TASKS[name]
+    folder = model_folder(name)
     task = load_task(TaskConfig(name=task_name, prompt_format=prompt_format, n_train=minibatch,
-                                n_eval=n_eval, max_new_tokens=max_new), name)
-    model, tok = load_model(name, "float32", "cpu")
+                                n_eval=n_eval, max_new_tokens=max_new), folder)
+    model, tok = load_model(folder, "float32", "cpu")
     quantised = quantize_base(copy.deepcopy(model), "int8")
     start = time.perf_counter()
     ids, acc = greedy(model, tok, task, task.eval, max_new)

@@ -22,6 +22,7 @@ from hpc.models.sampling import Sampling
 from hpc.runtime.config import ModelConfig
 from hpc.runtime.errors import UserError
 from hpc.runtime.runstore import RunFile
+from hpc.toys.toy import toy_model_path
 from mpi.engine_check import adapted_toy, mixed_prompts, toy_members
 from mpi.engine_job import CheckedStep, PerturbedStep
 
@@ -46,7 +47,7 @@ def default_settings():
 
 @pytest.fixture(scope="module")
 def toy():
-    return load_model("toy")
+    return load_model(toy_model_path())
 
 
 @pytest.fixture(scope="module")

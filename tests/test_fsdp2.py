@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import our_lines, run_mpi
-from hpc.models.loading import tiny_model
+from hpc.toys.toy import tiny_model
 from hpc.models.parallelize import TrainedWeights
 from hpc.runtime.checkpoint import list_checkpoints, load_latest
 from hpc.runtime.runstore import RunFile

@@ -19,6 +19,7 @@ from hpc.models.quantize import (attach_generation_copy, base_linears, check_qua
 from hpc.runtime.config import load_config
 from hpc.runtime.errors import UserError
 from hpc.runtime.runstore import RunFile
+from hpc.toys.toy import toy_model_path
 
 pytest.importorskip("torchao")  # the extra 'quant'; `make test` installs it
 
@@ -31,7 +32,7 @@ def test_int8_greedy_completions_of_the_toy_stay_close():
     """Measured on 256 held-out arith problems (benchmarks/quantization.py, 2026-12-01): 99.6%
     of the greedy completions identical, accuracy equal. Asserted on 128: >= 95% identical and
     accuracy within 3 points."""
-    model, tok = load_model("toy")
+    model, tok = load_model(toy_model_path())
     quantised = quantize_base(copy.deepcopy(model), "int8")
     linears = base_linears(quantised)
     assert len(linears) == 7 * model.config.num_hidden_layers
@@ -56,7 +57,7 @@ def test_int8_greedy_completions_of_the_toy_stay_close():
 def test_generation_copy_leaves_the_training_weights_alone():
     """F-GRPO/SFT: the training forward runs on the unquantised weights, generation on the
     quantised copy, which decodes as the in-place quantised model does; LoRA stays on top."""
-    model, tok = load_model("toy")
+    model, tok = load_model(toy_model_path())
     peft = attach_lora(model, 4, 8.0, ["q_proj", "v_proj"])
     randomize_lora_b(peft, 0.05, torch.Generator().manual_seed(0))
     reference = quantize_base(copy.deepcopy(peft), "int8")

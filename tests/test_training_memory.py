@@ -14,7 +14,7 @@ from conftest import REPO, run_mpi
 from hpc.models.loading import attach_lora, enable_activation_checkpointing, randomize_lora_b
 from hpc.models.logprobs import masked_mean, sequence_logprobs
 from hpc.models.memory_plan import activation_checkpointing, plan_job_class
-from hpc.models.toy import qwen2_config
+from hpc.toys.toy import qwen2_config
 from hpc.runtime.config import load_config
 from hpc.runtime.runstore import RunFile
 from hpc.sft import completion_loss

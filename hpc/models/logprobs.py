@@ -7,7 +7,8 @@ Two paths, chosen by ``model.logprob_chunk`` (``chunk`` below):
   model dtype; :func:`token_logprobs` upcasts them to fp32 and autograd keeps that fp32 copy
   for the backward (logsumexp saves its input), so the micro-batch holds
   B*T*V*(e + 4) bytes of logits at the peak, e = bytes per value of the model dtype.
-* ``chunk > 0``: the decoder runs to its last hidden states (B, T, h) and the LM head is applied
+* ``chunk > 0``: the model's forward runs with no logits (``logits_to_keep`` empty), its
+  decoder's last hidden states (B, T, h) are taken, and the LM head is applied
   to ``chunk`` positions at a time (batch and time flattened) under non-reentrant
   :func:`torch.utils.checkpoint.checkpoint`: each chunk's logits are freed as soon as its
   log-probs and entropies are taken and recomputed in the backward. What is alive for the head
@@ -93,7 +94,23 @@ def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, chunk: i
     if chunk == 0:
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
         return token_logprobs(logits, tokens), token_entropy(logits) if with_entropy else None
-    decoder, head = decoder_and_head(model)
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask,
-                     use_cache=False).last_hidden_state[:, :-1]
-    return chunked_logprobs(head, hidden, tokens, chunk, with_entropy)
+    hidden = last_hidden_states(model, input_ids, attention_mask)[:, :-1]
+    return chunked_logprobs(decoder_and_head(model)[1], hidden, tokens, chunk, with_entropy)
+
+
+def last_hidden_states(model, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """The decoder's last hidden states (B, T, h) (after the final norm), from the model's OWN
+    forward asked for no logits (``logits_to_keep`` = no position): the call goes through the
+    outermost module, so FSDP2's root unit (embeddings, final norm, LM head) is gathered for it
+    and kept gathered until the backward, as for the reference path; the head is then applied
+    in chunks by :func:`chunked_logprobs`."""
+    decoder = decoder_and_head(model)[0]
+    captured = []
+    hook = decoder.register_forward_hook(
+        lambda _module, _args, out: captured.append(out.last_hidden_state))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+              logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device))
+    finally:
+        hook.remove()
+    return captured[0]
