@@ -65,20 +65,14 @@ from essa.batched import members_on_device  # common.py: repo on sys.path
 from essa.member_lora import MemberLora
 from hpc.models.adapter_space import SingularValueSpace
 from hpc.models.loading import attach_lora
+from hpc.models.memory_plan import QWEN25
 from hpc.models.quantize import quantize_base
 
 # Qwen2.5 shapes (config.json of the released models) and a tiny one for CPU runs.
-SHAPES = {
-    "qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
-                         tie_word_embeddings=True),
-    "qwen2.5-7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
-                       tie_word_embeddings=False),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, intermediate_size=128, vocab_size=512,
-                 tie_word_embeddings=True),
-}
+SHAPES = {**{f"qwen2.5-{size.lower()}": QWEN25[size] for size in ("1.5B", "7B")},
+          "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, intermediate_size=128, vocab_size=512,
+                       tie_word_embeddings=True)}
 LENGTHS = {"tiny": (16, 16)}  # (prompt tokens, new tokens); real shapes: 64, 64
 LORA_RANK, LORA_ALPHA, SEED = 8, 16.0, 0
 VARIANTS = ("lora_fused", "lora_exact", "base")

@@ -25,24 +25,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from common import machine  # also puts the repository on sys.path
+
 from hpc.models.loading import enable_activation_checkpointing
 from hpc.models.logprobs import sequence_logprobs
+from hpc.models.memory_plan import QWEN25
 
 GIB = 2 ** 30
-SHAPES = {  # config.json figures of Qwen2.5 (tiny: the smoke test's)
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, intermediate_size=128, vocab_size=4096,
-                 tie_word_embeddings=True),
-    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
-                 tie_word_embeddings=True),
-    "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
-               tie_word_embeddings=False),
-    "32b": dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=40,
-                num_key_value_heads=8, intermediate_size=27648, vocab_size=152064,
-                tie_word_embeddings=False),
-}
+SHAPES = {"tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,  # smoke test
+                      num_key_value_heads=2, intermediate_size=128, vocab_size=4096,
+                      tie_word_embeddings=True),
+          **{size.lower(): shape for size, shape in QWEN25.items()}}
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -103,6 +96,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     variants = [("off", 0), ("on", 0), ("off", args.chunk), ("on", args.chunk)]
+    print(f"machine: {machine()}")
     print(f"one micro-batch of {args.micro_batch} x {args.tokens} tokens, bf16, gradient "
           f"through every layer: peak GiB of activations + logits")
     print(f"{'model':<6} " + "  ".join(f"ckpt {c:<3} chunk {k:<5}" for c, k in variants))

@@ -8,25 +8,13 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from conftest import REPO, our_lines, run_cli
-from hpc.models.memory_plan import (DTYPE_BYTES, GIB, ModelShape,
+from hpc.models.memory_plan import (DTYPE_BYTES, GIB, QWEN25, ModelShape,
                                     check_job_memory, essa_members_that_fit, essa_plan,
                                     essa_scoring_phase, fgrpo_plan, main, plan_job_class,
                                     weight_bytes)
 from hpc.runtime.config import load_config
 from hpc.runtime.errors import UserError
 
-# config.json of Qwen2.5 (the -Instruct and -Math variants have the same shapes)
-QWEN25 = {
-    "1.5B": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
-                 tie_word_embeddings=True),
-    "7B": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
-               tie_word_embeddings=False),
-    "32B": dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=40,
-                num_key_value_heads=8, intermediate_size=27648, vocab_size=152064,
-                tie_word_embeddings=False),
-}
 PARAMETERS = {"1.5B": 1_543_714_304, "7B": 7_615_616_512, "32B": 32_763_876_352}
 CLUSTER = f"{REPO}/configs/cluster/math.yaml"
 

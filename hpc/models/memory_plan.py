@@ -69,6 +69,19 @@ from hpc.runtime.config import JobConfig, load_config
 from hpc.runtime.errors import UserError, user_errors_exit
 
 GIB = 2 ** 30
+# config.json of the released Qwen2.5 models (the -Instruct and -Math variants have the same
+# shapes): the sizes the papers run, for benchmarks, the GPU check and the plan's tests.
+QWEN25 = {
+    "1.5B": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
+                 tie_word_embeddings=True),
+    "7B": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
+               tie_word_embeddings=False),
+    "32B": dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=40,
+                num_key_value_heads=8, intermediate_size=27648, vocab_size=152064,
+                tie_word_embeddings=False),
+}
 USABLE_SHARE = 0.9
 ESSA_MEMBER_SHARE = 0.5  # essa.batched.MEMORY_SHARE: the share of free memory k may fill
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
