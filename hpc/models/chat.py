@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer
 
-from hpc.models.loading import check_model_folder
+from hpc.models.loading import check_model_folder, model_folder
 from hpc.runtime.errors import UserError
 
 _PROBE = "hpc-end-of-turn-probe"
@@ -44,10 +44,11 @@ def stop_token_ids(tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def chat_tokenizer(folder: str, fmt_name: str):
-    """The tokenizer of the model folder ``folder``, which must have a chat template: UserError
-    naming the folder and ``task.prompt_format`` otherwise. Reads only tokenizer files (no
-    weights)."""
+def chat_tokenizer(path: str, fmt_name: str):
+    """The tokenizer of the model folder (or built-in model) ``path``, which must have a chat
+    template: UserError naming the folder and ``task.prompt_format`` otherwise. Reads only
+    tokenizer files (no weights)."""
+    folder = model_folder(path)
     check_model_folder(folder)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)

@@ -62,9 +62,21 @@ def check_model_folder(path: str) -> None:
         (f"tokenizer files ({', '.join(TOKENIZER_FILES)})", TOKENIZER_FILES)])
 
 
+BUILT_IN_MODELS: dict = {}
+"""``model.path`` names of built-in models -> a function returning that model's folder (built and
+cached on first use). :mod:`hpc.toys.builtin` fills it ('toy', 'toy-chat') when the job start or
+a tool imports it; this layer never imports the toys, which stand above it."""
+
+
+def model_folder(path: str) -> str:
+    """The folder for ``model.path``: a built-in model's cached folder (built if absent;
+    UserError if its cached build is not the intended one), else ``path`` as it is."""
+    return BUILT_IN_MODELS[path]() if path in BUILT_IN_MODELS else path
+
+
 def load_model(path: str, dtype: str = "float32", device="cpu"):
-    """Load ``(model, tokenizer)`` from a local Hugging Face folder (the job start turns
-    ``model.path`` 'toy' / 'toy-chat' into their folders: :mod:`hpc.toys.builtin`).
+    """Load ``(model, tokenizer)`` from a local Hugging Face folder or a built-in model's name
+    (:func:`model_folder`).
 
     ``dtype`` is ``float32``, ``bfloat16`` or ``float16``; ``device`` a torch device or
     ``'auto'`` (CUDA if present). The model is in eval mode. The tokenizer always has a pad
@@ -72,6 +84,7 @@ def load_model(path: str, dtype: str = "float32", device="cpu"):
     """
     if dtype not in DTYPES:
         raise UserError(f"model dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    path = model_folder(path)
     check_model_folder(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -61,12 +61,22 @@ import math
 import os
 from dataclasses import dataclass
 
-from hpc.models.engine import (ENGINE_MEMORY_SHARE, MAX_LEN_STEP, bucket, engine_memory,
-                               slots_within)
-from hpc.models.quantize import bytes_per_parameter
 from hpc.runtime.cli import EXIT_CODES_HELP
 from hpc.runtime.config import JobConfig, load_config
 from hpc.runtime.errors import UserError, user_errors_exit
+
+def _engine():
+    """:mod:`hpc.models.engine` (its memory formula is the plan's), imported on first use:
+    it imports torch, which ``hpc-plan --help`` and the jobs' ``--help`` do without."""
+    from hpc.models import engine
+    return engine
+
+
+def bytes_per_parameter(quantize: str, in_features: int, elem: int) -> float:
+    """:func:`hpc.models.quantize.bytes_per_parameter`, imported on first use (torch)."""
+    from hpc.models.quantize import bytes_per_parameter as per_parameter
+    return per_parameter(quantize, in_features, elem)
+
 
 GIB = 2 ** 30
 # config.json of the released Qwen2.5 models (the -Instruct and -Math variants have the same
@@ -226,7 +236,7 @@ def dequantized_linear_bytes(shape: ModelShape, cfg) -> int:
 
 
 def _max_len(cfg) -> int:
-    return -(-_seq(cfg) // MAX_LEN_STEP) * MAX_LEN_STEP
+    return -(-_seq(cfg) // _engine().MAX_LEN_STEP) * _engine().MAX_LEN_STEP
 
 
 def engine_budget(cfg, resident: int) -> int:
@@ -236,16 +246,16 @@ def engine_budget(cfg, resident: int) -> int:
     if cfg.model.engine_memory_gib > 0:
         return int(cfg.model.engine_memory_gib * GIB)
     free = max(0, cfg.plan.gpu_memory_gib * GIB - resident)
-    return int(ENGINE_MEMORY_SHARE * free) // GIB * GIB
+    return int(_engine().ENGINE_MEMORY_SHARE * free) // GIB * GIB
 
 
 def engine_slots(shape: ModelShape, cfg, rows: int, k: int, budget: int) -> int:
     """Slots of a phase that asks for ``rows`` rows (hpc.models.generation.run_requests): the
     rows bucketed, capped by ``model.engine_slots`` and by what fits ``budget``."""
     n_lora = shape.lora_parameters(cfg.lora.rank, cfg.lora.targets) if k else 0
-    within = slots_within(budget, shape, _max_len(cfg), k, _bytes(cfg), n_lora,
+    within = _engine().slots_within(budget, shape, _max_len(cfg), k, _bytes(cfg), n_lora,
                           LORA_BYTES_PER_PARAM)
-    return min(bucket(rows, 1 << 30), cfg.model.engine_slots or 1 << 30, within)
+    return min(_engine().bucket(rows, 1 << 30), cfg.model.engine_slots or 1 << 30, within)
 
 
 def engine_parts(shape: ModelShape, cfg, what: str, rows: int, k: int, budget: int) -> list:
@@ -253,7 +263,7 @@ def engine_parts(shape: ModelShape, cfg, what: str, rows: int, k: int, budget: i
     it, and its step's transient peak (with a dequantised linear under model.quantize)."""
     slots = engine_slots(shape, cfg, rows, k, budget)
     n_lora = shape.lora_parameters(cfg.lora.rank, cfg.lora.targets) if k else 0
-    parts = engine_memory(shape, max(1, slots), _max_len(cfg), k, _bytes(cfg), n_lora,
+    parts = _engine().engine_memory(shape, max(1, slots), _max_len(cfg), k, _bytes(cfg), n_lora,
                           LORA_BYTES_PER_PARAM, prompt_tokens=cfg.plan.max_prompt_tokens)
     if slots < 1:
         label = (f"engine: {what}: NO ROW FITS its budget of {gib(budget)} "
@@ -385,8 +395,8 @@ def essa_plan(shape: ModelShape, cfg, ranks: int, advise: bool = True) -> Method
               evaluation_phase(shape, cfg, resident, 1, budget)]
     fit = essa_members_that_fit(shape, cfg, ranks)
     notes = [f"engine budget {gib(budget)} (model.engine_memory_gib="
-             f"{cfg.model.engine_memory_gib:g}: 0 = {ENGINE_MEMORY_SHARE:.0%} of the memory "
-             f"the weights leave, whole GiB)",
+             f"{cfg.model.engine_memory_gib:g}: 0 = {_engine().ENGINE_MEMORY_SHARE:.0%} of the "
+             f"memory the weights leave, whole GiB)",
              f"members per pass that fit in one wave: {fit} of this rank's "
              f"{math.ceil(cfg.essa.population / ranks)} (essa.members_per_pass="
              f"{cfg.essa.members_per_pass})"]

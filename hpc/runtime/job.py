@@ -32,7 +32,7 @@ from hpc.runtime.preempt import EXIT_PREEMPTED, any_rank_signalled, startup_dela
 from hpc.runtime.results import format_table
 from hpc.runtime.runstore import RunStore, environment_attrs, readable
 from hpc.runtime.world import World, get_world, select_device
-from hpc.toys.builtin import model_folder
+from hpc.toys.builtin import check_cached  # also registers model.path 'toy', 'toy-chat'
 
 
 class PeerFailed(SystemExit):
@@ -215,7 +215,7 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
     cfg.validate_world(world)
     device = on_all_ranks(world, lambda: select_device(world, cfg.model.device))
     on_all_ranks(world, lambda: check_quantize(cfg.model.quantize, cfg.model.dtype, device))
-    cfg.model.path = on_all_ranks(world, lambda: model_folder(cfg.model.path))  # 'toy': folder
+    on_all_ranks(world, lambda: check_cached(cfg.model.path))
     on_all_ranks(world, lambda: check_job_memory(cfg, method, world.size, device.type))
     job_id = _job_id(world)
     out_dir = run_folder(cfg.run.out, method, job_id)

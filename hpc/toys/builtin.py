@@ -1,14 +1,23 @@
-"""``model.path`` names for the built-in models: 'toy' and 'toy-chat' become their cached
-folders (built on first use); any other path is a model folder and stays as it is."""
+"""The built-in models as ``model.path`` names: 'toy' and 'toy-chat' become their cached folders
+(built on first use), through :data:`hpc.models.loading.BUILT_IN_MODELS`, which importing this
+module fills. The job start (:mod:`hpc.runtime.job`) and the tools that take ``model.path``
+import it; hpc.models and hpc.data never import the toys (they stand above both)."""
 from __future__ import annotations
 
-from hpc.toys.toy import toy_model_path
-from hpc.toys.toy_chat import toy_chat_model_path
+import os
 
-BUILT_IN = {"toy": toy_model_path, "toy-chat": toy_chat_model_path}
+from hpc.models.loading import BUILT_IN_MODELS, model_folder
+from hpc.toys import toy, toy_chat
+
+BUILT_IN_MODELS.update({"toy": toy.toy_model_path, "toy-chat": toy_chat.toy_chat_model_path})
+CACHES = {"toy": toy.cache_dir, "toy-chat": toy_chat.cache_dir}
+
+__all__ = ["check_cached", "model_folder"]
 
 
-def model_folder(path: str) -> str:
-    """The folder for ``model.path``: a built-in model's cached folder (built if absent;
-    UserError if the cached build is not the intended one), else ``path`` itself."""
-    return BUILT_IN[path]() if path in BUILT_IN else path
+def check_cached(path: str) -> None:
+    """At job start, before the run folder is claimed: a built-in model whose cache exists but
+    is not the intended build is one line now (UserError); an absent one is built when the
+    model first loads, after the job's input is checked."""
+    if path in CACHES and os.path.isdir(CACHES[path]()):
+        model_folder(path)
