@@ -47,6 +47,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from common import machine  # also puts the repository on sys.path
+
 GIB = 2 ** 30
 CASES = ("essa", "evaluation", "after_evaluation", "fgrpo")
 
@@ -315,10 +317,11 @@ def main(argv=None):
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--layers-from", type=int, nargs=2, default=(2, 4), metavar=("L1", "L2"),
                    help="measure at these layer counts and extend linearly (0 0: every layer)")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # keys may follow the options
     cfg = load_config(plan_job_class(), next((i for i in args.items if "=" not in i), None),
                       [i for i in args.items if "=" in i])
     layers = tuple(args.layers_from) if all(args.layers_from) else ()
+    print(f"machine: {machine()}")
     for case in args.cases.split(","):
         print(f"{case:<18} {peak_bytes(case, cfg, args.ranks, layers) / GIB:8.2f} GiB")
 

@@ -40,6 +40,12 @@ SMOKE = {
     "gpu_check.py": (["--model", "tiny", "--device", "cpu", "--ks", "1", "2", "--prompts", "2",
                       "--minutes", "5", "--int8", "--rows", "4", "8", "--engine-ks", "1", "2"],
                      False, ["F-GRPO step (256 rows)", "int8/dtype", "wrote "]),
+    "memory_tracker.py": (["--cases", "essa,after_evaluation,fgrpo", "--layers-from", "1", "2",
+                           "eval.batch_size=2", "eval.n_samples=2", "essa.population=4",
+                           "plan.max_prompt_tokens=8", "task.max_new_tokens=8",
+                           "fgrpo.batch_prompts=2", "fgrpo.num_generations=2",
+                           "fgrpo.micro_batch=2"], False,
+                          ["essa ", "after_evaluation ", "fgrpo "]),
     "quantization.py": (["--models", "toy", "--n-eval", "8", "--minibatch", "4",
                          "--population", "4", "--members-per-pass", "2"], False,
                         ["toy (arith", "identical completions", "Spearman"]),
@@ -76,6 +82,12 @@ def test_benchmark_runs_at_smoke_size(script, tmp_path):
         require(mpirun_path() is not None, "mpirun")
     if script == "gpu_check.py":
         args = [str(tmp_path)] + args
+    if script == "memory_tracker.py":  # a tiny Qwen2 shape: config.json alone, no weights
+        (tmp_path / "config.json").write_text(json.dumps(dict(
+            model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=512, tie_word_embeddings=True)))
+        args = [f"model.path={tmp_path}"] + args
     code, out, err = run_script([os.path.join(BENCHMARKS, script)] + args)
     assert code == 0, err[-3000:]
     assert out.startswith("machine: "), out[:500]

@@ -675,7 +675,7 @@ def main(argv=None):
     parser.add_argument("items", nargs="*", metavar="CONFIG.yaml | section.key=value")
     parser.add_argument("--ranks", type=int, default=1,
                         help="ranks of the job (ESSA members and F-GRPO prompts per rank)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # keys may follow --ranks
     if args.ranks < 1:
         raise UserError(f"--ranks must be >= 1, got {args.ranks}")
     config_path = next((i for i in args.items if "=" not in i), None)
