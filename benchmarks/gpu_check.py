@@ -364,16 +364,17 @@ def fgrpo_step(model, device, lengths, engine: bool = False) -> dict:
             "shares": {p: s / total for p, s in phases.items()}, "peak_mib": _peak_mib(device)}
 
 
-def engine_section(model, space, device, args, lengths, budget, save) -> list:
-    """Engine vs HF eager rows (:func:`engine_speed.compare`) while the budget lasts."""
+def engine_rows(model, space, device, args, lengths, plan, seed, budget, save, with_hf: bool,
+                label: str, out: list | None = None) -> list:
+    """Rows of :func:`engine_speed.compare` for each (rows, k, lengths kind) of ``plan``, with
+    HF eager beside the engine when ``with_hf``, while the budget lasts (what it skips or what
+    runs out of memory is a row that says so), appended to ``out`` (saved as they come);
+    prompts drawn from ``seed``."""
     pool = solution_lengths(args.data)
     hw = {"bandwidth": args.bandwidth, "peak_flops": args.peak_tflops * 1e12}
     prompt_len, fixed = lengths[0], args.fixed_tokens or lengths[1]
-    middle = args.rows[len(args.rows) // 2]
-    plan = [(rows, 1, kind) for rows in args.rows for kind in ("fixed", "spread")]
-    plan += [(middle, k, "spread") for k in args.engine_ks if k > 1]
-    gen = torch.Generator().manual_seed(SEED + 2)
-    out, slowest = [], None
+    gen = torch.Generator().manual_seed(seed)
+    out, slowest = ([] if out is None else out), None
     for rows, k, kind in plan:
         if slowest is not None and not budget.fits(3 * slowest):
             out.append({"rows": rows, "k": k, "lengths": kind,
@@ -384,7 +385,7 @@ def engine_section(model, space, device, args, lengths, budget, save) -> list:
         row_len = row_lengths(kind, rows, fixed if kind == "fixed" else args.cap, pool)
         start = time.perf_counter()
         try:
-            row = compare(model, space, device, rows, k, kind, row_len, prompts, True, hw)
+            row = compare(model, space, device, rows, k, kind, row_len, prompts, with_hf, hw)
         except torch.OutOfMemoryError:
             out.append({"rows": rows, "k": k, "lengths": kind, "skipped": "out of memory"})
             model.__dict__.pop("_decode_engine", None)
@@ -393,11 +394,21 @@ def engine_section(model, space, device, args, lengths, budget, save) -> list:
         slowest = max(slowest or 0.0, time.perf_counter() - start)
         out.append(row)
         save()
-        print(f"  engine rows={rows} k={k} {kind}: {row['engine']['tokens_per_s']:.0f} tok/s, "
-              f"{row['engine_vs_hf']:.2f}x HF eager, {row['engine']['of_bound']:.2f} of the "
-              f"bound ({budget.left():.0f} s left)", flush=True)
+        versus = (f", {row['engine_vs_hf']:.2f}x HF eager, {row['engine']['of_bound']:.2f} of "
+                  f"the bound" if with_hf else "")
+        print(f"  {label}engine rows={rows} k={k} {kind}: {row['engine']['tokens_per_s']:.0f} "
+              f"tok/s{versus} ({budget.left():.0f} s left)", flush=True)
     model.__dict__.pop("_decode_engine", None)  # free its cache for the next shape
     return out
+
+
+def engine_section(model, space, device, args, lengths, budget, save) -> list:
+    """Engine vs HF eager rows (:func:`engine_rows`) while the budget lasts."""
+    middle = args.rows[len(args.rows) // 2]
+    plan = [(rows, 1, kind) for rows in args.rows for kind in ("fixed", "spread")]
+    plan += [(middle, k, "spread") for k in args.engine_ks if k > 1]
+    return engine_rows(model, space, device, args, lengths, plan, SEED + 2, budget, save,
+                       True, "")
 
 
 def check_model(name: str, device, ks, n_prompts, budget, save, args=None) -> dict:
@@ -458,9 +469,6 @@ def int8_section(model, space, device, args, lengths, n_prompts, budget, save) -
     """The INT8 part (module docstring): {"model dtype": {...}, "int8": {...}}, each with
     ``members_that_fit`` (CUDA) and ``engine`` rows of :func:`engine_speed.compare` (no HF).
     Quantises ``model`` in place."""
-    pool = solution_lengths(args.data)
-    hw = {"bandwidth": args.bandwidth, "peak_flops": args.peak_tflops * 1e12}
-    prompt_len, fixed = lengths[0], args.fixed_tokens or lengths[1]
     middle = args.rows[len(args.rows) // 2]
     plan = [(rows, 1, "fixed") for rows in args.rows]
     plan += [(middle, k, "spread") for k in args.engine_ks if k > 1]
@@ -480,32 +488,8 @@ def int8_section(model, space, device, args, lengths, n_prompts, budget, save) -
                          if device.type == "cuda" else None),
             "engine": []}
         save()
-        gen = torch.Generator().manual_seed(SEED + 3)  # the same prompts for both weights
-        slowest = None
-        for rows, k, kind in plan:
-            if slowest is not None and not budget.fits(3 * slowest):
-                part["engine"].append({"rows": rows, "k": k, "lengths": kind,
-                                       "skipped": f"time budget ({budget.left():.0f} s left)"})
-                continue
-            prompts = torch.randint(2, model.config.vocab_size, (rows, prompt_len),
-                                    generator=gen).to(device)
-            row_len = row_lengths(kind, rows, fixed if kind == "fixed" else args.cap, pool)
-            start = time.perf_counter()
-            try:
-                row = compare(model, space, device, rows, k, kind, row_len, prompts, False, hw)
-            except torch.OutOfMemoryError:
-                part["engine"].append({"rows": rows, "k": k, "lengths": kind,
-                                       "skipped": "out of memory"})
-                model.__dict__.pop("_decode_engine", None)
-                torch.cuda.empty_cache()
-                continue
-            slowest = max(slowest or 0.0, time.perf_counter() - start)
-            part["engine"].append(row)
-            save()
-            print(f"  {weights}: engine rows={rows} k={k} {kind}: "
-                  f"{row['engine']['tokens_per_s']:.0f} tok/s ({budget.left():.0f} s left)",
-                  flush=True)
-        model.__dict__.pop("_decode_engine", None)
+        engine_rows(model, space, device, args, lengths, plan, SEED + 3, budget, save, False,
+                    f"{weights}: ", out=part["engine"])  # the same prompts for both weights
     return out
 
 
