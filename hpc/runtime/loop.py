@@ -131,12 +131,12 @@ class Method(abc.ABC):
         """Restore what :meth:`state_dict` returned."""
 
     def shard_state_dict(self) -> dict:
-        """This rank's own part of the state (only when :attr:`sharded`)."""
-        raise NotImplementedError
+        """This rank's own part of the state, saved only when :attr:`sharded` (a sharded method
+        overrides it; the others have none)."""
+        return {}
 
     def load_shard_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`shard_state_dict` returned on this rank."""
-        raise NotImplementedError
+        """Restore what :meth:`shard_state_dict` returned on this rank (nothing by default)."""
 
 
 def run_attrs(job: Job, method: Method) -> dict:
