@@ -157,7 +157,7 @@ def load_latest(directory: str, warn=True, accept=None) -> dict | None:
             if state is not None:
                 return state
             why = f"checkpoint {path} is truncated or corrupted (checksum mismatch)"
-        if warn:
+        if warn and path != paths[0]:  # the last one's reason is the error line below
             print(f"warning: {why}; trying the previous one", file=sys.stderr, flush=True)
     if newest_error is not None:
         raise UserError(f"every checkpoint in {directory} is damaged or unusable; cannot resume "
