@@ -237,8 +237,9 @@ def fgrpo_step(model, cfg, ranks: int, tracker: LiveBytesTracker) -> None:
     """One F-GRPO step on rank 0 of ``ranks`` (module docstring)."""
     from fgrpo.gradients import accumulate_gradients
     from fgrpo.rollout import Rollouts
-    from hpc.models.memory_plan import engine_budget, fgrpo_plan, fgrpo_rollout_rows
-    from hpc.models.parallelize import TrainedWeights, gathered
+    from hpc.models.memory_plan import (engine_budget, fgrpo_plan, fgrpo_rollout_rows,
+                                        rollout_offload)
+    from hpc.models.parallelize import TrainedWeights, decoding
 
     f = cfg.fgrpo
     _, seq = _lengths(cfg)
@@ -258,8 +259,10 @@ def fgrpo_step(model, cfg, ranks: int, tracker: LiveBytesTracker) -> None:
             p.grad = torch.zeros_like(p)
         weights.reduce_gradients(world)
         weights.step(f.max_grad_norm)
+        weights.free_gradients()
         model.eval()
-        with gathered(model):  # a no-op without FSDP2: the trainer's rollout context
+        # the trainer's rollout context (a no-op for the tracked cases: DDP, nothing moved)
+        with decoding(model, weights, rollout_offload(cfg, ranks, "cuda", planned=True)):
             _decode_pass(model, cfg, fgrpo_rollout_rows(cfg, ranks),
                          0 if f.full_finetune else 1, budget, sampled=True)
         model.train()

@@ -56,10 +56,13 @@ class FGRPOConfig:
                              "(torch fully_shard per decoder layer), fp32 masters, model.dtype "
                              "compute; needs fgrpo.batch_prompts divisible by the ranks",
                              choices=["ddp", "fsdp2"])
-    offload_optimizer: bool = param(False, "move the AdamW moments (and fp32 master copies) "
-                                    "to host memory during each rollout phase, for the "
-                                    "gathered weights and KV cache (GPU only; costs two "
-                                    "host-device copies of them per step)")
+    offload: str = param("auto", "training state moved to host memory while the GPU decodes "
+                         "(rollouts, evaluations), for the gathered weights and KV cache: "
+                         "none; optimizer: the AdamW moments and DDP's fp32 master copies; "
+                         "state: also FSDP2's fp32 weight shards; auto: the first of these "
+                         "under which the memory plan fits (none off CUDA); costs two "
+                         "host-device copies of what moves per rollout (hpc-plan prints the "
+                         "bytes and seconds)", choices=["auto", "none", "optimizer", "state"])
     space: str = param("lora", "what the gradient trains: lora: every LoRA entry; sv: only "
                        "offsets to the top singular values of each factor of the SFT adapter "
                        "lora.adapter (ESSA's search space, essa.space=sv)",

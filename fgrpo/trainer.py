@@ -13,6 +13,8 @@ values (ESSA's search space, :mod:`hpc.models.adapter_space`). The job lifecycle
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -25,7 +27,8 @@ from fgrpo.rollout import sample_rollouts
 from hpc.data.tasks import load_task
 from hpc.gradient_method import GradientMethod, step_seed
 from hpc.models.adapter_space import SingularValueSpace
-from hpc.models.parallelize import (TrainedWeights, gathered, save_full_model,
+from hpc.models.memory_plan import rollout_offload
+from hpc.models.parallelize import (TrainedWeights, decoding, save_full_model,
                                      save_gathered_adapter, shard_model)
 from hpc.runtime.dist import init_process_group
 from hpc.runtime.errors import UserError, user_errors_exit
@@ -34,7 +37,8 @@ from hpc.runtime.loop import run_loop
 from hpc.runtime.readback import count
 from hpc.runtime.world import my_slice
 
-PHASES = {"generate": "rollout", "reward": "rollout", "forward_backward": "train",
+PHASES = {"gather_weights": "communication", "generate": "rollout", "reward": "rollout",
+          "forward_backward": "train",
           "waiting": "waiting", "allreduce": "communication", "optimizer": "update"}
 
 
@@ -70,12 +74,13 @@ class FGRPO(GradientMethod):
         else:
             self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.weights = TrainedWeights(self.params, f.learning_rate, f.weight_decay)
+        self.offload = rollout_offload(cfg, world.size, job.device.type)
         self.collective_export = f.full_finetune or self.sharded  # gathers, rank 0 writes
         self.total_steps, self.keep_checkpoints, self.skipped = f.steps, f.keep_checkpoints, 0
 
     def attrs(self) -> dict:
         return {"trainable_parameters": sum(p.numel() for p in self.params),
-                "activation_checkpointing": self.checkpointed}
+                "activation_checkpointing": self.checkpointed, "offload": self.offload}
 
     def step(self, i: int) -> dict:
         cfg, f, world, task, timer = self.job.cfg, self.f, self.job.world, self.task, self.timer
@@ -83,7 +88,7 @@ class FGRPO(GradientMethod):
             len(task.train), size=min(f.batch_prompts, len(task.train)), replace=False)
         mine = batch[my_slice(len(batch), world)]
         self.model.eval()
-        with self.weights.offloaded(f.offload_optimizer), gathered(self.model):
+        with self.decoding():
             rollouts = sample_rollouts(self.model, self.tok, task,
                                        [task.train.prompts[j] for j in mine],
                                        [task.train.answers[j] for j in mine], f,
@@ -121,11 +126,27 @@ class FGRPO(GradientMethod):
             if not finite:
                 self.skipped += 1
                 break
+        self.weights.free_gradients()
         return step_metrics(world, local_sums(rollouts, adv, sums, f.success_threshold), adv.focal_weight,
                             self.skipped)
 
+    @contextlib.contextmanager
+    def decoding(self, phase: str | None = "gather_weights"):
+        """The rollout's or evaluation's weights (:func:`hpc.models.parallelize.decoding`):
+        gathered under FSDP2, with the training state ``fgrpo.offload`` names in host memory;
+        gathering and offloading, there and back, are timed as ``phase`` (None: the caller's
+        phase, as the job loop's ``eval``)."""
+        timed = self.timer.phase if phase else lambda _: contextlib.nullcontext()
+        with contextlib.ExitStack() as stack:
+            with timed(phase):
+                stack.enter_context(decoding(self.model, self.weights, self.offload,
+                                             self.ref_model))
+            yield
+            with timed(phase):
+                stack.close()
+
     def evaluate(self, sampled: bool):
-        with gathered(self.model):
+        with self.decoding(phase=None):
             return super().evaluate(sampled)
 
     def export(self, out_dir: str, step: int) -> None:

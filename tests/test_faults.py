@@ -124,14 +124,16 @@ def test_essa_preemption_then_resume_is_bitwise(toy_adapter, tmp_path, sig):
 
 
 def test_fgrpo_preemption_then_resume_is_bitwise(toy_adapter, tmp_path):
+    """The interrupted run also moves its AdamW moments to host memory around every rollout
+    (fgrpo.offload=optimizer, restored state included after the resume): still bitwise."""
     full, part = tmp_path / "full", tmp_path / "part"
     assert run_mpi(2, fgrpo_args(toy_adapter, full, 6)).returncode == 0
     h5 = str(part / "fgrpo.h5")
-    code, _, err = run_and_signal(fgrpo_args(toy_adapter, part, 6), h5, "metrics", 2,
-                                  signal.SIGUSR1)
+    moved = fgrpo_args(toy_adapter, part, 6, "fgrpo.offload=optimizer")
+    code, _, err = run_and_signal(moved, h5, "metrics", 2, signal.SIGUSR1)
     assert code == 3, err[-3000:]
     assert RunFile(h5).attrs["status"] == "preempted"
-    resumed = run_mpi(2, fgrpo_args(toy_adapter, part, 6) + ["--resume"])
+    resumed = run_mpi(2, moved + ["--resume"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = RunFile(str(full / "fgrpo.h5")), RunFile(h5)
     assert b.group("metrics")["step"].tolist() == list(range(1, 7))
@@ -146,7 +148,7 @@ def test_fsdp2_preemption_then_resume_is_bitwise(toy_adapter, tmp_path):
     bit for bit."""
     full, part = tmp_path / "full", tmp_path / "part"
     extra = ("fgrpo.parallelism=fsdp2", "fgrpo.full_finetune=true", "fgrpo.learning_rate=1e-4",
-             "fgrpo.offload_optimizer=true")
+             "fgrpo.offload=state")
     assert run_mpi(2, fgrpo_args(toy_adapter, full, 5, *extra)).returncode == 0
     h5 = str(part / "fgrpo.h5")
     code, _, err = run_and_signal(fgrpo_args(toy_adapter, part, 5, *extra), h5, "metrics", 2,

@@ -59,8 +59,9 @@ def test_fsdp2_equals_ddp_step_by_step(tmp_path, ranks, mode):
     outs = {}
     for parallelism in ("ddp", "fsdp2"):
         outs[parallelism] = out = tmp_path / parallelism
-        proc = run_mpi(ranks, fgrpo_args(out, f"fgrpo.parallelism={parallelism}", *extra),
-                       timeout=300)
+        offload = "state" if parallelism == "fsdp2" else "optimizer"  # changes nothing
+        proc = run_mpi(ranks, fgrpo_args(out, f"fgrpo.parallelism={parallelism}",
+                                         f"fgrpo.offload={offload}", *extra), timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
     ddp, fsdp = (RunFile(str(outs[p] / "fgrpo.h5")).group("metrics") for p in ("ddp", "fsdp2"))
     assert ddp["step"].tolist() == list(range(1, STEPS + 1))
@@ -179,3 +180,31 @@ def test_bf16_lora_with_reference_kl_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = RunFile(str(out / "fgrpo.h5")).group("metrics")
     assert metrics["step"].tolist() == [1, 2] and metrics["kl"][-1] > 0
+
+
+def test_offload_moves_the_state_while_decoding_and_changes_nothing(tmp_path):
+    """fgrpo.offload (hpc.models.offload): while the model decodes, optimizer moves the AdamW
+    moments and DDP's fp32 master copies off the device and state also FSDP2's shards (their
+    storages hold 0 bytes), no gradient exists, and the logits, decoded tokens, masters and
+    moments after two steps equal those of a run that moves nothing, bit for bit (2 ranks)."""
+    out = tmp_path / "offload.pt"
+    proc = run_mpi(2, ["tests/mpi/offload_check.py", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = torch.load(out, weights_only=False)
+    for case in ("fsdp2-full", "fsdp2-lora", "ddp-full-bf16"):
+        kept = results[(case, "none")]
+        for held in kept["held"]:
+            assert held["moments"] > 0 and held["gradients"] == 0
+            assert (held["shards"] or 0) > 0 or case.startswith("ddp")
+        for mode in ("optimizer", "state"):
+            moved = results[(case, mode)]
+            for held in moved["held"]:
+                assert held["moments"] == 0 and held["master copies"] == 0, (case, mode)
+                if case.startswith("fsdp2"):
+                    assert (held["shards"] == 0) == (mode == "state"), (case, mode)
+            assert moved["tokens"] == kept["tokens"], (case, mode)
+            assert all(torch.equal(a, b) for a, b in zip(moved["logits"], kept["logits"]))
+            for key in ("masters", "moments"):
+                assert all(torch.equal(a, b) for a, b in zip(moved[key], kept[key])), key
+            assert moved["before"] == kept["before"]  # every storage came back whole
+    assert results[("ddp-full-bf16", "none")]["held"][0]["master copies"] > 0

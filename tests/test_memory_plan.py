@@ -11,7 +11,7 @@ from conftest import REPO, our_lines, run_cli
 from hpc.models.memory_plan import (DTYPE_BYTES, GIB, QWEN25, ModelShape,
                                     check_job_memory, essa_members_that_fit, essa_plan,
                                     essa_scoring_phase, fgrpo_plan, main, plan_job_class,
-                                    weight_bytes)
+                                    rollout_offload, weight_bytes)
 from hpc.runtime.config import load_config
 from hpc.runtime.errors import UserError
 
@@ -87,7 +87,8 @@ def test_7b_figures_by_hand(tmp_path):
     train = fgrpo.phase("training (micro_batch 8)")
     tokens = 8 * 1024
     assert [b for _, b in train.parts] == [
-        weights, lora * 16, engine(64),  # the rollout's engine stays on the model
+        weights, lora * 4, lora * 8, lora * 4,  # LoRA weights, AdamW moments, gradients
+        engine(64),  # the rollout's engine stays on the model
         28 * tokens * 3584 * 2,  # checkpointed layer inputs
         tokens * 3584 * (2 + 4 + 2),  # final norm input + fp32 upcast, flattened hidden
         16 * 1024 * 152064 + 2 * tokens * 3584 * 2]  # one LM-head chunk, hidden gradients
@@ -102,7 +103,7 @@ def test_training_without_checkpointing_or_chunks_by_hand(tmp_path):
     tokens = 8 * 1024
     layer = (6 * 3584 + 2 * 3584 + 3 * 18944) * 2 + 4 * 3584 * 4  # K/V at all 28 heads
     train = plan.phase("training (micro_batch 8)").parts
-    assert [b for _, b in train[3:]] == [28 * tokens * layer, 16 * tokens * 152064]
+    assert [b for _, b in train[5:]] == [28 * tokens * layer, 16 * tokens * 152064]
     assert not plan.fits
     assert plan.advice == "set model.activation_checkpointing=on"
 
@@ -171,17 +172,41 @@ def test_full_finetune_state_ddp_and_fsdp2(tmp_path):
                          "fgrpo.beta=0.04", "plan.gpu_memory_gib=141")
     shape, n = ModelShape.from_folder(cfg.model.path), 1_543_714_304
     plan = fgrpo_plan(shape, cfg, ranks=16)
-    # bf16 weights, then bf16 gradients + fp32 masters and their gradients + fp32 AdamW
-    # moments, then the reference copy: 20 bytes a parameter besides the reference
-    assert [b for _, b in plan.phase("rollout").parts[:3]] == [2 * n, (2 + 8 + 8) * n, 2 * n]
+    # bf16 weights, fp32 masters, fp32 AdamW moments, the reference copy; the gradients
+    # (bf16, and fp32 for the masters) only from the backward to the optimizer step
+    assert [b for _, b in plan.phase("rollout").parts[:4]] == [2 * n, 4 * n, 8 * n, 2 * n]
+    assert "gradients" not in " ".join(label for label, _ in plan.phase("rollout").parts)
+    train = plan.phase("training (micro_batch 8)").parts
+    assert [b for _, b in train[:5]] == [2 * n, 4 * n, 8 * n, 2 * n, (2 + 4) * n]
     step = plan.phase("gradient reduction and AdamW step").parts
     assert step[-1][1] == 4 * n  # the all-reduce's flat fp32 copy
     sharded = fgrpo_plan(shape, cfg_with(cfg, "fgrpo.parallelism=fsdp2"), ranks=16)
-    rollout = sharded.phase("rollout").parts
-    assert [b for _, b in rollout[:4]] == [4 * n // 16, 12 * n // 16, 4 * n // 16, 2 * n]
-    offload = fgrpo_plan(shape, cfg_with(cfg, "fgrpo.parallelism=fsdp2",
-                                         "fgrpo.offload_optimizer=true"), ranks=16)
-    assert offload.phase("rollout").parts[3][1] == -8 * n // 16
+    rollout = sharded.phase("rollout").parts  # shards, moments, reference shards, gathered
+    assert [b for _, b in rollout[:4]] == [4 * n // 16, 8 * n // 16, 4 * n // 16, 2 * n]
+    for mode, moved in (("optimizer", 8 * n // 16), ("state", (4 + 8 + 4) * n // 16)):
+        offload = fgrpo_plan(shape, cfg_with(cfg, "fgrpo.parallelism=fsdp2",
+                                             f"fgrpo.offload={mode}"), ranks=16)
+        assert offload.phase("rollout").parts[3] == (
+            f"moved to host while decoding (fgrpo.offload={mode})", -moved)
+        assert offload.phase("evaluation").parts[3][1] == -moved
+        seconds = 2 * moved / 20e9  # there and back at plan.host_gb_per_s=20
+        assert f"about {seconds:.1f} s a step at plan.host_gb_per_s=20" in offload.notes[1]
+    ddp = fgrpo_plan(shape, cfg_with(cfg, "fgrpo.offload=state"), ranks=16)  # DDP: weights stay
+    assert ddp.phase("rollout").parts[4][1] == -(8 + 4) * n  # moments and master copies
+
+
+def test_offload_auto_moves_the_least_that_fits(tmp_path):
+    """fgrpo.offload=auto: the first of none, optimizer, state under which the plan fits (on
+    CUDA with a model folder; none on CPU); where none fits, the one with the smallest peak
+    (none when the training phase is the peak, as offload does not change it)."""
+    big = cluster_config(model_folder(tmp_path, "32B"), "fgrpo.full_finetune=true",
+                         "fgrpo.parallelism=fsdp2")
+    assert rollout_offload(big, 16, "cuda") == "state"
+    assert rollout_offload(big, 16, "cpu") == "none"
+    assert rollout_offload(cfg_with(big, "plan.gpu_memory_gib=141"), 16, "cuda") == "none"
+    assert rollout_offload(cfg_with(big, "fgrpo.offload=optimizer"), 16, "cuda") == "optimizer"
+    ddp = cfg_with(big, "fgrpo.parallelism=ddp")  # AdamW step at 740 GiB: nothing helps
+    assert rollout_offload(ddp, 16, "cuda") == "none"
 
 
 def test_int8_weights_count_torchaos_scales(tmp_path):
@@ -212,6 +237,13 @@ def test_done_when_targets_at_the_cluster_config(tmp_path):
     shape32 = ModelShape.from_folder(big.model.path)
     assert not fgrpo_plan(shape32, big, 16).fits
     assert fgrpo_plan(shape32, cfg_with(big, "fgrpo.micro_batch=1"), 16).fits
+    # 32B full-parameter GRPO at 16 ranks: FSDP2, the fp32 shards and AdamW moments in host
+    # memory while the gathered bf16 model (61 GiB) decodes (fgrpo.offload=auto picks state)
+    full32 = cfg_with(big, "fgrpo.full_finetune=true", "fgrpo.parallelism=fsdp2")
+    plan = fgrpo_plan(shape32, full32, 16)
+    assert plan.fits and plan.notes[1].startswith("fgrpo.offload=state (auto): 22.89 GiB")
+    kept = fgrpo_plan(shape32, cfg_with(full32, "fgrpo.offload=optimizer"), 16)
+    assert not kept.fits and kept.advice == "set fgrpo.offload=state"
 
 
 def test_32b_on_a_48gib_gpu_is_refused_with_int8_as_the_fix(tmp_path):

@@ -31,8 +31,10 @@ context, NCCL buffers, allocator fragmentation) and every engine holds a row in 
   (4 bytes a parameter) in the all-reduce and AdamW step; FSDP2: fp32 weight shards and, for
   full fine-tuning, fp32 gradient and moment shards, 1/ranks each, + the gathered model in
   ``model.dtype`` during rollouts and evaluation, two gathered layers, the root unit and a
-  layer's gradients during training; ``fgrpo.offload_optimizer`` moves the moments (and DDP's
-  masters) to host memory for the rollout.
+  layer's gradients during training. Gradients live from a step's first backward to its
+  optimizer step only. While decoding, ``fgrpo.offload`` (:mod:`hpc.models.offload`) moves
+  the moments and DDP's masters (optimizer), or also FSDP2's shards (state), to host memory;
+  the plan prints the bytes and the seconds a step at ``plan.host_gb_per_s``.
 * F-GRPO training, one micro-batch of ``fgrpo.micro_batch`` sequences: without activation
   checkpointing every layer keeps (6h + 2ad + 3I) values a token in 16 bits ((5h + ...) in
   fp32; K and V at all a heads, as transformers' padded path saves them) plus the inputs of
@@ -454,50 +456,86 @@ def _sharded(cfg) -> bool:
     return cfg.fgrpo.parallelism == "fsdp2"
 
 
-def fgrpo_state_parts(shape: ModelShape, cfg, ranks: int) -> list:
-    """(label, bytes) F-GRPO holds through the whole step (hpc.models.parallelize): under DDP
-    the model in ``model.dtype`` and, for full fine-tuning, its gradients, fp32 masters and
-    their gradients (16-bit models) and fp32 AdamW moments; under FSDP2 fp32 masters,
-    gradients and moments, 1/ranks of each."""
+def fgrpo_state(shape: ModelShape, cfg, ranks: int) -> list:
+    """(label, bytes, kind) of what F-GRPO holds (hpc.models.parallelize). Kinds: ``weights``
+    (DDP: the model in ``model.dtype``; FSDP2: fp32 shards, 1/ranks of the model and of the
+    LoRA factors), ``masters`` (DDP, full fine-tuning of a 16-bit model: fp32 copies),
+    ``moments`` (fp32 AdamW, of the trained parameters or their shards), ``reference`` (full
+    fine-tuning with ``fgrpo.beta`` > 0), ``rollout copy`` (the quantised decoder linears under
+    ``model.quantize``), and ``gradients``, which exist only from a step's first backward to
+    its optimizer step (:meth:`TrainedWeights.free_gradients`)."""
     f, n, e = cfg.fgrpo, shape.parameters(), _bytes(cfg)
     n_lora = shape.lora_parameters(cfg.lora.rank, cfg.lora.targets)
+    trained = n if f.full_finetune else n_lora
     if _sharded(cfg):
-        parts = [(f"fp32 weight shards ({n:,} parameters / {ranks} ranks)", 4 * n // ranks)]
-        if f.full_finetune:
-            parts.append(("fp32 gradient and AdamW moment shards", 12 * n // ranks))
-        else:
-            parts.append((f"LoRA {n_lora:,} parameters / {ranks} ranks: fp32 weights, "
-                          f"gradients, AdamW", 16 * n_lora // ranks))
+        parts = [(f"fp32 weight shards ({n:,} parameters / {ranks} ranks)", 4 * n // ranks,
+                  "weights")]
+        if not f.full_finetune:
+            parts.append((f"LoRA {n_lora:,} parameters / {ranks} ranks: fp32 weight shards",
+                          4 * n_lora // ranks, "weights"))
+        parts += [("fp32 AdamW moment shards", 8 * trained // ranks, "moments"),
+                  ("fp32 gradient shards", 4 * trained // ranks, "gradients")]
         if f.full_finetune and f.beta > 0:
-            parts.append(("reference model shards (fgrpo.beta > 0)", 4 * n // ranks))
+            parts.append(("reference model shards (fgrpo.beta > 0)", 4 * n // ranks,
+                          "reference"))
         return parts
-    parts = [(f"weights ({n:,} parameters, {cfg.model.dtype})", n * e)]
+    parts = [(f"weights ({n:,} parameters, {cfg.model.dtype})", n * e, "weights")]
     if f.full_finetune:
-        masters = 8 * n if e < 4 else 0  # fp32 masters and their gradients
-        parts.append((f"gradients ({cfg.model.dtype})" + (", fp32 masters and their gradients"
-                                                          if masters else "")
-                       + ", fp32 AdamW moments", n * e + masters + 8 * n))
+        if e < 4:
+            parts.append(("fp32 master weights", 4 * n, "masters"))
+        parts += [("fp32 AdamW moments", 8 * n, "moments"),
+                  (f"gradients ({cfg.model.dtype}" + (", and fp32 for the masters)" if e < 4
+                                                      else ")"),
+                   n * e + (4 * n if e < 4 else 0), "gradients")]
         if f.beta > 0:
-            parts.append(("reference model (fgrpo.beta > 0 with full fine-tuning)", n * e))
+            parts.append(("reference model (fgrpo.beta > 0 with full fine-tuning)", n * e,
+                          "reference"))
     else:
-        parts.append((f"LoRA {n_lora:,} parameters: fp32 weights, gradients, AdamW",
-                       n_lora * LORA_TRAIN_BYTES_PER_PARAM))
+        parts += [(f"LoRA {n_lora:,} parameters: fp32 weights", 4 * n_lora, "weights"),
+                  ("LoRA fp32 AdamW moments", 8 * n_lora, "moments"),
+                  ("LoRA fp32 gradients", 4 * n_lora, "gradients")]
     if cfg.model.quantize != "none":
         parts.append((f"{cfg.model.quantize} copy of the decoder linears for rollouts",
-                      quantized_copy_bytes(shape, cfg)))
+                      quantized_copy_bytes(shape, cfg), "rollout copy"))
     return parts
 
 
+def moved_kinds(cfg, offload: str) -> tuple:
+    """The kinds of :func:`fgrpo_state` that ``fgrpo.offload`` (resolved) moves to host memory
+    while the GPU decodes (:func:`hpc.models.parallelize.decoding`)."""
+    kinds = {"none": (), "optimizer": ("moments", "masters"),
+             "state": ("moments", "masters", "weights", "reference")}[offload]
+    return kinds if _sharded(cfg) else tuple(k for k in kinds if k in ("moments", "masters"))
+
+
 def offloaded_bytes(shape: ModelShape, cfg, ranks: int) -> int:
-    """What ``fgrpo.offload_optimizer`` moves to host memory for the rollout: the AdamW
-    moments and, under DDP with a 16-bit model, the fp32 masters."""
-    if not cfg.fgrpo.offload_optimizer:
-        return 0
-    n = shape.parameters() if cfg.fgrpo.full_finetune else \
-        shape.lora_parameters(cfg.lora.rank, cfg.lora.targets)
-    if _sharded(cfg):
-        return 8 * n // ranks
-    return n * (8 + (4 if cfg.fgrpo.full_finetune and _bytes(cfg) < 4 else 0))
+    """Bytes a rank moves to host memory (and back) around each rollout and evaluation."""
+    kinds = moved_kinds(cfg, _offload(cfg, ranks))
+    return sum(b for _, b, kind in fgrpo_state(shape, cfg, ranks) if kind in kinds)
+
+
+def rollout_offload(cfg, ranks: int, device_type: str, planned: bool = False) -> str:
+    """``fgrpo.offload`` resolved for an F-GRPO job on ``ranks`` ranks: as given, or for auto
+    the first of none, optimizer, state under which the plan fits (state when none does),
+    on CUDA with a local model folder and ``plan.gpu_memory_gib`` > 0 (when none fits: the
+    first with the smallest peak, so nothing moves where the peak is the training); else none.
+    ``planned``: for the plan itself, which may assume any model folder."""
+    choice = cfg.fgrpo.offload
+    if choice != "auto":
+        return choice
+    path = cfg.model.path
+    if ((device_type != "cuda" and not planned) or cfg.plan.gpu_memory_gib <= 0
+            or not os.path.isfile(os.path.join(path, "config.json"))):
+        return "none"
+    shape = ModelShape.from_folder(path)
+    plans = {mode: fgrpo_plan(shape, _with(cfg, fgrpo__offload=mode), ranks, advise=False)
+             for mode in ("none", "optimizer", "state")}
+    fitting = [mode for mode, plan in plans.items() if plan.fits]
+    return fitting[0] if fitting else min(plans, key=lambda mode: plans[mode].peak)
+
+
+def _offload(cfg, ranks: int) -> str:
+    return rollout_offload(cfg, ranks, "cuda", planned=True)
 
 
 def gathered_parts(shape: ModelShape, cfg) -> list:
@@ -521,31 +559,34 @@ def fgrpo_plan(shape: ModelShape, cfg, ranks: int, advise: bool = True) -> Metho
     """F-GRPO on one GPU: rollout, training (micro-batch forward/backward), the gradient
     reduction and AdamW step, and the held-out evaluation."""
     f, n = cfg.fgrpo, shape.parameters()
-    state = fgrpo_state_parts(shape, cfg, ranks)
-    resident = sum(b for _, b in state)
+    held = fgrpo_state(shape, cfg, ranks)
+    state = [(label, b) for label, b, kind in held if kind != "gradients"]
+    gradients = [(label, b) for label, b, kind in held if kind == "gradients"]
+    offload = _offload(cfg, ranks)
+    moved = offloaded_bytes(shape, cfg, ranks)
     k = 0 if f.full_finetune else 1
     rows = fgrpo_rollout_rows(cfg, ranks)
-    gathered = [(f"gathered {cfg.model.dtype} model for decoding", n * _bytes(cfg))] \
-        if _sharded(cfg) else []
-    generating = list(state)  # the rollout's; the evaluation offloads nothing
-    if offloaded_bytes(shape, cfg, ranks):
-        generating.append(("moved to host for the rollout (fgrpo.offload_optimizer)",
-                           -offloaded_bytes(shape, cfg, ranks)))
-    generating += gathered
-    budget = engine_budget(cfg, sum(b for _, b in generating))
+    decoding = list(state)  # the rollout's and the evaluation's
+    if moved:
+        decoding.append((f"moved to host while decoding (fgrpo.offload={offload})", -moved))
+    if _sharded(cfg):
+        decoding.append((f"gathered {cfg.model.dtype} model for decoding", n * _bytes(cfg)))
+    budget = engine_budget(cfg, sum(b for _, b in decoding))
     rollout_engine = engine_parts(shape, cfg, f"{rows // f.num_generations} prompts x G="
                                   f"{f.num_generations}", rows, k, budget)
-    rollout = Phase("rollout", generating + rollout_engine)
+    rollout = Phase("rollout", decoding + rollout_engine)
     kept = [] if _sharded(cfg) else [("rollout engine, kept on the model", rollout_engine[0][1])]
-    train = Phase(f"training (micro_batch {f.micro_batch})", state + kept
+    train = Phase(f"training (micro_batch {f.micro_batch})", state + gradients + kept
                   + (gathered_parts(shape, cfg) if _sharded(cfg) else [])
                   + training_activation_parts(shape, cfg, ranks))
     phases = [rollout, train]
     if f.full_finetune:
         extra = (("AdamW foreach temporaries", 4 * n // ranks) if _sharded(cfg) else
                  ("flat fp32 gradient copy of the all-reduce / AdamW foreach temporaries", 4 * n))
-        phases.append(Phase("gradient reduction and AdamW step", state + kept + [extra]))
-    phases.append(evaluation_phase(shape, cfg, state + gathered, k, budget))
+        phases.append(Phase("gradient reduction and AdamW step", state + gradients + kept
+                            + [extra]))
+    phases.append(evaluation_phase(shape, cfg, decoding, k, budget))
+    resident = sum(b for _, b in state + gradients)
     chunk = cfg.model.logprob_chunk
     plan = MethodPlan("F-GRPO", phases, _usable(cfg), [
         f"parallelism {f.parallelism} over {ranks} ranks; activation checkpointing "
@@ -553,12 +594,15 @@ def fgrpo_plan(shape: ModelShape, cfg, ranks: int, advise: bool = True) -> Metho
         f"{cfg.model.activation_checkpointing}); "
         + (f"log-probs in chunks of {chunk} positions" if chunk else
            "full-vocabulary logits (model.logprob_chunk=0)")
-        + f"; engine budget {gib(budget)}"])
+        + f"; engine budget {gib(budget)}",
+        offload_note(cfg, offload, moved)])
     if advise and not plan.fits:
         ckpt, chunked = {"model__activation_checkpointing": "on"}, {"model__logprob_chunk": 1024}
         both = dict(ckpt, **chunked)
         fsdp = dict(both, fgrpo__parallelism="fsdp2")
         plan.advice = _smallest_fix(fgrpo_plan, shape, cfg, ranks, [
+            *[(f"set fgrpo.offload={mode}", {"fgrpo__offload": mode}, None)
+              for mode in ("optimizer", "state") if f.offload not in ("auto", mode)],
             ("set model.activation_checkpointing=on", ckpt, None),
             ("set model.logprob_chunk=1024", chunked, None),
             ("set model.activation_checkpointing=on and model.logprob_chunk=1024", both, None),
@@ -566,14 +610,25 @@ def fgrpo_plan(shape: ModelShape, cfg, ranks: int, advise: bool = True) -> Metho
                dict(both, fgrpo__micro_batch=m), None) for m in (4, 2, 1) if m < f.micro_batch],
             *[(f"use {r} ranks with fgrpo.parallelism=fsdp2 (checkpointing, chunked log-probs)",
                fsdp, r) for r in (ranks, 8, 16, 32, 64, 128) if r >= ranks],
-            *[(f"use {r} ranks with fgrpo.parallelism=fsdp2, fgrpo.offload_optimizer=true and "
+            *[(f"use {r} ranks with fgrpo.parallelism=fsdp2, fgrpo.offload=state and "
                f"model.engine_memory_gib={g}",
-               dict(fsdp, fgrpo__offload_optimizer=True, model__engine_memory_gib=float(g)), r)
+               dict(fsdp, fgrpo__offload="state", model__engine_memory_gib=float(g)), r)
               for r in (ranks, 16, 32, 64, 128) if r >= ranks for g in (8, 4, 2)],
         ]) or (f"weights and optimizer state alone need {gib(resident)}: "
                + ("train a LoRA (fgrpo.full_finetune=false)" if f.full_finetune else
                   "use GPUs with more memory"))
     return plan
+
+
+def offload_note(cfg, offload: str, moved: int) -> str:
+    """What ``fgrpo.offload`` moves and what it costs a step at ``plan.host_gb_per_s``."""
+    mode = f"fgrpo.offload={offload}" + (" (auto)" if cfg.fgrpo.offload == "auto" else "")
+    if not moved:
+        return f"{mode}: nothing moves to host memory"
+    seconds = 2 * moved / (cfg.plan.host_gb_per_s * 1e9)
+    return (f"{mode}: {gib(moved)} to host memory and back around each rollout and evaluation "
+            f"(pinned host memory per rank): about {seconds:.1f} s a step at "
+            f"plan.host_gb_per_s={cfg.plan.host_gb_per_s:g}")
 
 
 def model_summary(shape: ModelShape, cfg) -> list:

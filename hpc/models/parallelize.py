@@ -30,6 +30,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from hpc.models.loading import DTYPES
+from hpc.models.offload import HostCopy
 from hpc.runtime.atomic import replaced_dir
 from hpc.runtime.dist import all_reduce_mean_
 from hpc.runtime.errors import UserError
@@ -87,28 +88,59 @@ def is_sharded(model) -> bool:
 
 
 @contextlib.contextmanager
-def gathered(model):
+def gathered(model, to_host: bool = False):
     """Within the block every FSDP2 unit of ``model`` holds its whole weights in the compute
     dtype (one all-gather each) and keeps them through forwards, so rollouts and evaluations
     decode with plain tensors and no collective, each rank as many forwards as it needs. On
     leaving: the decoding engine built on those weights (with its KV cache) is dropped and the
-    weights resharded, freeing the gathered copy. A no-op for an unsharded model."""
+    weights resharded, freeing the gathered copy. A no-op for an unsharded model.
+
+    ``to_host``: each unit's fp32 shards go to host memory (:class:`HostCopy`) as soon as that
+    unit is gathered, and come back just before it is resharded, so the rank never holds the
+    shards and the gathered model whole at once (units are gathered one after the other)."""
     if not is_sharded(model):
         yield model
         return
     root = _hf_model(model)
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    for unit in units:
-        unit.set_reshard_after_forward(False, recurse=False)
-    for handle in [unit.unshard(async_op=True) for unit in units]:
-        handle.wait()
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]  # outer before inner
+    owned, claimed = {}, set()
+    for unit in reversed(units):  # a unit's own shards: its parameters but its inner units'
+        owned[unit] = [p for p in unit.parameters() if id(p) not in claimed]
+        claimed.update(id(p) for p in owned[unit])
+    moved = {}
     try:
+        for unit in units:
+            unit.set_reshard_after_forward(False, recurse=False)
+            unit.unshard()
+            if to_host:
+                moved[unit] = HostCopy(_local(p) for p in owned[unit])
         yield model
     finally:
         model.__dict__.pop("_decode_engine", None)
         for unit in units:
+            if unit in moved:
+                moved.pop(unit).restore()
             unit.reshard()
             unit.set_reshard_after_forward(unit is not root, recurse=False)
+
+
+@contextlib.contextmanager
+def decoding(model, weights: "TrainedWeights", offload: str, reference=None):
+    """The weights of a rollout or evaluation: ``model`` gathered for decoding (FSDP2,
+    :func:`gathered`) with the training state that ``offload`` (``fgrpo.offload``:
+    none/optimizer/state, :mod:`hpc.models.offload`) names in host memory for the block. The
+    optimizer's tensors leave before the gathering starts and come back after the gathered
+    copy is freed; ``state`` also moves the shards of ``model`` (unit by unit) and of the
+    sharded ``reference`` model."""
+    moved = [HostCopy(weights.optimizer_tensors())] if offload != "none" else []
+    if offload == "state" and reference is not None and is_sharded(reference):
+        moved.append(HostCopy(_local(p) for p in reference.parameters()))
+    try:
+        with gathered(model, to_host=offload == "state" and is_sharded(model)):
+            yield model
+    finally:
+        for m in moved:
+            m.restore()
 
 
 def _local(t):
@@ -171,27 +203,20 @@ class TrainedWeights:
                     p.copy_(m)
         return True
 
-    @contextlib.contextmanager
-    def offloaded(self, enabled: bool):
-        """Within the block (``enabled``), the AdamW moments (and fp32 masters that are copies)
-        live in host memory, freeing 8-12 bytes per trained parameter on this rank (FSDP2:
-        per shard) for the rollout's gathered weights and KV cache; they come back on leaving.
-        Each tensor keeps its identity (its storage is moved, as FSDP1 did), so the optimizer
-        and DTensors are untouched. A no-op on CPU."""
-        device = self.params[0].device if self.params else torch.device("cpu")
-        if not enabled or device.type == "cpu":
-            yield
-            return
+    def optimizer_tensors(self) -> list:
+        """What ``fgrpo.offload=optimizer`` moves to host memory while the GPU decodes: the
+        AdamW moments (this rank's shards under FSDP2) and DDP's fp32 master copies of 16-bit
+        weights (8-12 bytes a trained parameter)."""
         held = [_local(v) for s in self.opt.state.values() for v in s.values()
                 if torch.is_tensor(v) and v.dim() > 0]
-        held += [m for p, m in zip(self.params, self.masters) if p is not m]
-        for t in held:
-            t.data = t.data.to("cpu")
-        try:
-            yield
-        finally:
-            for t in held:
-                t.data = t.data.to(device, non_blocking=True)
+        return held + [m for p, m in zip(self.params, self.masters) if p is not m]
+
+    def free_gradients(self) -> None:
+        """Drop every gradient (after the optimizer step): none is alive during the rollout
+        and evaluation; the next backward allocates them again, as the first one did."""
+        for p, m in zip(self.params, self.masters):
+            p.grad = None
+            m.grad = None
 
     def state_dict(self) -> dict:
         """The masters and the optimizer state, as plain CPU-storable tensors: under FSDP2
@@ -235,9 +260,12 @@ class TrainedWeights:
     @staticmethod
     def _as_param(master, value):
         """An optimizer state tensor shaped like its parameter, as a DTensor laid out like it
-        (a sharded parameter's moments are sharded the same); scalars (step) stay plain."""
+        (a sharded parameter's moments are sharded the same); scalars (step) stay plain. Each
+        gets memory of its own (a tensor read from a file may sit in storage that cannot be
+        freed or resized, which :class:`HostCopy` needs)."""
+        value = value.to(master.device, copy=True)
         if isinstance(master, DTensor) and value.dim() > 0:
-            return DTensor.from_local(value.to(master.device), master.device_mesh,
+            return DTensor.from_local(value, master.device_mesh,
                                       master.placements, run_check=False, shape=master.shape,
                                       stride=master.stride())
         return value

@@ -147,6 +147,9 @@ class PlanConfig:
     max_prompt_tokens: int = param(512, "longest prompt (tokens) the memory plan assumes; "
                                    "hpc-data check counts the prompts longer than this", min=1,
                                    max=1_000_000)
+    host_gb_per_s: float = param(20.0, "host-device copy speed per GPU (GB/s, pinned memory) "
+                                 "the plan assumes for the seconds fgrpo.offload costs a step",
+                                 above=0.0, max=10_000.0)
 
 
 @dataclass
