@@ -24,8 +24,16 @@ leaf that needs a gradient aborts the process) and runs, under
   gradient all-reduce (:func:`hpc.runtime.dist.all_reduce_mean_` over torch's fake process
   group when ``--ranks`` > 1) and the AdamW step of
   :class:`hpc.models.parallelize.TrainedWeights` (fp32 masters for a 16-bit full fine-tune).
-  ``fgrpo.parallelism=fsdp2`` is refused: the fake model is built on the meta device, where
-  :func:`hpc.models.parallelize.shard_model`'s settling forward cannot run.
+  The state a step starts from (fp32 masters, AdamW moments) is made before the tracker
+  starts and counted as it enters. ``fgrpo.parallelism=fsdp2``: the model is built in fp32 on
+  fake storage and sharded by :func:`hpc.models.parallelize.shard_model` over the fake group
+  (its settling forward runs too), the rollout decodes inside
+  :func:`hpc.models.parallelize.decoding` with ``fgrpo.offload`` resolved as the job resolves
+  it (what moves goes to ``meta``, not counted), and the step ends after the backward: on fake
+  tensors every operation on a DTensor (gradient norm, AdamW over the shards) shows a
+  transient of the parameter's global size, which a real run does not have (checked under
+  torchrun with gloo: the norm and AdamW over sharded gradients add nothing beyond the
+  shards), so the AdamW step of a sharded model is the plan's alone.
 
 Host reads of tensor values (``float(loss)``, ``.tolist()``) get 1 (:class:`HostReadsOne`):
 memory does not depend on them. Figures are live tensor bytes only: no CUDA context, library
@@ -65,8 +73,18 @@ class HostReadsOne(TorchDispatchMode):
 
 @contextlib.contextmanager
 def fake_tensors():
-    with FakeTensorMode(allow_non_fake_inputs=True), HostReadsOne():
-        yield
+    """Fake tensors on the ``cpu`` device stand for the GPU's; what fgrpo.offload moves to host
+    memory goes to ``meta`` instead, which the tracker's ``cpu`` figure does not count."""
+    from hpc.models import offload
+
+    saved = offload.host_buffer
+    offload.host_buffer = lambda nbytes, device: torch.empty(nbytes, dtype=torch.uint8,
+                                                             device="meta")
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), HostReadsOne():
+            yield
+    finally:
+        offload.host_buffer = saved
 
 
 def fake_model(config: dict, cfg, case: str, ranks: int, stack: contextlib.ExitStack,
@@ -78,27 +96,33 @@ def fake_model(config: dict, cfg, case: str, ranks: int, stack: contextlib.ExitS
     Built on the meta device, then given fake storage under :func:`fake_tensors` (entered in
     ``stack`` too). ``layers`` overrides
     ``num_hidden_layers``."""
+    from torch.distributed.device_mesh import init_device_mesh
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from hpc.models.loading import DTYPES, attach_lora, enable_activation_checkpointing
     from hpc.models.memory_plan import activation_checkpointing
+    from hpc.models.parallelize import load_dtype, shard_model
 
     training = case == "fgrpo"
-    if training and cfg.fgrpo.parallelism == "fsdp2":
-        raise ValueError("fgrpo.parallelism=fsdp2 is not measured here (shard_model runs a "
-                         "forward at sharding time, which meta weights cannot)")
+    sharded = training and cfg.fgrpo.parallelism == "fsdp2"
     shape = Qwen2Config(**dict(config, num_hidden_layers=layers or config["num_hidden_layers"]))
     shape._attn_implementation = "sdpa"
     with torch.device("meta"):
-        model = Qwen2ForCausalLM._from_config(shape, dtype=DTYPES[cfg.model.dtype])
+        model = Qwen2ForCausalLM._from_config(
+            shape, dtype=DTYPES[load_dtype(cfg.fgrpo.parallelism if training else "ddp",
+                                           cfg.model.dtype)])
         if not (training and cfg.fgrpo.full_finetune):
             model = attach_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)
     if training:
         stack.enter_context(fake_process_group(ranks))
         if activation_checkpointing(cfg, "fgrpo", ranks, "cuda"):
             enable_activation_checkpointing(model)
+    mesh = init_device_mesh("cpu", (ranks,)) if sharded else None  # on real tensors
     stack.enter_context(fake_tensors())
-    return model.to_empty(device="cpu").eval()
+    model = model.to_empty(device="cpu").eval()
+    if sharded:  # on fake storage: its settling forward runs, its collectives return at once
+        shard_model(model, cfg.model.dtype, mesh)
+    return model
 
 
 def _member_factors(model, k: int) -> dict:
@@ -199,6 +223,13 @@ class LiveBytesTracker(MemTracker):
     def __init__(self):
         super().__init__()
         self._mod_tracker = _NoModules()
+        self.phase = "all"
+        self.peaks: dict = {}  # phase -> the most live bytes (cpu) seen while it ran
+
+    def _update_snap(self, *args, **kwargs) -> None:
+        super()._update_snap(*args, **kwargs)
+        now = self._curr_mem_snap.get(torch.device("cpu"), {}).get("Total", 0)
+        self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), now)
 
 
 class _OneRankWorld:
@@ -239,7 +270,7 @@ def fgrpo_step(model, cfg, ranks: int, tracker: LiveBytesTracker) -> None:
     from fgrpo.rollout import Rollouts
     from hpc.models.memory_plan import (engine_budget, fgrpo_plan, fgrpo_rollout_rows,
                                         rollout_offload)
-    from hpc.models.parallelize import TrainedWeights, decoding
+    from hpc.models.parallelize import TrainedWeights, _local, decoding
 
     f = cfg.fgrpo
     _, seq = _lengths(cfg)
@@ -252,25 +283,28 @@ def fgrpo_step(model, cfg, ranks: int, tracker: LiveBytesTracker) -> None:
     world = _OneRankWorld(ranks)
     plan = fgrpo_plan(_shape(cfg), cfg, ranks, advise=False)
     budget = engine_budget(cfg, sum(b for _, b in plan.phases[0].parts[:-2]))
-    tracker.track_external(model)
+    weights = TrainedWeights(params, f.learning_rate, f.weight_decay)
+    for p in params:  # the state of a step after the first: AdamW moments (and masters)
+        p.grad = torch.zeros_like(p)
+    weights.reduce_gradients(world)
+    weights.step(f.max_grad_norm)
+    weights.free_gradients()
+    tracker.track_external(model, weights.opt, *[_local(m) for m in weights.masters])
+    sharded = f.parallelism == "fsdp2"
     with tracker:
-        weights = TrainedWeights(params, f.learning_rate, f.weight_decay)
-        for p in params:  # the state of a step after the first: gradients, AdamW moments
-            p.grad = torch.zeros_like(p)
-        weights.reduce_gradients(world)
-        weights.step(f.max_grad_norm)
-        weights.free_gradients()
         model.eval()
-        # the trainer's rollout context (a no-op for the tracked cases: DDP, nothing moved)
+        tracker.phase = "rollout"
         with decoding(model, weights, rollout_offload(cfg, ranks, "cuda", planned=True)):
             _decode_pass(model, cfg, fgrpo_rollout_rows(cfg, ranks),
                          0 if f.full_finetune else 1, budget, sampled=True)
         model.train()
+        tracker.phase = "training"
         weights.zero_grad()
         accumulate_gradients(model, rollouts, torch.ones(rows), cfg, world,
                              cfg.task.max_new_tokens)
-        weights.reduce_gradients(world)
-        weights.step(f.max_grad_norm)
+        if not sharded:  # see the module docstring
+            weights.reduce_gradients(world)
+            weights.step(f.max_grad_norm)
 
 
 def model_config(cfg) -> dict:
@@ -278,9 +312,10 @@ def model_config(cfg) -> dict:
         return json.load(fh)
 
 
-def measure(case: str, cfg, ranks: int = 1, layers: int | None = None) -> int:
-    """Peak live bytes of ``case`` (:data:`CASES`) for the model of ``cfg.model.path`` under
-    job config ``cfg`` (with essa and fgrpo sections) on rank 0 of ``ranks``."""
+def measure_phases(case: str, cfg, ranks: int = 1, layers: int | None = None) -> dict:
+    """Peak live bytes by phase of ``case`` (:data:`CASES`) for the model of
+    ``cfg.model.path`` under job config ``cfg`` (with essa and fgrpo sections) on rank 0 of
+    ``ranks``: {"rollout": ..., "training": ...} for fgrpo, {"all": ...} otherwise."""
     if case not in CASES:
         raise ValueError(f"case {case!r} is not one of {CASES}")
     config = model_config(cfg)
@@ -297,17 +332,23 @@ def measure(case: str, cfg, ranks: int = 1, layers: int | None = None) -> int:
                     evaluation_pass(model, cfg, ranks)
                 if case in ("essa", "after_evaluation"):
                     essa_pass(model, cfg, ranks)
-        return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+        return dict(tracker.peaks)
+
+
+def measure(case: str, cfg, ranks: int = 1, layers: int | None = None) -> int:
+    """Peak live bytes of ``case`` over all its phases (:func:`measure_phases`)."""
+    return max(measure_phases(case, cfg, ranks, layers).values())
 
 
 def peak_bytes(case: str, cfg, ranks: int = 1, layers_from: tuple = ()) -> int:
     """:func:`measure` at the model's layer count; with ``layers_from`` (two small counts)
-    measured at those and extended linearly to it."""
+    each phase's peak measured at those and extended linearly to it, then the largest (the
+    phase that peaks at a few layers need not be the one that peaks at all of them)."""
     if not layers_from:
         return measure(case, cfg, ranks)
     (l1, l2), target = layers_from, model_config(cfg)["num_hidden_layers"]
-    p1, p2 = (measure(case, cfg, ranks, n) for n in (l1, l2))
-    return p1 + (p2 - p1) * (target - l1) // (l2 - l1)
+    p1, p2 = (measure_phases(case, cfg, ranks, n) for n in (l1, l2))
+    return max(p1[k] + (p2[k] - p1[k]) * (target - l1) // (l2 - l1) for k in p1)
 
 
 def main(argv=None):

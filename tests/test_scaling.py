@@ -138,7 +138,8 @@ def test_sharded_32b_rows_exist_and_sum(capsys):
     for r in rows:
         g = r["grpo"]
         assert set(g) == {"generate", "forward_backward", "gather_forward", "gather_backward",
-                          "reduce_scatter", "rollout_gather", "optimizer"}
+                          "reduce_scatter", "rollout_gather", "host_offload", "optimizer"}
+        assert g["host_offload"] == 0  # none given
         assert r["grpo_step"] == pytest.approx(sum(g.values()))
         assert r["essa_step"] == pytest.approx(sum(r["essa"].values()))
         assert g["optimizer"] == pytest.approx(8 * cost.optimizer_s / r["gpus"])
@@ -153,6 +154,23 @@ def test_sharded_32b_rows_exist_and_sum(capsys):
                  "rollout weight gather", "forward+backward"):
         assert term in breakdown
     assert "at 128 GPUs the GRPO step is" in breakdown
+
+
+def test_sharded_32b_moves_state_to_host_where_the_memory_plan_says(capsys):
+    """At 16 H100s the gathered bf16 model leaves no room for the fp32 shards and moments
+    during the rollout: the plan moves them (state, 12 bytes a parameter / 16), at 32 the
+    moments (8 / 32), from 64 on nothing; each costs there and back at 20 GB/s."""
+    main(["--paper", "--sharded"])
+    out = capsys.readouterr().out
+    assert ("16 GPUs: state (22.9 GiB); 32 GPUs: optimizer (7.6 GiB); 64 GPUs: none (0.0 GiB);"
+            " 128 GPUs: none (0.0 GiB)") in out
+    row = out.split("per-term breakdown:\n")[1].splitlines()
+    line = next(r for r in row if r.startswith("state to host and back (fgrpo.offload)"))
+    n = 32_763_876_352  # Qwen2.5-32B's parameters, as the plan counts them
+    assert line.split()[-4:] == [f"{2 * (12 * n // 16) / 20e9:.3f}",
+                                 f"{2 * (8 * n // 32) / 20e9:.3f}", "0", "0"]
+    main(["--paper", "--sharded", "--gpu", "h200"])
+    assert "16 GPUs: none (0.0 GiB)" in capsys.readouterr().out
 
 
 def write_run(path, method, ranks, config, phases, heldout_key, accuracy=(0.2, 0.4, 0.6),

@@ -115,6 +115,8 @@ class Sharding:
     micro_batch: int = 8          # sequences per forward/backward
     weight_bytes: float = 2.0     # bf16 compute weights, gathered
     grad_bytes: float = 4.0       # fp32 reduction (MixedPrecisionPolicy reduce_dtype)
+    host_bytes: tuple = ()        # ((GPUs, bytes a GPU moves to host and back per rollout), ...)
+    host_bandwidth: float = 20e9  # bytes/s of a GPU's host copies (plan.host_gb_per_s)
 
     def micro_batches(self, seqs: int) -> int:
         return max(1, math.ceil(seqs / self.micro_batch))
@@ -127,7 +129,8 @@ class Sharding:
         gather = net.shard_collective(self.weight_bytes * self.params, n)
         return {"gather_forward": micro * gather, "gather_backward": micro * gather,
                 "reduce_scatter": micro * net.shard_collective(self.grad_bytes * self.params, n),
-                "rollout_gather": gather}
+                "rollout_gather": gather,
+                "host_offload": 2 * dict(self.host_bytes).get(n, 0) / self.host_bandwidth}
 
 
 @dataclass(frozen=True)
@@ -629,7 +632,7 @@ def grpo_step(n: int, w: Workload, cost, net: Network, sharding: Sharding | None
 
 
 COMMUNICATION = ("allreduce", "gather_forward", "gather_backward", "reduce_scatter",
-                 "rollout_gather")
+                 "rollout_gather", "host_offload")
 
 
 def predict(gpus: list, w: Workload, cost, net: Network, sharding: Sharding | None = None
@@ -676,6 +679,7 @@ TERMS = {"generate": "generation", "forward_backward": "forward+backward",
          "allreduce": "gradient all-reduce", "gather_forward": "weight all-gather (forward)",
          "gather_backward": "weight all-gather (backward)",
          "reduce_scatter": "gradient reduce-scatter", "rollout_gather": "rollout weight gather",
+         "host_offload": "state to host and back (fgrpo.offload)",
          "optimizer": "optimizer", "communication": "fitness all-gather",
          "update": "CMA-ES update"}
 
@@ -771,7 +775,8 @@ def paper_comparison(rows: list, w: Workload, cost, net: Network,
         f"and GRPO {grpo_su:.1f}x: GRPO's generation and training are data parallel too, and "
         f"only its per-GPU share falling from {g16} to {g128} completions (a batch bound by "
         f"the longest completion rather than by throughput) and its "
-        + ("sharded communication (weight gathers and gradient reduce-scatters: "
+        + ("sharded communication (weight gathers, gradient reduce-scatters and host "
+           "copies: "
            f"{_comm(a):.0f} s a step at 16 GPUs, {_comm(b):.0f} s at 128, {_comm(b) / b['grpo_step']:.0%} "
            "of the step there; a GPU's share of a 64-prompt update stops falling beyond 64 "
            "GPUs, so its gathers per update do not) " if sharding else "all-reduces ")
@@ -934,8 +939,11 @@ def setup(args) -> tuple:
         net = Network(LINKS[args.network], LINKS[args.intra], args.gpus_per_node)
     sharding = None
     if args.sharded:
+        host, host_note = host_offload(args, w)
         sharding = Sharding(args.params, args.micro_batch,
-                            grad_bytes=4.0 if args.reduce_dtype == "float32" else 2.0)
+                            grad_bytes=4.0 if args.reduce_dtype == "float32" else 2.0,
+                            host_bytes=host)
+        notes.append(host_note)
         notes.append(
             f"sharded full-parameter GRPO (FSDP2 over all N GPUs): per micro-batch of "
             f"{sharding.micro_batch} sequences the {sharding.weight_bytes * args.params / 1e9:.0f}"
@@ -945,6 +953,45 @@ def setup(args) -> tuple:
             f"ring cost (N-1)/N bytes/bw + (N-1) latency over the slowest link; AdamW on 1/N "
             f"of the state; nothing overlapped with compute")
     return w, cost, net, source, notes, sharding
+
+
+def host_offload(args, w: "Workload") -> tuple:
+    """((GPUs, bytes), ...) a GPU moves to host memory and back around each rollout of sharded
+    full-parameter GRPO, as the job's memory plan decides it (fgrpo.offload=auto: the first of
+    none, optimizer, state that fits :data:`GPUS`' memory), and a note saying so. Computed for
+    the Qwen2.5-32B shape the model defaults to; other shapes get no term."""
+    from hpc.models.memory_plan import (QWEN25, ModelShape, fgrpo_plan, offloaded_bytes,
+                                        plan_job_class)
+    from hpc.runtime.config import load_config
+
+    m = QWEN25_32B
+    if (args.params, args.layers, args.hidden, args.intermediate, args.kv_dim) != (
+            m.params, m.layers, m.hidden, m.intermediate, m.kv_dim):
+        return (), ("host offload of the training state during rollouts: not computed for a "
+                    "model other than Qwen2.5-32B (hpc-plan gives it for a config.json)")
+    shape = ModelShape.from_config(dict(QWEN25["32B"], model_type="qwen2"))
+    gib = GPUS[args.gpu].memory / 1e9
+    cfg = load_config(plan_job_class(), None, [
+        "model.dtype=bfloat16", "fgrpo.full_finetune=true", "fgrpo.parallelism=fsdp2",
+        "model.activation_checkpointing=on",
+        f"fgrpo.micro_batch={args.micro_batch}", f"fgrpo.batch_prompts={w.grpo_batch}",
+        f"fgrpo.num_generations={w.grpo_generations}",
+        f"task.max_new_tokens={args.max_new_tokens}",
+        f"plan.max_prompt_tokens={args.prompt_tokens}", f"plan.gpu_memory_gib={gib:g}"])
+    moved, modes = [], []
+    for n in sorted(set(args.gpus)):
+        for mode in ("none", "optimizer", "state"):
+            cfg.fgrpo.offload = mode
+            if fgrpo_plan(shape, cfg, n, advise=False).fits:
+                moved.append((n, offloaded_bytes(shape, cfg, n)))
+                modes.append(f"{n} GPUs: {mode} ({moved[-1][1] / 2 ** 30:.1f} GiB)")
+                break
+        else:
+            modes.append(f"{n} GPUs: does not fit even with state")
+    return tuple(moved), (
+        f"host offload (fgrpo.offload=auto as the job's memory plan picks it on {gib:g} GB "
+        f"with activation checkpointing, the job's other defaults): " + "; ".join(modes) + f"; there and back at "
+        f"{cfg.plan.host_gb_per_s:g} GB/s a GPU (plan.host_gb_per_s)")
 
 
 @user_errors_exit

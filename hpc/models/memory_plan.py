@@ -38,15 +38,16 @@ context, NCCL buffers, allocator fragmentation) and every engine holds a row in 
 * F-GRPO training, one micro-batch of ``fgrpo.micro_batch`` sequences: without activation
   checkpointing every layer keeps (6h + 2ad + 3I) values a token in 16 bits ((5h + ...) in
   fp32; K and V at all a heads, as transformers' padded path saves them) plus the inputs of
-  the LoRA targets in fp32, or (4h + I) values more with full fine-tuning; with it
+  the LoRA targets in fp32 (not under FSDP2, which gathers the factors in 16 bits), or
+  (4h + I) values more with full fine-tuning; with it
   (``model.activation_checkpointing``) each layer keeps its input (h values) and one layer is
   recomputed at a time. Log-probs: full-vocabulary logits cost 16 V bytes a position at the
   backward's peak; in chunks (``model.logprob_chunk`` = c) the final norm's input and the
   flattened hidden states stay, and one chunk's 16 c V bytes come and go.
 
 These terms were checked against torch's memory tracker running the package's own engine and
-F-GRPO step on fake tensors (benchmarks/memory_tracker.py, tests/test_memory_plan.py: within
-15% for Qwen2.5-1.5B, 7B and 32B). When a plan does not fit, the advice is the first of a list
+F-GRPO step on fake tensors, DDP and FSDP2 (benchmarks/memory_tracker.py,
+tests/test_memory_plan.py: within 15% for Qwen2.5-1.5B, 7B and 32B). When a plan does not fit, the advice is the first of a list
 of changes (checkpointing, chunked log-probs, smaller micro-batches, FSDP2 over more ranks,
 optimizer offload, a smaller engine budget, int8 weights) under which it does.
 
@@ -427,7 +428,9 @@ def training_activation_parts(shape: ModelShape, cfg, ranks: int) -> list:
     forward keeps for the backward plus the larger backward transient."""
     e, f = _bytes(cfg), cfg.fgrpo
     tokens = f.micro_batch * _seq(cfg)
-    targets = () if f.full_finetune else cfg.lora.targets
+    # the LoRA targets' inputs are kept in fp32 where peft casts them up to the fp32 factors;
+    # under FSDP2 the factors are gathered in model.dtype like every other weight
+    targets = () if f.full_finetune or _sharded(cfg) else cfg.lora.targets
     layer = shape.training_layer_bytes(e, targets, f.full_finetune)
     chunk = cfg.model.logprob_chunk
     upcast = 4 if e < 4 else 0

@@ -27,6 +27,17 @@ import torch
 OFFLOAD_MODES = ("none", "optimizer", "state")
 
 
+def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """Host memory for ``nbytes`` bytes of a storage on ``device``: pinned for a CUDA one
+    (the memory tracker's harness, benchmarks/memory_tracker.py, puts it on ``meta``)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+
+
+def _bytes_of(storage) -> torch.Tensor:
+    """A flat uint8 tensor over all of ``storage``."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
 class HostCopy:
     """The storages of ``tensors`` (each once, empty ones skipped) moved to host memory until
     :meth:`restore`. ``nbytes``: the device bytes freed."""
@@ -36,13 +47,11 @@ class HostCopy:
         seen = set()
         for t in tensors:
             storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if storage.nbytes() == 0 or key in seen:
+            if storage.nbytes() == 0 or storage._cdata in seen:
                 continue
-            seen.add(key)
-            host = torch.empty(storage.nbytes(), dtype=torch.uint8,
-                               pin_memory=storage.device.type == "cuda")
-            host.untyped_storage().copy_(storage, non_blocking=True)
+            seen.add(storage._cdata)
+            host = host_buffer(storage.nbytes(), storage.device)
+            host.copy_(_bytes_of(storage), non_blocking=True)
             self._held.append((storage, host, storage.nbytes()))
         # The device-to-host copies are queued on the current stream, before the frees below:
         # the caching allocator hands the freed blocks only to work queued after them.
@@ -54,5 +63,5 @@ class HostCopy:
         """Give every storage its bytes back (host-to-device copies on the current stream)."""
         for storage, host, nbytes in self._held:
             storage.resize_(nbytes)
-            storage.copy_(host.untyped_storage(), non_blocking=True)
+            _bytes_of(storage).copy_(host, non_blocking=True)
         self._held = []
