@@ -98,8 +98,8 @@ def gathered(model, to_host: bool = False):
     weights resharded, freeing the gathered copy. A no-op for an unsharded model.
 
     ``to_host``: each unit's fp32 shards go to host memory (:class:`HostCopy`) as soon as that
-    unit is gathered, and come back just before it is resharded, so the rank never holds the
-    shards and the gathered model whole at once (units are gathered one after the other)."""
+    unit is gathered, and come back once it is resharded, so the rank never holds the shards
+    and the gathered model whole at once (units are gathered one after the other)."""
     if not is_sharded(model):
         yield model
         return
@@ -119,11 +119,11 @@ def gathered(model, to_host: bool = False):
         yield model
     finally:
         model.__dict__.pop("_decode_engine", None)
-        for unit in units:
-            if unit in moved:
-                moved.pop(unit).restore()
+        for unit in units:  # each unit's gathered copy freed before its shards come back
             unit.reshard()
             unit.set_reshard_after_forward(unit is not root, recurse=False)
+            if unit in moved:
+                moved.pop(unit).restore()
 
 
 @contextlib.contextmanager
