@@ -3,6 +3,13 @@ tensors: no weights, no GPU, any model shape (Qwen2.5-1.5B to 32B) in seconds.
 
     python benchmarks/memory_tracker.py [CONFIG.yaml] model.path=FOLDER [key=value ...]
         [--ranks N] [--cases essa,evaluation,after_evaluation,fgrpo]
+    python benchmarks/memory_tracker.py configs/cluster/math.yaml --qwen25 1.5B \
+        fgrpo.parallelism=fsdp2 fgrpo.full_finetune=true --cases fgrpo --device cuda \
+        --json benchmarks/results/gpu_memory-h200.json
+
+The second form is the GPU check of the plan: the same code on real tensors (weights drawn at
+random), one rank, every layer, each phase's ``torch.cuda.max_memory_allocated`` printed beside
+the plan's figure (``--device cpu``: torch's tracker on real CPU tensors).
 
 Each case builds the model from ``model.path``'s ``config.json`` (no weights needed) under ``FakeTensorMode`` (``from_config`` in
 the config's ``model.dtype``; tensors on the ``cpu`` device: on a CPU-only torch a fake ``cuda``
@@ -48,7 +55,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
+import tempfile
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -88,13 +97,14 @@ def fake_tensors():
 
 
 def fake_model(config: dict, cfg, case: str, ranks: int, stack: contextlib.ExitStack,
-               layers: int | None = None):
+               layers: int | None = None, device: str = "fake"):
     """The model of ``config`` (a config.json dict) as the job builds it, in eval mode: in
     ``model.dtype``, with the job's fresh LoRA adapter
     unless F-GRPO fine-tunes every weight, and for F-GRPO with activation checkpointing where
     it resolves to on (and torch's fake process group of ``ranks`` entered in ``stack``).
     Built on the meta device, then given fake storage under :func:`fake_tensors` (entered in
-    ``stack`` too). ``layers`` overrides
+    ``stack`` too), or with ``device`` cpu or cuda real storage (weights drawn N(0, 0.02),
+    LoRA B zero, one real rank: ``ranks`` must be 1). ``layers`` overrides
     ``num_hidden_layers``."""
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -113,13 +123,21 @@ def fake_model(config: dict, cfg, case: str, ranks: int, stack: contextlib.ExitS
                                            cfg.model.dtype)])
         if not (training and cfg.fgrpo.full_finetune):
             model = attach_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)
+    real = device != "fake"
     if training:
-        stack.enter_context(fake_process_group(ranks))
+        stack.enter_context(one_real_rank(device) if real else fake_process_group(ranks))
         if activation_checkpointing(cfg, "fgrpo", ranks, "cuda"):
             enable_activation_checkpointing(model)
-    mesh = init_device_mesh("cpu", (ranks,)) if sharded else None  # on real tensors
-    stack.enter_context(fake_tensors())
-    model = model.to_empty(device="cpu").eval()
+    mesh = init_device_mesh(device if real else "cpu", (ranks,)) if sharded else None
+    if real:
+        model = model.to_empty(device=device)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.zero_() if "lora_B" in name else p.normal_(0.0, 0.02)
+    else:
+        stack.enter_context(fake_tensors())
+        model = model.to_empty(device="cpu")
+    model.eval()
     if sharded:  # on fake storage: its settling forward runs, its collectives return at once
         shard_model(model, cfg.model.dtype, mesh)
     return model
@@ -156,13 +174,15 @@ def _decode_pass(model, cfg, rows: int, k: int, budget: int, sampled: bool) -> N
         if k:
             engine.set_members(_member_factors(model, k) if k > 1 else None)
         n = max(1, min(engine.slots, PREFILL_TOKENS // prompt))
-        ids = torch.zeros((n, prompt), dtype=torch.int64)
-        admitted = torch.arange(n)
-        engine.prefill(ids, torch.full((n,), prompt), admitted, admitted % max(k, 1))
+        device = engine.device
+        ids = torch.zeros((n, prompt), dtype=torch.int64, device=device)
+        admitted = torch.arange(n, device=device)
+        engine.prefill(ids, torch.full((n,), prompt, device=device), admitted,
+                       admitted % max(k, 1))
         engine.positions[:] = seq - 1
         logits = engine.step(engine.slots, engine.cache.max_len)
         if sampled:
-            keys = torch.zeros(engine.slots, dtype=torch.int64)
+            keys = torch.zeros(engine.slots, dtype=torch.int64, device=device)
             pick_tokens(logits, Sampling(1.0, 1.0, 0), keys, keys, keys)
 
 
@@ -232,6 +252,40 @@ class LiveBytesTracker(MemTracker):
         self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), now)
 
 
+class CudaPhasePeaks:
+    """What :class:`LiveBytesTracker` gives, from the CUDA caching allocator of a real run:
+    ``peaks[phase]`` = ``torch.cuda.max_memory_allocated`` while ``phase`` ran (the peak
+    statistics are reset as each phase starts)."""
+
+    def __init__(self):
+        self._phase, self.peaks = "all", {}
+
+    def track_external(self, *objects) -> None:
+        pass  # the allocator sees every tensor
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, name: str) -> None:
+        self._close()
+        self._phase = name
+        torch.cuda.reset_peak_memory_stats()
+
+    def _close(self) -> None:
+        torch.cuda.synchronize()
+        self.peaks[self._phase] = max(self.peaks.get(self._phase, 0),
+                                      torch.cuda.max_memory_allocated())
+
+    def __enter__(self):
+        torch.cuda.reset_peak_memory_stats()
+        return self
+
+    def __exit__(self, *exc):
+        self._close()
+
+
 class _OneRankWorld:
     """The World that accumulate_gradients needs: ``size`` ranks with identical counts."""
 
@@ -246,6 +300,19 @@ class _OneRankWorld:
 
     def count(self, *args, **kwargs):
         pass
+
+
+@contextlib.contextmanager
+def one_real_rank(device: str):
+    """A real process group of one rank (NCCL on CUDA, gloo on CPU) for the duration."""
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(),
+                            rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 @contextlib.contextmanager
@@ -264,8 +331,9 @@ def fake_process_group(ranks: int):
         dist.destroy_process_group()
 
 
-def fgrpo_step(model, cfg, ranks: int, tracker: LiveBytesTracker) -> None:
-    """One F-GRPO step on rank 0 of ``ranks`` (module docstring)."""
+def fgrpo_step(model, cfg, ranks: int, tracker, real: bool = False) -> None:
+    """One F-GRPO step on rank 0 of ``ranks`` (module docstring); ``real``: on real tensors,
+    where the sharded AdamW step is measured too (phase ``step``)."""
     from fgrpo.gradients import accumulate_gradients
     from fgrpo.rollout import Rollouts
     from hpc.models.memory_plan import (engine_budget, fgrpo_plan, fgrpo_rollout_rows,
@@ -276,8 +344,9 @@ def fgrpo_step(model, cfg, ranks: int, tracker: LiveBytesTracker) -> None:
     _, seq = _lengths(cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     rows = 2 * f.micro_batch
-    ids = torch.zeros((rows, seq), dtype=torch.int64)
-    rollouts = Rollouts(ids, torch.ones_like(ids), torch.ones((rows, seq)),
+    device = next(model.parameters()).device
+    ids = torch.zeros((rows, seq), dtype=torch.int64, device=device)
+    rollouts = Rollouts(ids, torch.ones_like(ids), torch.ones((rows, seq), device=device),
                         torch.zeros((max(1, rows // f.num_generations), f.num_generations)),
                         torch.full((rows,), seq))
     world = _OneRankWorld(ranks)
@@ -289,20 +358,22 @@ def fgrpo_step(model, cfg, ranks: int, tracker: LiveBytesTracker) -> None:
     weights.reduce_gradients(world)
     weights.step(f.max_grad_norm)
     weights.free_gradients()
+    tracker.phase = "rollout"
     tracker.track_external(model, weights.opt, *[_local(m) for m in weights.masters])
     sharded = f.parallelism == "fsdp2"
     with tracker:
         model.eval()
-        tracker.phase = "rollout"
         with decoding(model, weights, rollout_offload(cfg, ranks, "cuda", planned=True)):
             _decode_pass(model, cfg, fgrpo_rollout_rows(cfg, ranks),
                          0 if f.full_finetune else 1, budget, sampled=True)
         model.train()
         tracker.phase = "training"
         weights.zero_grad()
-        accumulate_gradients(model, rollouts, torch.ones(rows), cfg, world,
+        accumulate_gradients(model, rollouts, torch.ones(rows, device=device), cfg, world,
                              cfg.task.max_new_tokens)
-        if not sharded:  # see the module docstring
+        if real:
+            tracker.phase = "step"
+        if real or not sharded:  # see the module docstring
             weights.reduce_gradients(world)
             weights.step(f.max_grad_norm)
 
@@ -312,18 +383,23 @@ def model_config(cfg) -> dict:
         return json.load(fh)
 
 
-def measure_phases(case: str, cfg, ranks: int = 1, layers: int | None = None) -> dict:
+def measure_phases(case: str, cfg, ranks: int = 1, layers: int | None = None,
+                   device: str = "fake") -> dict:
     """Peak live bytes by phase of ``case`` (:data:`CASES`) for the model of
     ``cfg.model.path`` under job config ``cfg`` (with essa and fgrpo sections) on rank 0 of
-    ``ranks``: {"rollout": ..., "training": ...} for fgrpo, {"all": ...} otherwise."""
+    ``ranks``: {"rollout": ..., "training": ...} for fgrpo (+ "step" on a real ``device``),
+    {"all": ...} otherwise. ``device``: fake tensors, or real ones on cpu (torch's tracker)
+    or cuda (the allocator's peaks)."""
     if case not in CASES:
         raise ValueError(f"case {case!r} is not one of {CASES}")
     config = model_config(cfg)
     with contextlib.ExitStack() as stack:
-        model = fake_model(config, cfg, case, ranks, stack, layers)
-        tracker = LiveBytesTracker()
+        model = fake_model(config, cfg, case, ranks, stack, layers, device)
+        tracker = CudaPhasePeaks() if device == "cuda" else LiveBytesTracker()
+        if device == "cuda":
+            torch.cuda.empty_cache()
         if case == "fgrpo":
-            fgrpo_step(model, cfg, ranks, tracker)
+            fgrpo_step(model, cfg, ranks, tracker, real=device != "fake")
         else:  # ESSA loads its adapter frozen (is_trainable=False)
             model.requires_grad_(False)
             tracker.track_external(model)
@@ -335,9 +411,10 @@ def measure_phases(case: str, cfg, ranks: int = 1, layers: int | None = None) ->
         return dict(tracker.peaks)
 
 
-def measure(case: str, cfg, ranks: int = 1, layers: int | None = None) -> int:
+def measure(case: str, cfg, ranks: int = 1, layers: int | None = None,
+            device: str = "fake") -> int:
     """Peak live bytes of ``case`` over all its phases (:func:`measure_phases`)."""
-    return max(measure_phases(case, cfg, ranks, layers).values())
+    return max(measure_phases(case, cfg, ranks, layers, device).values())
 
 
 def peak_bytes(case: str, cfg, ranks: int = 1, layers_from: tuple = ()) -> int:
@@ -351,8 +428,27 @@ def peak_bytes(case: str, cfg, ranks: int = 1, layers_from: tuple = ()) -> int:
     return max(p1[k] + (p2[k] - p1[k]) * (target - l1) // (l2 - l1) for k in p1)
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GIB:8.2f} GiB" if nbytes >= GIB else f"{nbytes / 2 ** 20:8.2f} MiB"
+
+
+def planned_phases(case: str, cfg, ranks: int) -> dict:
+    """The plan's figure for each phase :func:`measure_phases` reports."""
+    from hpc.models.memory_plan import essa_plan, fgrpo_plan
+
+    if case != "fgrpo":
+        plan = essa_plan(_shape(cfg), cfg, ranks)
+        return {"all": {"essa": plan.phase("ESSA scoring").peak,
+                        "evaluation": plan.phase("evaluation").peak,
+                        "after_evaluation": plan.peak}[case]}
+    plan = fgrpo_plan(_shape(cfg), cfg, ranks)
+    train = plan.phases[1].peak
+    step = next((p.peak for p in plan.phases if p.name.startswith("gradient reduction")), train)
+    return {"rollout": plan.phase("rollout").peak, "training": train, "step": step}
+
+
 def main(argv=None):
-    from hpc.models.memory_plan import plan_job_class
+    from hpc.models.memory_plan import QWEN25, plan_job_class
     from hpc.runtime.config import load_config
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -361,13 +457,50 @@ def main(argv=None):
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--layers-from", type=int, nargs=2, default=(2, 4), metavar=("L1", "L2"),
                    help="measure at these layer counts and extend linearly (0 0: every layer)")
+    p.add_argument("--device", choices=["fake", "cpu", "cuda"], default="fake",
+                   help="fake tensors (any shape, no memory), or a real run of one rank at "
+                        "every layer: cpu (torch's tracker) or cuda (the allocator's peak, "
+                        "torch.cuda.max_memory_allocated, per phase)")
+    p.add_argument("--json", metavar="PATH", help="also write each phase's figure and the "
+                                                  "plan's beside it as JSON")
+    p.add_argument("--qwen25", choices=sorted(QWEN25), help="the released Qwen2.5 shape of "
+                   "this size (its config.json written to a temporary folder) as model.path")
     args = p.parse_intermixed_args(argv)  # keys may follow the options
+    overrides = [i for i in args.items if "=" in i]
+    if args.qwen25:
+        folder = tempfile.mkdtemp(prefix=f"qwen2.5-{args.qwen25}-")
+        with open(os.path.join(folder, "config.json"), "w") as fh:
+            json.dump(dict(QWEN25[args.qwen25], model_type="qwen2",
+                           architectures=["Qwen2ForCausalLM"]), fh)
+        overrides.append(f"model.path={folder}")
     cfg = load_config(plan_job_class(), next((i for i in args.items if "=" not in i), None),
-                      [i for i in args.items if "=" in i])
-    layers = tuple(args.layers_from) if all(args.layers_from) else ()
+                      overrides)
+    if args.device != "fake" and args.ranks != 1:
+        raise SystemExit("--device cpu/cuda runs one real rank: use --ranks 1")
+    layers = tuple(args.layers_from) if all(args.layers_from) and args.device == "fake" else ()
     print(f"machine: {machine()}")
+    results = []
     for case in args.cases.split(","):
-        print(f"{case:<18} {peak_bytes(case, cfg, args.ranks, layers) / GIB:8.2f} GiB")
+        if args.device == "fake":
+            measured = {"all": peak_bytes(case, cfg, args.ranks, layers)}
+        else:
+            measured = measure_phases(case, cfg, args.ranks, None, args.device)
+        planned = planned_phases(case, cfg, args.ranks)
+        for phase, nbytes in measured.items():
+            plan = planned.get(phase, max(planned.values()))
+            label = case if phase == "all" else f"{case} {phase}"
+            print(f"{label:<18} {_size(nbytes)}   plan {_size(plan)} "
+                  f"({(plan - nbytes) / nbytes:+.1%})")
+            results.append({"case": case, "phase": phase, "measured_bytes": int(nbytes),
+                            "planned_bytes": int(plan)})
+    overrides = [i for i in overrides if not i.startswith("model.path=")]
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"machine": machine(), "device": args.device, "ranks": args.ranks,
+                       "model": args.qwen25 and f"Qwen2.5-{args.qwen25} (random weights)"
+                       or cfg.model.path, "overrides": overrides,
+                       "results": results}, fh, indent=1)
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

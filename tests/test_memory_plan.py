@@ -357,3 +357,24 @@ def test_tracker_peak_is_linear_in_layers(tmp_path, case):
     ranks = F_GRPO_RANKS if case == "fgrpo" else ESSA_RANKS
     assert peak_bytes(case, cfg, ranks, (2, 4)) == pytest.approx(measure(case, cfg, ranks),
                                                                  rel=0.005)
+
+
+def test_harness_on_real_tensors_reports_each_phase_beside_the_plan(tmp_path, capsys):
+    """The GPU check's form (benchmarks/memory_tracker.py --device cuda) on real CPU tensors:
+    a tiny shape, FSDP2 full fine-tuning on one real rank, offload state; every phase of the
+    step measured (the AdamW step included) and written with the plan's figure."""
+    from memory_tracker import main as tracker_main
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=512, tie_word_embeddings=True)))
+    out = tmp_path / "phases.json"
+    tracker_main([f"model.path={tmp_path}", "plan.max_prompt_tokens=8", "task.max_new_tokens=8",
+                  "fgrpo.batch_prompts=2", "fgrpo.num_generations=2", "fgrpo.micro_batch=2",
+                  "fgrpo.parallelism=fsdp2", "fgrpo.full_finetune=true", "fgrpo.offload=state",
+                  "--cases", "fgrpo", "--device", "cpu", "--json", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert [r["phase"] for r in rows] == ["rollout", "training", "step"]
+    assert all(r["measured_bytes"] > 0 and r["planned_bytes"] > 0 for r in rows)
+    assert "fgrpo step" in capsys.readouterr().out
