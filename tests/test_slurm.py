@@ -340,6 +340,39 @@ def test_term_trap_passes_sigusr1_to_mpirun_so_the_step_finishes(tmp_path):
     assert (run / "checkpoints" / "step-00000001.safetensors").exists()
 
 
+@pytest.mark.parametrize("status,rc", [("preempted", 1), ("running", 1), ("complete", 0)])
+def test_launcher_exit_0_counts_as_done_only_when_the_run_file_says_complete(tmp_path, status,
+                                                                              rc):
+    """run_job (common.sh) outside Slurm, with the real mpirun: ranks that exit 0 at once
+    (as when srun's launch aborted on a requeue: it exited 0 and the job said "done") leave
+    the run file as it was. Only a run file that says complete is "done"; else exit 1 and one
+    line saying how to resume. The interpreter PYTHON is also what reads the run file."""
+    require(mpirun_path() is not None, "mpirun")
+    from hpc.runtime.runstore import RunStore
+
+    run = tmp_path / "runs" / "fgrpo-42"
+    run.mkdir(parents=True)
+    store = RunStore(str(run / "fgrpo.h5"), True, {"method": "fgrpo"})
+    store.close(status)
+    trainer = tmp_path / "trainer"  # as a trainer (-m MODULE ...) it does nothing
+    trainer.write_text(f"#!/bin/sh\n[ \"$1\" = -m ] && exit 0\nexec {sys.executable} \"$@\"\n")
+    trainer.chmod(0o755)
+    script = tmp_path / "job.sh"
+    script.write_text('source jobscripts/slurm/common.sh\nrun_job fgrpo fgrpo "fgrpo.steps=5"\n')
+    env = dict(os.environ, **MPI_ENV)
+    env.update(SLURM_JOB_ID="42", SLURM_NTASKS="2", LAUNCHER="mpirun", PYTHON=str(trainer),
+               RUN_ROOT=str(tmp_path / "runs"), OMPI_MCA_ras="^slurm", OMPI_MCA_plm="^slurm",
+               OMPI_MCA_rmaps_base_oversubscribe="1")
+    proc = subprocess.run(["bash", str(script)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == rc, proc.stdout + proc.stderr
+    if rc:
+        assert f"says '{status}': the ranks did not finish" in proc.stderr
+        assert "scontrol requeue 42" in proc.stderr and "done:" not in proc.stdout
+    else:
+        assert f"done: {tmp_path / 'runs'}/fgrpo-42" in proc.stdout
+
+
 def test_sigterm_to_the_batch_shell_lets_mpirun_ranks_finish_the_step(slurm, tmp_path):
     """The TERM trap used to pass SIGTERM to mpirun, which (PRRTE) SIGKILLs its ranks 0.25 s
     after SIGTERM: the step in flight was lost. It now sends SIGUSR1."""

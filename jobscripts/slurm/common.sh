@@ -22,7 +22,8 @@
 # them; --gpus-per-task would hide each rank's neighbours.
 #
 # Exit codes of the job step, as the trainers use them:
-#   0 done;  2 user error (bad config, path, data): the job fails and is never requeued;
+#   0 done (the run file must then say complete, else the job fails with exit 1);
+#   2 user error (bad config, path, data): the job fails and is never requeued;
 #   3 preempted: every rank checkpointed and stopped; this script requeues the job and the
 #     requeued run (same job id, same run folder) continues with --resume.
 # Before the time limit Slurm sends SIGUSR1 to this batch shell only (#SBATCH --signal=B:USR1@T);
@@ -115,6 +116,20 @@ run_job() {
     break
   done
   trap - USR1 TERM
+
+  # A launcher can exit 0 without the ranks having run to the end (srun once did, when slurmd
+  # refused a requeued job's credential): a run file that is not complete is then a failure.
+  local status
+  if ((rc == 0)) && [[ -f $out/$method.h5 ]]; then
+    status=$("$python" -c 'import sys, h5py
+with h5py.File(sys.argv[1], "r", locking=False) as f:
+    print(f.attrs.get("status", "unknown"))' "$out/$method.h5" 2>/dev/null) || status=unreadable
+    if [[ $status != complete ]]; then
+      echo "error: the launcher exited 0 but $out/$method.h5 says '$status': the ranks did" \
+           "not finish (a failed launch?); to resume it: scontrol requeue $SLURM_JOB_ID" >&2
+      rc=1
+    fi
+  fi
 
   case $rc in
     0) echo "done: $out" ;;
