@@ -309,14 +309,13 @@ def test_cancelled_job_stays_cancelled_despite_checkpoint_exit(slurm, tmp_path):
     assert [s[1] for s in _starts(run)] == ["fresh", "fresh"]
 
 
-def test_term_trap_passes_sigusr1_to_mpirun_so_the_step_finishes(tmp_path):
-    """run_job (common.sh) outside Slurm, with the real mpirun: SIGTERM to the batch shell must
-    reach the ranks as SIGUSR1. The trap used to pass SIGTERM on, and PRRTE's mpirun SIGKILLs
-    its ranks 0.25 s after forwarding SIGTERM, so the stand-in (1.5 s to finish its step) died
-    without a checkpoint."""
+def _job_outside_slurm(tmp_path, trainer_text: str) -> tuple:
+    """(script, env) that run run_job (common.sh) as job 42 of 2 ranks outside Slurm, under
+    the real mpirun, with ``trainer_text`` as the interpreter PYTHON; runs go to
+    ``tmp_path/runs``."""
     require(mpirun_path() is not None, "mpirun")
     trainer = tmp_path / "trainer"
-    trainer.write_text(f"#!{sys.executable}\n{STAND_IN}")
+    trainer.write_text(trainer_text)
     trainer.chmod(0o755)
     script = tmp_path / "job.sh"
     script.write_text('source jobscripts/slurm/common.sh\nrun_job fgrpo fgrpo "fgrpo.steps=5"\n')
@@ -324,6 +323,15 @@ def test_term_trap_passes_sigusr1_to_mpirun_so_the_step_finishes(tmp_path):
     env.update(SLURM_JOB_ID="42", SLURM_NTASKS="2", LAUNCHER="mpirun", PYTHON=str(trainer),
                RUN_ROOT=str(tmp_path / "runs"), OMPI_MCA_ras="^slurm", OMPI_MCA_plm="^slurm",
                OMPI_MCA_rmaps_base_oversubscribe="1")
+    return script, env
+
+
+def test_term_trap_passes_sigusr1_to_mpirun_so_the_step_finishes(tmp_path):
+    """run_job (common.sh) outside Slurm, with the real mpirun: SIGTERM to the batch shell must
+    reach the ranks as SIGUSR1. The trap used to pass SIGTERM on, and PRRTE's mpirun SIGKILLs
+    its ranks 0.25 s after forwarding SIGTERM, so the stand-in (1.5 s to finish its step) died
+    without a checkpoint."""
+    script, env = _job_outside_slurm(tmp_path, f"#!{sys.executable}\n{STAND_IN}")
     run = tmp_path / "runs" / "fgrpo-42"
     proc = subprocess.Popen(["bash", str(script)], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -347,22 +355,15 @@ def test_launcher_exit_0_counts_as_done_only_when_the_run_file_says_complete(tmp
     (as when srun's launch aborted on a requeue: it exited 0 and the job said "done") leave
     the run file as it was. Only a run file that says complete is "done"; else exit 1 and one
     line saying how to resume. The interpreter PYTHON is also what reads the run file."""
-    require(mpirun_path() is not None, "mpirun")
     from hpc.runtime.runstore import RunStore
 
     run = tmp_path / "runs" / "fgrpo-42"
     run.mkdir(parents=True)
     store = RunStore(str(run / "fgrpo.h5"), True, {"method": "fgrpo"})
     store.close(status)
-    trainer = tmp_path / "trainer"  # as a trainer (-m MODULE ...) it does nothing
-    trainer.write_text(f"#!/bin/sh\n[ \"$1\" = -m ] && exit 0\nexec {sys.executable} \"$@\"\n")
-    trainer.chmod(0o755)
-    script = tmp_path / "job.sh"
-    script.write_text('source jobscripts/slurm/common.sh\nrun_job fgrpo fgrpo "fgrpo.steps=5"\n')
-    env = dict(os.environ, **MPI_ENV)
-    env.update(SLURM_JOB_ID="42", SLURM_NTASKS="2", LAUNCHER="mpirun", PYTHON=str(trainer),
-               RUN_ROOT=str(tmp_path / "runs"), OMPI_MCA_ras="^slurm", OMPI_MCA_plm="^slurm",
-               OMPI_MCA_rmaps_base_oversubscribe="1")
+    # as a trainer (-m MODULE ...) it does nothing; otherwise it is the real interpreter
+    script, env = _job_outside_slurm(
+        tmp_path, f"#!/bin/sh\n[ \"$1\" = -m ] && exit 0\nexec {sys.executable} \"$@\"\n")
     proc = subprocess.run(["bash", str(script)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == rc, proc.stdout + proc.stderr

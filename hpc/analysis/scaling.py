@@ -983,7 +983,7 @@ def host_offload(args, w: "Workload") -> tuple:
         for mode in ("none", "optimizer", "state"):
             cfg.fgrpo.offload = mode
             if fgrpo_plan(shape, cfg, n, advise=False).fits:
-                moved.append((n, offloaded_bytes(shape, cfg, n)))
+                moved.append((n, offloaded_bytes(shape, cfg, n, mode)))
                 modes.append(f"{n} GPUs: {mode} ({moved[-1][1] / 2 ** 30:.1f} GiB)")
                 break
         else:

@@ -511,9 +511,10 @@ def moved_kinds(cfg, offload: str) -> tuple:
     return kinds if _sharded(cfg) else tuple(k for k in kinds if k in ("moments", "masters"))
 
 
-def offloaded_bytes(shape: ModelShape, cfg, ranks: int) -> int:
-    """Bytes a rank moves to host memory (and back) around each rollout and evaluation."""
-    kinds = moved_kinds(cfg, _offload(cfg, ranks))
+def offloaded_bytes(shape: ModelShape, cfg, ranks: int, offload: str) -> int:
+    """Bytes a rank moves to host memory (and back) around each rollout and evaluation under
+    ``offload`` (``fgrpo.offload`` resolved: none, optimizer or state)."""
+    kinds = moved_kinds(cfg, offload)
     return sum(b for _, b, kind in fgrpo_state(shape, cfg, ranks) if kind in kinds)
 
 
@@ -531,10 +532,13 @@ def rollout_offload(cfg, ranks: int, device_type: str, planned: bool = False) ->
             or not os.path.isfile(os.path.join(path, "config.json"))):
         return "none"
     shape = ModelShape.from_folder(path)
-    plans = {mode: fgrpo_plan(shape, _with(cfg, fgrpo__offload=mode), ranks, advise=False)
-             for mode in ("none", "optimizer", "state")}
-    fitting = [mode for mode, plan in plans.items() if plan.fits]
-    return fitting[0] if fitting else min(plans, key=lambda mode: plans[mode].peak)
+    peaks = {}
+    for mode in ("none", "optimizer", "state"):
+        plan = fgrpo_plan(shape, _with(cfg, fgrpo__offload=mode), ranks, advise=False)
+        if plan.fits:
+            return mode
+        peaks[mode] = plan.peak
+    return min(peaks, key=peaks.get)
 
 
 def _offload(cfg, ranks: int) -> str:
@@ -566,7 +570,7 @@ def fgrpo_plan(shape: ModelShape, cfg, ranks: int, advise: bool = True) -> Metho
     state = [(label, b) for label, b, kind in held if kind != "gradients"]
     gradients = [(label, b) for label, b, kind in held if kind == "gradients"]
     offload = _offload(cfg, ranks)
-    moved = offloaded_bytes(shape, cfg, ranks)
+    moved = offloaded_bytes(shape, cfg, ranks, offload)
     k = 0 if f.full_finetune else 1
     rows = fgrpo_rollout_rows(cfg, ranks)
     decoding = list(state)  # the rollout's and the evaluation's
