@@ -448,7 +448,8 @@ def planned_phases(case: str, cfg, ranks: int) -> dict:
 
 
 def main(argv=None):
-    from hpc.models.memory_plan import QWEN25, plan_job_class
+    from hpc.commands import plan_job_class
+    from hpc.models.memory_plan import QWEN25
     from hpc.runtime.config import load_config
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

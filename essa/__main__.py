@@ -1,5 +1,5 @@
 """``essa`` / ``python -m essa``: the ESSA trainer (see essa.trainer). ``--help`` is answered
-from essa.config alone (:mod:`hpc.runtime.cli`), without importing torch."""
+from essa.config alone (:func:`hpc.runtime.cli.job_command`), without importing torch."""
 from hpc.runtime.cli import job_command
 
 main = job_command("essa", "essa.config:ESSAJobConfig", "essa.trainer:main",

@@ -3,7 +3,7 @@
 Every rank holds an identical optimizer (same seed, same fitness), so each generation only the
 fitness vector (8 bytes a member) crosses the network, plus the per-rank phase timings and a
 1-byte stop flag. The job lifecycle (resume, run file, evaluations, checkpoints, preemption)
-is :func:`hpc.runtime.loop.run_loop`'s. Run files: ``<run.out>/essa.h5``, ``checkpoints/``,
+is :func:`hpc.job.loop.run_loop`'s. Run files: ``<run.out>/essa.h5``, ``checkpoints/``,
 ``adapter-mean`` and ``adapter-best`` (peft format).
 """
 from __future__ import annotations
@@ -19,8 +19,8 @@ from hpc.evaluate import evaluate
 from hpc.models.loading import load_adapter, load_model
 from hpc.models.quantize import quantize_base
 from hpc.runtime.errors import UserError, user_errors_exit
-from hpc.runtime.job import finish, on_all_ranks, start_job, stop_if_preempted
-from hpc.runtime.loop import Method, run_loop
+from hpc.job.lifecycle import finish, on_all_ranks, start_job, stop_if_preempted
+from hpc.job.loop import Method, run_loop
 from hpc.runtime.world import split_evenly
 
 PHASES = {"rebuild": "rollout", "generate": "rollout", "reward": "rollout",

@@ -1,5 +1,5 @@
 """``fgrpo`` / ``python -m fgrpo``: the F-GRPO trainer (see fgrpo.trainer). ``--help`` is
-answered from fgrpo.config alone (:mod:`hpc.runtime.cli`), without importing torch."""
+answered from fgrpo.config alone (:func:`hpc.runtime.cli.job_command`), without importing torch."""
 from hpc.runtime.cli import job_command
 
 main = job_command("fgrpo", "fgrpo.config:FGRPOJobConfig", "fgrpo.trainer:main",

@@ -8,7 +8,7 @@ of all ranks' rollouts. ``fgrpo.parallelism`` holds the model replicated (DDP) o
 (FSDP2), and the trained weights with fp32 masters (:mod:`hpc.models.parallelize`); under FSDP2
 the rollouts decode with the weights gathered for the phase. ``fgrpo.space=sv`` trains only offsets to the SFT adapter's singular
 values (ESSA's search space, :mod:`hpc.models.adapter_space`). The job lifecycle is
-:func:`hpc.runtime.loop.run_loop`'s. Run files: ``<run.out>/fgrpo.h5``, ``checkpoints/``,
+:func:`hpc.job.loop.run_loop`'s. Run files: ``<run.out>/fgrpo.h5``, ``checkpoints/``,
 ``adapter`` (LoRA) or ``model`` (full fine-tuning: a ``save_pretrained`` folder).
 """
 from __future__ import annotations
@@ -32,8 +32,8 @@ from hpc.models.parallelize import (TrainedWeights, decoding, save_full_model,
                                      save_gathered_adapter, shard_model)
 from hpc.runtime.dist import init_process_group
 from hpc.runtime.errors import UserError, user_errors_exit
-from hpc.runtime.job import finish, on_all_ranks, start_job, stop_if_preempted
-from hpc.runtime.loop import run_loop
+from hpc.job.lifecycle import finish, on_all_ranks, start_job, stop_if_preempted
+from hpc.job.loop import run_loop
 from hpc.runtime.readback import count
 from hpc.runtime.world import my_slice
 

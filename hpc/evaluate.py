@@ -90,11 +90,11 @@ EvalJobConfig = JobConfig  # hpc-eval needs only the shared sections
 @user_errors_exit
 def main(argv=None):
     """``hpc-eval [CONFIG.yaml] [key=value ...]``: evaluate a model (+ lora.adapter)."""
-    from hpc.runtime.job import on_all_ranks, start_job
+    from hpc.job.lifecycle import on_all_ranks, start_job
     from hpc.models.loading import load_adapter, load_model
     from hpc.models.quantize import quantize_base
     from hpc.runtime.runstore import RunStore, environment_attrs
-    from hpc.runtime.loop import share_graph_check
+    from hpc.job.loop import share_graph_check
     from hpc.data.tasks import load_task
 
     job = start_job(EvalJobConfig, "eval", "hpc-eval", argv)

@@ -9,7 +9,7 @@ import torch
 from hpc.evaluate import evaluate
 from hpc.models.loading import enable_activation_checkpointing, save_adapter
 from hpc.models.memory_plan import activation_checkpointing
-from hpc.runtime.loop import Method
+from hpc.job.loop import Method
 from hpc.runtime.readback import bad_field
 
 
@@ -20,7 +20,7 @@ def step_seed(seed: int, step: int, rank: int) -> int:
 
 
 class GradientMethod(Method):
-    """A :class:`hpc.runtime.loop.Method` whose subclass sets ``model`` (peft or plain), ``tok``,
+    """A :class:`hpc.job.loop.Method` whose subclass sets ``model`` (peft or plain), ``tok``,
     ``task``, ``params`` (the trained tensors) and ``opt`` (a torch optimizer over them)."""
 
     def checkpoint_activations(self) -> bool:

@@ -4,7 +4,7 @@ Data parallel over torch.distributed when there are several ranks: every rank dr
 global batch of indices from the shared seed, keeps its contiguous share, and LoRA gradients are
 averaged with one flat all-reduce per step. The job lifecycle (resume, preemption, evaluations,
 checkpoints of the LoRA weights, optimizer and data position) is
-:func:`hpc.runtime.loop.run_loop`'s. Writes ``<run.out>/adapter`` (peft format),
+:func:`hpc.job.loop.run_loop`'s. Writes ``<run.out>/adapter`` (peft format),
 ``<run.out>/sft.h5`` and ``checkpoints/``. Command: ``hpc-sft [CONFIG.yaml] [key=value ...]
 [--resume]``.
 """
@@ -22,8 +22,8 @@ from hpc.models.quantize import attach_generation_copy
 from hpc.runtime.dist import all_reduce_mean_, init_process_group
 from hpc.data.prompts import completion_batch
 from hpc.runtime.errors import UserError, user_errors_exit
-from hpc.runtime.job import finish, on_all_ranks, start_job, stop_if_preempted
-from hpc.runtime.loop import run_loop
+from hpc.job.lifecycle import finish, on_all_ranks, start_job, stop_if_preempted
+from hpc.job.loop import run_loop
 from hpc.runtime.readback import bad_field
 from hpc.runtime.world import my_slice
 from hpc.sft_config import SFTJobConfig

@@ -14,7 +14,7 @@ from essa.config import ESSAJobConfig
 from fgrpo.config import FGRPOJobConfig
 from hpc.runtime.config import load_config
 from hpc.runtime.errors import UserError
-from hpc.runtime.job import run_folder
+from hpc.job.lifecycle import run_folder
 from hpc.sft_config import SFTJobConfig
 
 

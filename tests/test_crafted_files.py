@@ -17,10 +17,10 @@ from safetensors.numpy import save as save_numpy
 
 from conftest import our_lines, run_cli, run_mpi
 from essa.optimizers import Tracked, make_optimizer
-from hpc.runtime import job as job_module
+from hpc.job import lifecycle as job_module
 from hpc.runtime.checkpoint import FORMAT, list_checkpoints, load_latest, save_checkpoint
 from hpc.runtime.errors import UserError
-from hpc.runtime.loop import resume_fields
+from hpc.job.loop import resume_fields
 from hpc.runtime.runstore import RunFile, RunStore
 
 DIM, POP = 8, 6
@@ -80,7 +80,7 @@ def run_dir(tmp_path):
 
 
 def loop_state(step, run_bytes, method_state) -> dict:
-    """A checkpoint's state as :func:`hpc.runtime.loop.run_loop` saves it."""
+    """A checkpoint's state as :func:`hpc.job.loop.run_loop` saves it."""
     return {"step": step, "elapsed_s": 1.5 * step, "overhead_s": 0.25,
             "generated_tokens": 100 * step, "run_file": run_bytes,
             "method": copy.deepcopy(method_state)}

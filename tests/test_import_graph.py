@@ -1,11 +1,23 @@
 """The package's import graph, read from the source (every import statement, function-level
 ones included): no module imports itself back through others, essa/ and fgrpo/ never import
-each other, and the toy builders stand above hpc.data and hpc.models, which never import them."""
+each other, and no module imports one on a floor above its own (:data:`FLOORS`)."""
 import ast
 import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("hpc", "essa", "fgrpo")
+
+# The floors of the package, bottom first: a module imports its own floor and those below only.
+FLOORS = (
+    ("runtime", ("hpc.runtime",)),  # MPI world, dist bootstrap, config, HDF5 store, checkpoints
+    ("models", ("hpc.models",)),  # loading, generation engine, memory plan, parallelism
+    ("data", ("hpc.data",)),  # tasks, prompts (chat templates from hpc.models.chat), rewards
+    ("toys", ("hpc.toys",)),  # the built-in toy models, built with models and data
+    ("job", ("hpc.job",)),  # a job's lifecycle and step loop
+    ("methods", ("hpc.sft", "hpc.sft_config", "hpc.evaluate", "hpc.gradient_method", "essa",
+                 "fgrpo")),
+    ("commands", ("hpc.commands", "hpc.analysis", "essa.__main__", "fgrpo.__main__")),
+)
 
 
 def _module_files() -> dict:
@@ -98,10 +110,23 @@ def _reaches(graph: dict, start: str, targets: set) -> list:
     return []
 
 
+def floor(module: str) -> int:
+    """Index in :data:`FLOORS` of the floor ``module`` stands on (its longest matching prefix)."""
+    if module == "hpc":  # the package's own __init__: imports nothing
+        return 0
+    best, level = -1, None
+    for index, (_, prefixes) in enumerate(FLOORS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, level = len(prefix), index
+    assert level is not None, f"{module} stands on no floor: add it to FLOORS"
+    return level
+
+
 def test_the_graph_sees_function_level_and_relative_imports():
     graph = _graph()
     assert "hpc.runtime.atomic" in graph["hpc.toys.cache"]
-    assert "essa.config" in graph["hpc.models.memory_plan"]  # inside plan_job_class
+    assert "essa.config" in graph["hpc.commands"]  # inside plan_job_class
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -115,6 +140,24 @@ def test_essa_and_fgrpo_never_import_each_other():
         bad = {m: sorted(t for t in ts if t.split(".")[0] == dst)
                for m, ts in graph.items() if m.split(".")[0] == src}
         assert not any(bad.values()), {m: t for m, t in bad.items() if t}
+
+
+def test_every_module_stands_on_a_floor():
+    assert floor("essa.__main__") == floor("hpc.analysis.scaling") == len(FLOORS) - 1
+    assert floor("hpc.runtime.world") < floor("hpc.models.engine") < floor("hpc.job.loop")
+    assert floor("essa.trainer") == floor("hpc.sft") == [n for n, _ in FLOORS].index("methods")
+    for module in _graph():
+        floor(module)
+
+
+def test_no_import_runs_up_a_floor():
+    """Every edge goes to the same floor or below: runtime imports nothing of models, data,
+    toys or the job; models nothing of data or toys; nothing below the methods imports one."""
+    names = [name for name, _ in FLOORS]
+    upward = sorted(f"{src} ({names[floor(src)]}) -> {dst} ({names[floor(dst)]})"
+                    for src, targets in _graph().items() for dst in targets
+                    if floor(dst) > floor(src))
+    assert upward == [], upward
 
 
 def test_data_and_models_never_reach_the_toy_builders():

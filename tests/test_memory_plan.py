@@ -8,10 +8,11 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from conftest import REPO, our_lines, run_cli
+from hpc.commands import plan as main, plan_job_class
 from hpc.models.memory_plan import (DTYPE_BYTES, GIB, QWEN25, ModelShape,
                                     check_job_memory, essa_members_that_fit, essa_plan,
-                                    essa_scoring_phase, fgrpo_plan, main, plan_job_class,
-                                    rollout_offload, weight_bytes)
+                                    essa_scoring_phase, fgrpo_plan, rollout_offload,
+                                    weight_bytes)
 from hpc.runtime.config import load_config
 from hpc.runtime.errors import UserError
 
@@ -268,7 +269,7 @@ def test_hpc_plan_prints_both_methods(tmp_path, capsys):
 def test_job_that_cannot_fit_ends_before_loading_weights(tmp_path):
     """The real start of an ESSA job, its device reported as CUDA: one line, exit 2, no run
     folder (the model folder has no weights, so loading them would fail differently)."""
-    probe = ("import types, sys, hpc.runtime.job as job\n"
+    probe = ("import types, sys, hpc.job.lifecycle as job\n"
              "job.select_device = lambda world, requested: types.SimpleNamespace(type='cuda')\n"
              "from essa.trainer import main\nmain(sys.argv[1:])\n")
     proc = run_cli(["-c", probe, CLUSTER, f"model.path={model_folder(tmp_path, '32B')}",

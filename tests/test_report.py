@@ -92,7 +92,7 @@ def test_summary_values(tmp_path):
 
 def test_phase_kinds_and_accuracy_column_come_from_the_run_file(tmp_path):
     """A method the report has never heard of: its run file names its phases' kinds and the
-    held-out column to follow, as hpc.runtime.loop writes them."""
+    held-out column to follow, as hpc.job.loop writes them."""
     path = tmp_path / "new.h5"
     store = RunStore(str(path), active=True, attrs={
         "method": "other", "world_size": 2, "config": "",

@@ -13,7 +13,8 @@ from conftest import REPO, run_mpi
 
 from hpc.models.loading import attach_lora, enable_activation_checkpointing, randomize_lora_b
 from hpc.models.logprobs import masked_mean, sequence_logprobs
-from hpc.models.memory_plan import activation_checkpointing, plan_job_class
+from hpc.commands import plan_job_class
+from hpc.models.memory_plan import activation_checkpointing
 from hpc.toys.toy import qwen2_config
 from hpc.runtime.config import load_config
 from hpc.runtime.runstore import RunFile
@@ -74,8 +75,8 @@ def test_chunked_logprobs_and_entropy_equal_the_full_logits(lora, chunk):
     assert grads.keys() == ref_grads.keys()
     if not lora:  # the LM head trains through the chunks' recompute
         assert grads["lm_head.weight"].abs().sum() > 0
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, ref_grads[name], rtol=0, atol=1e-6, msg=name)
+    for name, grad in grads.items():  # summed over the chunks in another order: a few ulps
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-6, atol=1e-6, msg=name)
 
 
 def test_no_grad_chunked_logprobs_equal_the_full_logits():
@@ -104,8 +105,8 @@ def test_checkpointed_gradients_equal_unchecked_ones(lora, chunk):
     (ref_logp, _, ref_grads), (logp, _, grads) = results
     assert torch.equal(logp, ref_logp)
     assert torch.equal(rng_after[0], rng_after[1])
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, ref_grads[name], rtol=0, atol=1e-6, msg=name)
+    for name, grad in grads.items():  # summed over the chunks in another order: a few ulps
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-6, atol=1e-6, msg=name)
     if lora:  # dropout really acted: another seed gives other gradients
         other = logprobs_and_grads(tiny(lora=lora, dropout=0.3, checkpointed=True), ids, attn,
                                    chunk, seed=6)[2]

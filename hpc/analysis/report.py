@@ -13,7 +13,7 @@ Both work on files of jobs still running (rows not yet complete are skipped).
 reproduction experiment (:mod:`hpc.analysis.reproduce`).
 
 Nothing here knows a method: each run file names its phases with their kind (``phases``, see
-:data:`hpc.runtime.loop.PHASE_KINDS`) and the held-out column its accuracy curve follows
+:data:`hpc.job.loop.PHASE_KINDS`) and the held-out column its accuracy curve follows
 (``heldout_accuracy``). Files written before those attributes existed are read with the names
 the methods used then (:data:`LEGACY_PHASES`).
 """

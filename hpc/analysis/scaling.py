@@ -960,8 +960,8 @@ def host_offload(args, w: "Workload") -> tuple:
     full-parameter GRPO, as the job's memory plan decides it (fgrpo.offload=auto: the first of
     none, optimizer, state that fits :data:`GPUS`' memory), and a note saying so. Computed for
     the Qwen2.5-32B shape the model defaults to; other shapes get no term."""
-    from hpc.models.memory_plan import (QWEN25, ModelShape, fgrpo_plan, offloaded_bytes,
-                                        plan_job_class)
+    from hpc.commands import plan_job_class
+    from hpc.models.memory_plan import QWEN25, ModelShape, fgrpo_plan, offloaded_bytes
     from hpc.runtime.config import load_config
 
     m = QWEN25_32B

@@ -35,7 +35,7 @@ than the current phase asks for is replaced by one of that phase's size.
 **Self-check.** The first time a decode shape is captured as a CUDA graph, a few steps replayed
 from the graph are compared with the same steps run eagerly (:func:`compare_steps`); on a
 mismatch the engine decodes eagerly from then on and :func:`graph_check_failure` says why, for
-the job to switch graphs off on every rank and record it (:func:`hpc.runtime.loop.share_graph_check`).
+the job to switch graphs off on every rank and record it (:func:`hpc.job.loop.share_graph_check`).
 """
 from __future__ import annotations
 

@@ -51,22 +51,19 @@ tests/test_memory_plan.py: within 15% for Qwen2.5-1.5B, 7B and 32B). When a plan
 of changes (checkpointing, chunked log-probs, smaller micro-batches, FSDP2 over more ranks,
 optimizer offload, a smaller engine budget, int8 weights) under which it does.
 
-``hpc-plan [CONFIG.yaml] [section.key=value ...] [--ranks N]`` prints the plan of both methods;
+``hpc-plan [CONFIG.yaml] [section.key=value ...] [--ranks N]`` (:func:`hpc.commands.plan`) prints
+:func:`plan_text`, the plan of both methods;
 :func:`check_job_memory` is called by every job at start.
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import dataclasses
 import json
 import math
 import os
 from dataclasses import dataclass
 
-from hpc.runtime.cli import EXIT_CODES_HELP
-from hpc.runtime.config import JobConfig, load_config
-from hpc.runtime.errors import UserError, user_errors_exit
+from hpc.runtime.errors import UserError
 
 def _engine():
     """:mod:`hpc.models.engine` (its memory formula is the plan's), imported on first use:
@@ -709,43 +706,3 @@ def plan_text(cfg, ranks: int) -> str:
     lines += essa_plan(shape, cfg, ranks).lines() + [""]
     lines += fgrpo_plan(shape, cfg, ranks).lines()
     return "\n".join(lines)
-
-
-def plan_job_class():
-    """A job config with the sections of both methods. Imported here, when the command runs:
-    hpc stands below essa and fgrpo, which it never imports at module level."""
-    from essa.config import ESSAConfig
-    from fgrpo.config import FGRPOConfig
-
-    return dataclasses.make_dataclass(
-        "PlanJobConfig", [("essa", ESSAConfig, dataclasses.field(default_factory=ESSAConfig)),
-                          ("fgrpo", FGRPOConfig, dataclasses.field(default_factory=FGRPOConfig))],
-        bases=(JobConfig,))
-
-
-@user_errors_exit
-def main(argv=None):
-    """``hpc-plan``: print the memory plan of a config's model for ESSA and F-GRPO."""
-    parser = argparse.ArgumentParser(
-        prog="hpc-plan", epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Memory per GPU of ESSA and F-GRPO for model.path, from its config.json "
-                    "alone (no weights are read).\nKeys used: model.path, model.dtype, lora.rank, "
-                    "lora.targets, task.max_new_tokens, eval.batch_size,\nplan.gpu_memory_gib, "
-                    "plan.max_prompt_tokens, essa.population, essa.minibatch,\n"
-                    "essa.members_per_pass, fgrpo.batch_prompts, fgrpo.num_generations, "
-                    "fgrpo.micro_batch,\nfgrpo.full_finetune, fgrpo.beta.")
-    parser.add_argument("items", nargs="*", metavar="CONFIG.yaml | section.key=value")
-    parser.add_argument("--ranks", type=int, default=1,
-                        help="ranks of the job (ESSA members and F-GRPO prompts per rank)")
-    args = parser.parse_intermixed_args(argv)  # keys may follow --ranks
-    if args.ranks < 1:
-        raise UserError(f"--ranks must be >= 1, got {args.ranks}")
-    config_path = next((i for i in args.items if "=" not in i), None)
-    cfg = load_config(plan_job_class(), config_path, [i for i in args.items if "=" in i])
-    if not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
-        raise UserError(f"model.path={cfg.model.path!r} is not a folder with a config.json")
-    print(plan_text(cfg, args.ranks))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,5 @@
-"""Console entry points that answer ``--help`` at once.
+"""What every console entry point shares: exit-code help, a tool parser, and the job command
+that answers ``--help`` at once.
 
 A job's ``--help`` is generated from its config dataclasses (torch-free modules) and lists every
 section and key with its default and allowed values, then the exit codes. The job module itself
@@ -77,34 +78,3 @@ def job_command(prog: str, config_ref: str, run_ref: str, about: str):
 
     main.__doc__ = f"``{prog}``: {about}"
     return main
-
-
-sft = job_command("hpc-sft", "hpc.sft_config:SFTJobConfig", "hpc.sft:main",
-                  "LoRA SFT stage: writes <run.out>/adapter (peft format) and sft.h5.")
-evaluate = job_command("hpc-eval", "hpc.runtime.config:JobConfig", "hpc.evaluate:main",
-                       "Greedy accuracy and pass@k of model.path (+ lora.adapter) on the "
-                       "task's held-out split: writes eval.h5.")
-
-
-def toy(argv=None):
-    """``hpc-toy``: build the toy model if needed; print its folder and held-out accuracy."""
-    parser = argparse.ArgumentParser(
-        prog="hpc-toy", epilog=EXIT_CODES_HELP,
-        description="Build (a fixed 1,250 seeded steps, about a CPU minute, once) or load the "
-                    "cached toy model (Qwen2 shape, character tokenizer, 2-digit additions) "
-                    "and print its folder.")
-    parser.add_argument("--rebuild", action="store_true", help="delete the cached model first")
-    args = parser.parse_args(argv)
-    return _load("hpc.toys.toy:show")(rebuild=args.rebuild)
-
-
-def toy_chat(argv=None):
-    """``hpc-toy-chat``: build the chat toy model if needed; print its folder and accuracy."""
-    parser = argparse.ArgumentParser(
-        prog="hpc-toy-chat", epilog=EXIT_CODES_HELP,
-        description="Build (several CPU minutes, once) or load the cached chat toy model (Qwen2 "
-                    "shape, byte-level BPE tokenizer, Qwen-style chat template, word problems) "
-                    "and print its folder.")
-    parser.add_argument("--rebuild", action="store_true", help="delete the cached model first")
-    args = parser.parse_args(argv)
-    return _load("hpc.toys.toy_chat:show")(rebuild=args.rebuild)

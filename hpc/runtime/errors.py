@@ -15,7 +15,7 @@ class UserError(Exception):
     ``same_on_all_ranks`` is True when every rank detects it identically (config validation,
     shared files); then only rank 0 prints it. Otherwise each rank prints it with its rank, and
     ``abort_peers`` (default: True then) ends the other ranks, which would otherwise wait for
-    this one in their next collective; :func:`hpc.runtime.job.on_all_ranks` clears it, because there
+    this one in their next collective; :func:`hpc.job.lifecycle.on_all_ranks` clears it, because there
     every rank stops by agreement.
     """
 

@@ -6,7 +6,7 @@ The handler is installed first thing in a job's entry point (:func:`hpc.runtime.
 before the slow imports of torch and transformers), so a signal during start-up is recorded,
 never fatal. Safe points:
 
-* during start-up (:func:`hpc.runtime.job.stop_if_preempted`): after the job's world and run
+* during start-up (:func:`hpc.job.lifecycle.stop_if_preempted`): after the job's world and run
   folder are ready, after model loading, after adapter loading and after the start evaluation,
   before the first step. A stop there writes no checkpoint (no step ran since the last one);
   rank 0 marks the run file ``preempted`` with ``preempted_before_first_step`` true;

@@ -1,6 +1,6 @@
 """The built-in models as ``model.path`` names: 'toy' and 'toy-chat' become their cached folders
 (built on first use), through :data:`hpc.models.loading.BUILT_IN_MODELS`, which importing this
-module fills. The job start (:mod:`hpc.runtime.job`) and the tools that take ``model.path``
+module fills. The job start (:mod:`hpc.job.lifecycle`) and the tools that take ``model.path``
 import it; hpc.models and hpc.data never import the toys (they stand above both)."""
 from __future__ import annotations
 

@@ -197,7 +197,7 @@ def tiny_model(hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int 
 def show(rebuild: bool = False) -> None:
     """Build the toy model if needed (``rebuild``: delete the cached one first); print its folder,
     held-out accuracy, and whether it was built now or loaded from the cache.
-    ``hpc-toy`` (:func:`hpc.runtime.cli.toy`) parses the command line."""
+    ``hpc-toy`` (:data:`hpc.toys.commands.toy`) parses the command line."""
     if rebuild:
         shutil.rmtree(cache_dir(), ignore_errors=True)
     cached = os.path.isfile(os.path.join(cache_dir(), INFO_FILE))
@@ -210,6 +210,6 @@ def show(rebuild: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    from hpc.runtime.cli import toy
+    from hpc.toys.commands import toy
 
     toy()

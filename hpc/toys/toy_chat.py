@@ -206,6 +206,6 @@ def show(rebuild: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    from hpc.runtime.cli import toy_chat
+    from hpc.toys.commands import toy_chat
 
     toy_chat()

@@ -16,8 +16,8 @@ from essa.config import ESSAJobConfig
 from essa.trainer import ESSA
 from hpc.models.engine import GraphedDecode, graph_check_failure
 from hpc.models.generation import replaying_with
-from hpc.runtime.job import finish, start_job
-from hpc.runtime.loop import run_loop
+from hpc.job.lifecycle import finish, start_job
+from hpc.job.loop import run_loop
 from hpc.runtime.runstore import RunStore
 from hpc.runtime.timing import PhaseTimer
 

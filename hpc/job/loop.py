@@ -14,7 +14,7 @@ for every method:
 3. evaluation at the start (not on resume), a held-out evaluation every ``eval.every`` steps
    and at the last step, a final evaluation at the end. A preemption signal during start-up
    (:class:`Method` construction, model loading, the start evaluation) stops the job before
-   its first step at the next safe point (:func:`hpc.runtime.job.stop_if_preempted`);
+   its first step at the next safe point (:func:`hpc.job.lifecycle.stop_if_preempted`);
 4. per step: phase seconds per rank, payload bytes per tag and the loop's metrics (tokens
    generated, training and wall seconds), whether a rank's decoding engine failed its
    CUDA-graph self-check (:func:`share_graph_check`, also after the final evaluation), then
@@ -47,7 +47,7 @@ from hpc.models.engine import disable_cuda_graphs, graph_check_failure, reset_gr
 from hpc.models.generation import take_generated_tokens
 from hpc.runtime.checkpoint import load_latest, save_checkpoint
 from hpc.runtime.errors import UserError
-from hpc.runtime.job import (Job, agree_on_resume_step, on_all_ranks, progress_bar,
+from hpc.job.lifecycle import (Job, agree_on_resume_step, on_all_ranks, progress_bar,
                              stop_if_preempted)
 from hpc.runtime.preempt import preempted_exit, should_stop
 from hpc.runtime.readback import amount, count
@@ -74,7 +74,7 @@ class Method(abc.ABC):
     the attributes of ``__init__`` and implement the methods that raise here.
 
     ``__init__`` is the first start-up safe point for preemption; a method calls
-    :func:`hpc.runtime.job.stop_if_preempted` again after each slow stage (model, adapter).
+    :func:`hpc.job.lifecycle.stop_if_preempted` again after each slow stage (model, adapter).
 
     The loop sets ``store`` (the :class:`RunStore`) and ``timer`` (a :class:`PhaseTimer` of
     :attr:`phases` plus ``eval`` and ``checkpoint``) before the first step; a step times its

@@ -1,0 +1,61 @@
+"""Console entry points that stand above the methods: ``hpc-sft`` and ``hpc-eval`` (their
+``--help`` from the torch-free config classes, the job imported only to run), and ``hpc-plan``,
+whose config carries the sections of both ESSA and F-GRPO. ``essa`` and ``fgrpo`` have theirs
+in ``essa/__main__.py`` and ``fgrpo/__main__.py``."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+from hpc.runtime.cli import EXIT_CODES_HELP, job_command
+from hpc.runtime.config import JobConfig, load_config
+from hpc.runtime.errors import UserError, user_errors_exit
+
+sft = job_command("hpc-sft", "hpc.sft_config:SFTJobConfig", "hpc.sft:main",
+                  "LoRA SFT stage: writes <run.out>/adapter (peft format) and sft.h5.")
+evaluate = job_command("hpc-eval", "hpc.runtime.config:JobConfig", "hpc.evaluate:main",
+                       "Greedy accuracy and pass@k of model.path (+ lora.adapter) on the "
+                       "task's held-out split: writes eval.h5.")
+
+
+def plan_job_class():
+    """A job config with the sections of both methods (``hpc-plan``, ``hpc-scaling``)."""
+    from essa.config import ESSAConfig
+    from fgrpo.config import FGRPOConfig
+
+    return dataclasses.make_dataclass(
+        "PlanJobConfig", [("essa", ESSAConfig, dataclasses.field(default_factory=ESSAConfig)),
+                          ("fgrpo", FGRPOConfig, dataclasses.field(default_factory=FGRPOConfig))],
+        bases=(JobConfig,))
+
+
+@user_errors_exit
+def plan(argv=None):
+    """``hpc-plan``: print the memory plan of a config's model for ESSA and F-GRPO
+    (:mod:`hpc.models.memory_plan`)."""
+    parser = argparse.ArgumentParser(
+        prog="hpc-plan", epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Memory per GPU of ESSA and F-GRPO for model.path, from its config.json "
+                    "alone (no weights are read).\nKeys used: model.path, model.dtype, lora.rank, "
+                    "lora.targets, task.max_new_tokens, eval.batch_size,\nplan.gpu_memory_gib, "
+                    "plan.max_prompt_tokens, essa.population, essa.minibatch,\n"
+                    "essa.members_per_pass, fgrpo.batch_prompts, fgrpo.num_generations, "
+                    "fgrpo.micro_batch,\nfgrpo.full_finetune, fgrpo.beta.")
+    parser.add_argument("items", nargs="*", metavar="CONFIG.yaml | section.key=value")
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="ranks of the job (ESSA members and F-GRPO prompts per rank)")
+    args = parser.parse_intermixed_args(argv)  # keys may follow --ranks
+    if args.ranks < 1:
+        raise UserError(f"--ranks must be >= 1, got {args.ranks}")
+    config_path = next((i for i in args.items if "=" not in i), None)
+    cfg = load_config(plan_job_class(), config_path, [i for i in args.items if "=" in i])
+    if not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
+        raise UserError(f"model.path={cfg.model.path!r} is not a folder with a config.json")
+    from hpc.models.memory_plan import plan_text
+
+    print(plan_text(cfg, args.ranks))
+
+
+if __name__ == "__main__":
+    plan()
