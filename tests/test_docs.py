@@ -32,3 +32,15 @@ def test_config_page_has_every_key_of_every_job_once():
 
 def test_help_points_at_the_config_page():
     assert "docs/config.md" in job_help("hpc-sft", "about", SFTJobConfig)
+
+
+def test_architecture_page_names_the_floors_of_the_import_graph_test():
+    from test_import_graph import FLOORS
+
+    with open(os.path.join(REPO, "docs", "architecture.md")) as fh:
+        rows = [line.split("|")[1:3] for line in fh if line.startswith("| ")][1:]
+    assert [name.split(",")[0].strip() for name, _ in rows] == [name for name, _ in FLOORS]
+    for (_, modules), (_, prefixes) in zip(rows, FLOORS):
+        for prefix in prefixes:
+            path = prefix.replace(".", "/")
+            assert f"`{path}/`" in modules or f"`{path}.py`" in modules, (prefix, modules)
