@@ -10,7 +10,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export OMPI_MCA_rmaps_base_oversubscribe := 1
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: venv demo demo-chat report test clean
+.PHONY: venv demo demo-chat report test docs clean
 
 venv: $(STAMP)
 
@@ -34,6 +34,11 @@ demo-chat: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -rs tests  # -rs: why each skipped test was skipped
+
+# docs/config.md from the config classes (the same source as every job's --help).
+docs: $(STAMP)
+	$(BIN)/python -c 'from hpc.commands import config_reference; print(config_reference(), end="")' > docs/config.md.tmp
+	mv docs/config.md.tmp docs/config.md
 
 clean:
 	rm -rf $(VENV) runs .cache

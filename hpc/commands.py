@@ -1,7 +1,8 @@
 """Console entry points that stand above the methods: ``hpc-sft`` and ``hpc-eval`` (their
 ``--help`` from the torch-free config classes, the job imported only to run), and ``hpc-plan``,
 whose config carries the sections of both ESSA and F-GRPO. ``essa`` and ``fgrpo`` have theirs
-in ``essa/__main__.py`` and ``fgrpo/__main__.py``."""
+in ``essa/__main__.py`` and ``fgrpo/__main__.py``. :func:`config_reference` writes the
+config reference page, ``docs/config.md``, from the same config classes."""
 from __future__ import annotations
 
 import argparse
@@ -55,6 +56,42 @@ def plan(argv=None):
     from hpc.models.memory_plan import plan_text
 
     print(plan_text(cfg, args.ranks))
+
+
+CONFIG_REFERENCE_INTRO = """\
+# Config reference
+
+Every key of every job, with its default and allowed range; an unknown key, a wrong type or an
+out-of-range value ends the job with one line naming the key and exit code 2 on every rank,
+before any model is loaded. A job takes `[CONFIG.yaml] [section.key=value ...] [--resume]`;
+one YAML file may hold the sections of every method (a job skips the other methods' sections).
+The effective config is stored in the run file (attribute `config`) and can be passed back as a
+config file. `hpc-plan` reads the shared sections and both `essa` and `fgrpo`.
+
+This page is generated from the config classes, the same source as each job's `--help`
+(`make docs` rewrites it; `tests/test_docs.py` fails when it is out of date).
+"""
+
+
+def config_reference() -> str:
+    """The text of ``docs/config.md``: the sections every job shares once, then one table per
+    job of its own section (:func:`hpc.runtime.config.reference_markdown`, the rows ``--help``
+    prints). ``make docs`` writes it."""
+    from essa.config import ESSAJobConfig
+    from fgrpo.config import FGRPOJobConfig
+    from hpc.runtime.config import reference_markdown
+    from hpc.sft_config import SFTJobConfig
+
+    shared = [f.name for f in dataclasses.fields(JobConfig)]
+    parts = [CONFIG_REFERENCE_INTRO,
+             f"## Shared sections (every job: {', '.join(f'`{name}`' for name in shared)})\n",
+             "`hpc-eval` has these sections only.\n", reference_markdown(JobConfig) + "\n"]
+    for command, job_cls in (("hpc-sft", SFTJobConfig), ("essa", ESSAJobConfig),
+                             ("fgrpo", FGRPOJobConfig)):
+        own = [f.name for f in dataclasses.fields(job_cls) if f.name not in shared]
+        parts += [f"## `{command}`: {', '.join(f'`{name}`' for name in own)}\n",
+                  reference_markdown(job_cls, own) + "\n"]
+    return "\n".join(parts)
 
 
 if __name__ == "__main__":

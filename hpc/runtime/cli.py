@@ -57,7 +57,7 @@ def job_help(prog: str, about: str, job_cls) -> str:
                          f"{'  (' + rule + ')' if rule else ''}")
             lines.append(textwrap.fill(f.metadata["help"], 96, initial_indent=" " * 8,
                                        subsequent_indent=" " * 8))
-    lines += ["", "The README's 'Config reference' has the same keys as tables.",
+    lines += ["", "docs/config.md has the same keys as tables.",
               textwrap.fill(JOB_EXIT_CODES_HELP, 96, subsequent_indent="  ")]
     return "\n".join(lines)
 

@@ -3,7 +3,8 @@
 A job config is a dataclass whose fields are sections (``model``, ``lora``, ``task``, ``run``,
 ``eval`` and the method's own). Every field of a section is declared with :func:`param`, which
 records its allowed range or choices and a help text; :func:`reference_markdown` renders the
-README's config reference from those declarations, so the two never drift apart.
+config reference (``docs/config.md``, written by ``make docs``) from those declarations, so the
+two never drift apart.
 
 Any unknown key, wrong type or out-of-range value raises :class:`UserError` naming the key,
 before any model is loaded.
