@@ -87,6 +87,11 @@ def param(default, help: str, *, min=None, max=None, above=None, choices=None):
     return field(default=default, metadata=meta)
 
 
+# The model.path names of the built-in models (hpc.toys.builtin serves them; a test holds the two
+# equal): a tool that only reads a model folder's files knows them without importing the toys.
+BUILT_IN_MODEL_NAMES = ("toy", "toy-chat")
+
+
 @dataclass
 class ModelConfig:
     path: str = param("toy", "Hugging Face model folder, or a built-in model built and cached "
