@@ -4,12 +4,13 @@ By hand (each job's real command line) and fuzzed (hypothesis) over config overr
 """
 import dataclasses
 import os
+import signal
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import our_lines, run_cli, run_mpi
+from conftest import our_lines, require, run_cli, run_mpi
 from essa.config import ESSAJobConfig
 from fgrpo.config import FGRPOJobConfig
 from hpc.runtime.config import load_config
@@ -346,3 +347,67 @@ def test_adapter_of_nan_weights(tiny_models, tmp_path):
     proc = job(tmp_path, "essa", f"model.path={model}", f"lora.adapter={nan_adapter}")
     refused(proc, tmp_path, str(weights), "tensor base_model.model.", "NaN or infinite",
             run_file="essa.h5")
+
+
+def _started_job(tmp_path, ranks):
+    """A toy F-GRPO job under mpirun, returned (Popen) once its run folder exists, i.e. once
+    every rank is past the job's first line; its ranks then sleep at the first start-up safe
+    point (STARTUP_DELAY_ENV), silent and outside MPI, as in a long load or parse (a rank that
+    writes to its dead launcher's pipe, or calls MPI, may die of that by chance)."""
+    from hpc.runtime.preempt import STARTUP_DELAY_ENV
+
+    import subprocess
+    import sys
+    import time
+
+    from conftest import MPI_ENV, REPO, mpirun_path
+
+    mpirun = mpirun_path()
+    require(mpirun is not None, "mpirun")
+    proc = subprocess.Popen(
+        [mpirun, "-n", str(ranks), "--oversubscribe", sys.executable, "-m", "fgrpo",
+         "run.progress=false", "fgrpo.steps=100000", "eval.every=0", "task.n_eval=4",
+         "eval.n_samples=1", f"run.out={tmp_path / 'run'}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
+        env=dict(os.environ, **MPI_ENV, **{STARTUP_DELAY_ENV: "3600"}))
+    for _ in range(600):
+        if (tmp_path / "run").exists() or proc.poll() is not None:
+            break
+        time.sleep(0.5)
+    assert proc.poll() is None and (tmp_path / "run").exists(), proc.returncode
+    return proc
+
+
+def _wait_gone(tmp_path, polls=240):
+    """The pids still running after ``polls`` half-second polls (no rank should be)."""
+    import time
+
+    for _ in range(polls):
+        left = ranks_left(tmp_path)
+        if not left:
+            return []
+        time.sleep(0.5)
+    for pid in left:  # ours: this test started them
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
+def test_no_rank_outlives_a_killed_launcher(tmp_path):
+    """mpirun killed with SIGKILL (the kernel's OOM killer, a timeout) cannot end its ranks; they
+    ran on, orphaned. Each rank now dies with its parent (PR_SET_PDEATHSIG)."""
+    proc = _started_job(tmp_path, 2)
+    ranks = [pid for pid in ranks_left(tmp_path) if pid != proc.pid]
+    assert len(ranks) == 2, ranks
+    proc.kill()
+    proc.wait()
+    assert _wait_gone(tmp_path) == []
+
+
+def test_no_rank_outlives_a_killed_rank(tmp_path):
+    """One of 3 ranks killed with SIGKILL: mpirun ends the other two and fails."""
+    proc = _started_job(tmp_path, 3)
+    ranks = [pid for pid in ranks_left(tmp_path) if pid != proc.pid]
+    assert len(ranks) == 3, ranks
+    os.kill(ranks[1], signal.SIGKILL)
+    assert proc.wait(timeout=120) != 0
+    assert _wait_gone(tmp_path) == []
