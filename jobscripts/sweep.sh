@@ -4,6 +4,7 @@
 #
 #   jobscripts/sweep.sh [--dry-run] [CONFIG.yaml] [section.key=value ...]
 #
+#   A key of a method's section (essa.population=64) goes to that method's jobs only.
 #   --dry-run                  print the sbatch command lines instead of submitting
 #   GPU_COUNTS="16 32 64 128"  total GPUs of each run
 #   GPUS_PER_NODE=8            GPUs (= ranks) per node; a count below it takes part of one node
@@ -45,6 +46,23 @@ for gpus in "${counts[@]}"; do
   fi
 done
 
+# A job refuses a command-line key of another method's section (it would change nothing), so
+# each method gets the shared keys and its own section's; a key of a method that no job of
+# the sweep runs is refused here, before anything is submitted.
+for word; do
+  if [[ $word =~ ^(sft|essa|fgrpo)\.[^=]*= && " ${methods[*]} " != *" ${word%%.*} "* ]]; then
+    die "$word: METHODS=\"${methods[*]}\" runs no ${word%%.*} job"
+  fi
+done
+own_args() {  # own_args METHOD ARGS...: sets method_args to the arguments for METHOD's jobs
+  local method=$1 word
+  shift
+  method_args=()
+  for word; do
+    [[ $word =~ ^(sft|essa|fgrpo)\.[^=]*= && ${word%%.*} != "$method" ]] || method_args+=("$word")
+  done
+}
+
 # A dry run prints lines a shell can run as they are; only words that need it are quoted.
 quote() {
   local word out=()
@@ -55,11 +73,12 @@ quote() {
 }
 
 for method in "${methods[@]}"; do
+  own_args "$method" "$@"
   for i in "${!counts[@]}"; do
     gpus=${counts[i]} n=${nodes[i]} per=${tasks_per_node[i]}
     opts=(--job-name="$method-${gpus}g" --nodes="$n" --ntasks="$gpus" --ntasks-per-node="$per"
           --gpus-per-node="$per" --export=ALL "${extra[@]}")
-    job=("jobscripts/slurm/$method.sbatch" "$@")
+    job=("jobscripts/slurm/$method.sbatch" ${method_args[@]+"${method_args[@]}"})
     # RUN_ROOT goes through the environment (--export=ALL): inside --export=ALL,RUN_ROOT=...
     # a comma in the value would end it and start another variable.
     if ((dry_run)); then

@@ -4,12 +4,13 @@ By hand (each job's real command line) and fuzzed (hypothesis) over config overr
 """
 import dataclasses
 import os
+import signal
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import our_lines, run_cli, run_mpi
+from conftest import our_lines, require, run_cli, run_mpi
 from essa.config import ESSAJobConfig
 from fgrpo.config import FGRPOJobConfig
 from hpc.runtime.config import load_config
@@ -235,3 +236,178 @@ def test_truncated_adapter_weights(toy_adapter, tmp_path):
                        "run.progress=false", f"run.out={tmp_path / 'run'}"], timeout=300)
     one_line_exit_2(proc, str(adapter))
     assert not (tmp_path / "run" / "essa.h5").exists()
+
+
+# The bad-input sweep's silent cases and tracebacks (issue 29): each one line and exit 2, no run
+# file, and no rank left behind.
+def ranks_left(marker) -> list:
+    """Pids of processes whose command line contains ``marker`` (a test's own tmp_path)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmdline = fh.read().decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as fh:
+                state = fh.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if str(marker) in cmdline and state != "Z" and int(pid) != os.getpid():
+            found.append(int(pid))
+    return found
+
+
+def refused(proc, tmp_path, *words, run_file=None):
+    """One line (exit 2, no traceback) naming ``words``, no rank still running, and no run
+    folder (a config mistake: found before the folder is claimed), or no ``run_file`` in it."""
+    one_line_exit_2(proc, *words)
+    assert not (tmp_path / "run" / run_file if run_file else tmp_path / "run").exists()
+    assert ranks_left(tmp_path) == []
+
+
+def job(tmp_path, method, *items, ranks=1):
+    args = ["-m", method, *items, "run.progress=false", f"run.out={tmp_path / 'run'}"]
+    return run_mpi(ranks, args, timeout=120) if ranks > 1 else run_cli(args, timeout=120)
+
+
+def test_duplicate_yaml_key_names_key_file_and_line(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("essa:\n  population: 8\n  sigma0: 0.1\n  population: 16\n")
+    refused(job(tmp_path, "essa", str(config), "lora.adapter=unused", ranks=2), tmp_path,
+            str(config), "line 4", "'population' is given twice", "lines 2 and 4")
+
+
+@pytest.mark.parametrize("method, items, words", [
+    ("fgrpo", ["essa.population=8"], ["'essa.population' is not read by this job"]),
+    ("hpc.sft", ["essa.members_per_pass=2"], ["'essa.members_per_pass' is not read"]),
+    ("essa", ["lora.adapter=unused", "FILE:fgrpo:\n  gama: 1.0\n"], ["'fgrpo.gama' does not exist"]),
+    ("hpc.sft", ["FILE:lora:\n  targets: []\n"], ["lora.targets", "0 items"]),
+    ("fgrpo", ["lora.targets=[]"], ["lora.targets", "0 items"]),
+], ids=["essa-key-to-fgrpo", "essa-key-to-sft", "misspelt-in-other-section", "empty-list-file",
+        "empty-list-override"])
+def test_keys_no_section_of_the_job_reads(tmp_path, method, items, words):
+    config = tmp_path / "c.yaml"
+    args = []
+    for item in items:
+        if item.startswith("FILE:"):
+            config.write_text(item[5:])
+            args.append(str(config))
+        else:
+            args.append(item)
+    refused(job(tmp_path, method, *args), tmp_path, *words)
+
+
+def test_huge_yaml_value_under_mpirun(tmp_path):
+    """A 100 MB value got the job killed by the kernel, 2 ranks left running: the file's size is
+    bounded before it is read."""
+    config = tmp_path / "c.yaml"
+    with open(config, "w") as fh:
+        fh.write("run:\n  out: ")
+        fh.write("x" * 100_000_000)
+        fh.write("\n")
+    proc = run_mpi(2, ["-m", "essa", str(config), "lora.adapter=unused",
+                       f"run.out={tmp_path / 'run'}"], timeout=120)
+    refused(proc, tmp_path, str(config), "larger than 1048576 bytes")
+
+
+@pytest.mark.parametrize("override", [f"run.out={'x' * 70_000}", f"task.system_prompt={'y' * 70_000}"])
+def test_huge_override_value(tmp_path, override):
+    refused(job(tmp_path, "fgrpo", override), tmp_path, override.split("=")[0], "70000 characters")
+
+
+def test_deeply_nested_data_row_under_mpirun(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "#### 2"}\n'
+                    '{"question": ' + "[" * 100_000 + "]" * 100_000 + ', "answer": "#### 2"}\n')
+    proc = job(tmp_path, "fgrpo", "task.name=gsm8k", f"task.train_path={data}",
+               f"task.eval_path={data}", ranks=2)
+    refused(proc, tmp_path, str(data), "line 2", "nested 100001 levels deep",
+            run_file="fgrpo.h5")
+
+
+def test_byte_order_mark_data_file_is_read_as_utf8(tmp_path):
+    from hpc.data.mathdata import load_file_task
+    from hpc.runtime.config import TaskConfig
+
+    data = tmp_path / "bom.jsonl"
+    data.write_bytes(b"\xef\xbb\xbf" + b'{"question": "1+1?", "answer": "1+1=2\\n#### 2"}\n')
+    task = load_file_task(TaskConfig(name="gsm8k", eval_path=str(data), train_path=str(data)))
+    assert task.eval.answers == ["2"] and len(task.train.prompts) == 1
+
+
+def test_adapter_of_nan_weights(tiny_models, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model, adapter, _ = tiny_models["small"]
+    nan_adapter = tmp_path / "nan-adapter"
+    shutil.copytree(adapter, nan_adapter)
+    weights = nan_adapter / "adapter_model.safetensors"
+    save_file({k: v.fill_(float("nan")) for k, v in load_file(weights).items()}, weights)
+    proc = job(tmp_path, "essa", f"model.path={model}", f"lora.adapter={nan_adapter}")
+    refused(proc, tmp_path, str(weights), "tensor base_model.model.", "NaN or infinite",
+            run_file="essa.h5")
+
+
+def _started_job(tmp_path, ranks):
+    """A toy F-GRPO job under mpirun, returned (Popen) once its run folder exists, i.e. once
+    every rank is past the job's first line; its ranks then sleep at the first start-up safe
+    point (STARTUP_DELAY_ENV), silent and outside MPI, as in a long load or parse (a rank that
+    writes to its dead launcher's pipe, or calls MPI, may die of that by chance)."""
+    from hpc.runtime.preempt import STARTUP_DELAY_ENV
+
+    import subprocess
+    import sys
+    import time
+
+    from conftest import MPI_ENV, REPO, mpirun_path
+
+    mpirun = mpirun_path()
+    require(mpirun is not None, "mpirun")
+    proc = subprocess.Popen(
+        [mpirun, "-n", str(ranks), "--oversubscribe", sys.executable, "-m", "fgrpo",
+         "run.progress=false", "fgrpo.steps=100000", "eval.every=0", "task.n_eval=4",
+         "eval.n_samples=1", f"run.out={tmp_path / 'run'}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
+        env=dict(os.environ, **MPI_ENV, **{STARTUP_DELAY_ENV: "3600"}))
+    for _ in range(600):
+        if (tmp_path / "run").exists() or proc.poll() is not None:
+            break
+        time.sleep(0.5)
+    assert proc.poll() is None and (tmp_path / "run").exists(), proc.returncode
+    return proc
+
+
+def _wait_gone(tmp_path, polls=240):
+    """The pids still running after ``polls`` half-second polls (no rank should be)."""
+    import time
+
+    for _ in range(polls):
+        left = ranks_left(tmp_path)
+        if not left:
+            return []
+        time.sleep(0.5)
+    for pid in left:  # ours: this test started them
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
+def test_no_rank_outlives_a_killed_launcher(tmp_path):
+    """mpirun killed with SIGKILL (the kernel's OOM killer, a timeout) cannot end its ranks; they
+    ran on, orphaned. Each rank now dies with its parent (PR_SET_PDEATHSIG)."""
+    proc = _started_job(tmp_path, 2)
+    ranks = [pid for pid in ranks_left(tmp_path) if pid != proc.pid]
+    assert len(ranks) == 2, ranks
+    proc.kill()
+    proc.wait()
+    assert _wait_gone(tmp_path) == []
+
+
+def test_no_rank_outlives_a_killed_rank(tmp_path):
+    """One of 3 ranks killed with SIGKILL: mpirun ends the other two and fails."""
+    proc = _started_job(tmp_path, 3)
+    ranks = [pid for pid in ranks_left(tmp_path) if pid != proc.pid]
+    assert len(ranks) == 3, ranks
+    os.kill(ranks[1], signal.SIGKILL)
+    assert proc.wait(timeout=120) != 0
+    assert _wait_gone(tmp_path) == []

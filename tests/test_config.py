@@ -59,12 +59,27 @@ def test_reference_lists_every_key():
         assert f"`{key}`" in table
 
 
-def test_other_methods_sections_are_skipped(tmp_path):
+def test_other_methods_sections_are_checked_then_skipped(tmp_path):
+    """A file may hold every method's sections (a sweep submits it to each): another method's
+    section is checked against its own keys and values, then skipped; on the command line
+    another method's key changes nothing, so it is refused."""
     from essa.config import ESSAJobConfig
+    from hpc.sft_config import SFTJobConfig
 
     path = tmp_path / "experiment.yaml"
-    path.write_text("essa:\n  population: 8\nfgrpo:\n  steps: 3\n")
-    cfg = load_config(ESSAJobConfig, str(path), ["fgrpo.gamma=2", "lora.adapter=x"])
+    path.write_text("essa:\n  population: 8\nfgrpo:\n  steps: 3\nsft:\n  steps: 2\n")
+    cfg = load_config(ESSAJobConfig, str(path), ["lora.adapter=x"])
     assert cfg.essa.population == 8
+    assert load_config(SFTJobConfig, str(path)).sft.steps == 2
     with pytest.raises(UserError, match="essa.popsize"):
         load_config(ESSAJobConfig, str(path), ["essa.popsize=3", "lora.adapter=x"])
+    for job, override in ((ESSAJobConfig, "fgrpo.gamma=2"), (SFTJobConfig, "essa.population=8")):
+        with pytest.raises(UserError, match=f"'{override.split('=')[0]}' is not read by this job"):
+            load_config(job, None, [override, "lora.adapter=x"])
+    misspelt = tmp_path / "misspelt.yaml"
+    misspelt.write_text("fgrpo:\n  gama: 1.0\n")
+    with pytest.raises(UserError, match="'fgrpo.gama' does not exist"):
+        load_config(ESSAJobConfig, str(misspelt), ["lora.adapter=x"])
+    misspelt.write_text("fgrpo:\n  gamma: -1\n")
+    with pytest.raises(UserError, match="fgrpo.gamma"):
+        load_config(SFTJobConfig, str(misspelt))

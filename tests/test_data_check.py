@@ -2,6 +2,8 @@
 import json
 import os
 
+import pytest
+
 from hpc.data.check import main
 from hpc.toys.toy import toy_model_path
 
@@ -54,3 +56,45 @@ def test_arith_is_not_a_file_task(tmp_path, capsys):
     path.write_text("{}\n")
     code, _, err = run(capsys, "check", str(path))
     assert code == 2 and "'arith' is not a file task" in err
+
+
+def test_missing_model_path_is_one_line(tmp_path, capsys):
+    path = tmp_path / "ok.jsonl"
+    path.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
+    code, out, err = run(capsys, "check", str(path), "task.name=gsm8k",
+                         f"model.path={tmp_path / 'no-model'}")
+    assert code == 2 and out == "" and len(err.splitlines()) == 1
+    assert err.startswith("error: ") and "model.path" in err and "no-model" in err
+
+
+def test_built_in_names_are_the_served_ones():
+    from hpc.models.loading import BUILT_IN_MODELS
+    from hpc.runtime.config import BUILT_IN_MODEL_NAMES
+    import hpc.toys.builtin  # noqa: F401  fills BUILT_IN_MODELS
+
+    assert set(BUILT_IN_MODELS) == set(BUILT_IN_MODEL_NAMES)
+
+
+@pytest.mark.parametrize("line, words", [
+    ('{"question": "x", "answer": ' + "[" * 100_000 + "]" * 100_000 + "}",
+     ["line 1", "nested 100001 levels deep"]),
+    ('{"question": "' + "x" * (2 ** 22) + '", "answer": "#### 2"}', ["line 1", "longer than"]),
+])
+def test_oversized_rows_are_one_line(tmp_path, capsys, line, words):
+    """Bounded before parsing: 100k nested arrays were a RecursionError."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text(line + "\n")
+    code, out, err = run(capsys, "check", str(path), "task.name=gsm8k")
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err
+    for word in [str(path), *words]:
+        assert word in err
+
+
+def test_byte_order_mark_is_read_as_utf8(tmp_path, capsys):
+    path = tmp_path / "bom.jsonl"
+    path.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n",
+                    encoding="utf-8-sig")
+    assert path.read_bytes().startswith(b"\xef\xbb\xbf")
+    code, out, err = run(capsys, "check", str(path), "task.name=gsm8k")
+    assert code == 0, err
+    assert "rows: 1" in out and "rows the loader rejects: 0" in out

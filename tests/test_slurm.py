@@ -190,6 +190,21 @@ def test_sweep_dry_run_prints_one_sbatch_line_per_size_and_method(tmp_path):
     assert sorted(seen) == [(m, g) for m in ("essa", "fgrpo") for g in (16, 32, 64, 128)]
 
 
+def test_sweep_gives_each_method_its_own_section_keys(tmp_path):
+    """A job refuses another method's key on its command line, so the sweep sends each key of
+    a method's section to that method's jobs only, and refuses one no job of it would read."""
+    proc = _sweep(["--dry-run", "configs/exp.yaml", "essa.population=8", "run.seed=3",
+                   "fgrpo.gamma=2"], tmp_path, GPU_COUNTS="16")
+    assert proc.returncode == 0, proc.stderr
+    tails = {re.search(r"slurm/(\w+)\.sbatch", line).group(1): line.split(".sbatch ")[1]
+             for line in proc.stdout.splitlines()}
+    assert tails == {"essa": "configs/exp.yaml essa.population=8 run.seed=3",
+                     "fgrpo": "configs/exp.yaml run.seed=3 fgrpo.gamma=2"}
+    (tmp_path / "again").mkdir()
+    proc = _sweep(["--dry-run", "sft.steps=3"], tmp_path / "again", GPU_COUNTS="16")
+    assert proc.returncode == 2 and proc.stdout == "" and "sft.steps=3" in proc.stderr
+
+
 def test_sweep_passes_run_root_with_a_comma_through_the_environment(tmp_path):
     """Inside --export=ALL,RUN_ROOT=... a comma ended the value and injected a variable."""
     fake = tmp_path / "bin" / "sbatch"

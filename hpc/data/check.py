@@ -17,7 +17,7 @@ import sys
 
 from hpc.data.mathdata import _REWARDS, _ROW_READERS, read_jsonl
 from hpc.runtime.cli import EXIT_CODES_HELP, tool_parser
-from hpc.runtime.config import JobConfig, load_config
+from hpc.runtime.config import BUILT_IN_MODEL_NAMES, JobConfig, load_config
 from hpc.runtime.errors import EXIT_USER_ERROR, UserError, user_errors_exit
 
 SHOWN = 3  # line numbers shown per kind of problem
@@ -29,7 +29,14 @@ def _lines(numbers: list) -> str:
 
 
 def _tokenizer(path: str):
-    """A ``tokenizers.Tokenizer`` from ``path/tokenizer.json``, or None if there is none."""
+    """A ``tokenizers.Tokenizer`` from ``path/tokenizer.json``, or None if there is none (or
+    ``path`` names a built-in model); UserError if ``path`` is no folder at all."""
+    if path in BUILT_IN_MODEL_NAMES:
+        return None
+    if not os.path.isdir(path):
+        raise UserError(f"config key 'model.path': model folder not found: {path} (hpc-data "
+                        f"reads its tokenizer.json; built-in models: "
+                        f"{', '.join(BUILT_IN_MODEL_NAMES)})")
     file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(file):
         return None
@@ -54,6 +61,7 @@ def check_file(path: str, cfg) -> tuple:
     if name not in _ROW_READERS:
         raise UserError(f"config key 'task.name': {name!r} is not a file task "
                         f"({', '.join(_ROW_READERS)})")
+    tokenizer = _tokenizer(cfg.model.path)  # a wrong model.path first: it is the config's
     rows = read_jsonl(path)
     reward = _REWARDS[name]
     items, rejected, unreadable, wrong = [], [], [], []
@@ -77,10 +85,10 @@ def check_file(path: str, cfg) -> tuple:
              f"golds the grader cannot read: {len(unreadable)}{_lines(unreadable)}",
              f"SFT solutions the grader marks wrong: {len(wrong)}{_lines(wrong)}"]
     problems = len(rejected) + len(unreadable)
-    tokenizer = _tokenizer(cfg.model.path) if items else None
-    if tokenizer is None:
-        lines.append(f"token lengths: not checked (model.path={cfg.model.path!r} has no "
-                     f"tokenizer.json)")
+    if tokenizer is None or not items:
+        why = ("a built-in model" if cfg.model.path in BUILT_IN_MODEL_NAMES else
+               "no tokenizer.json" if tokenizer is None else "no rows the loader accepts")
+        lines.append(f"token lengths: not checked (model.path={cfg.model.path!r}: {why})")
     else:
         numbers = [n for n, _, _ in items]
         count = [len(e.ids) for e in tokenizer.encode_batch([p for _, p, _ in items],

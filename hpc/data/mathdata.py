@@ -32,6 +32,7 @@ from fractions import Fraction
 from hpc.data.rewards import gsm8k_gold, last_boxed, math_reward, numeric_reward, to_number
 from hpc.data.split import Split, Task
 from hpc.runtime.errors import UserError
+from hpc.runtime.readback import MAX_JSON_DEPTH, bounded_json
 
 # The plain prompts of the file tasks (named presets in hpc.data.prompts).
 GSM8K_TEMPLATE = "Question: {question}\nAnswer: Let's think step by step."
@@ -39,22 +40,32 @@ MATH_TEMPLATE = "Problem: {question}\nSolution:"
 
 _CALCULATOR_RE = re.compile(r"<<[^<>]*>>")
 _ANSWER_SUFFIX = "The answer is:"
+MAX_ROW_CHARS = 2 ** 22  # one row: a problem and its worked solution, a few KiB
 
 
 def read_jsonl(path: str) -> list:
-    """``(line number, object)`` for each non-blank line of ``path``; UserError naming the file."""
+    """``(line number, object)`` for each non-blank line of ``path``; UserError naming the file.
+
+    UTF-8, with or without a leading byte-order mark (``utf-8-sig``). Each line is bounded
+    before it is parsed: at most MAX_ROW_CHARS characters, JSON nested at most
+    :data:`hpc.runtime.readback.MAX_JSON_DEPTH` levels (a row of 100k nested arrays would
+    otherwise end in RecursionError)."""
     if not os.path.isfile(path):
         raise UserError(f"task data file not found: {path}")
     rows = []
     try:
-        with open(path, encoding="utf-8") as fh:
-            for number, line in enumerate(fh, 1):
+        with open(path, encoding="utf-8-sig") as fh:
+            for number, line in enumerate(iter(lambda: fh.readline(MAX_ROW_CHARS + 1), ""), 1):
+                if len(line) > MAX_ROW_CHARS:
+                    raise UserError(f"{path} line {number}: longer than {MAX_ROW_CHARS} "
+                                    f"characters; a row holds one problem and its answer")
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise UserError(f"{path} line {number}: not valid JSON ({err.msg})") from None
+                    row = _row(line)
+                except ValueError as err:  # json.JSONDecodeError is one
+                    raise UserError(f"{path} line {number}: not valid JSON "
+                                    f"({getattr(err, 'msg', err)})") from None
                 if not isinstance(row, dict):
                     raise UserError(f"{path} line {number}: expected a JSON object")
                 rows.append((number, row))
@@ -63,6 +74,14 @@ def read_jsonl(path: str) -> list:
     if not rows:
         raise UserError(f"task data file {path} has no rows")
     return rows
+
+
+def _row(line: str):
+    """One JSON value; nesting is bounded first (:func:`bounded_json`) unless the line has too
+    few brackets to nest that deep (counting them is ~100x cheaper than the bounded parse)."""
+    if line.count("[") + line.count("{") <= MAX_JSON_DEPTH:
+        return json.loads(line)
+    return bounded_json(line)
 
 
 def _field(row: dict, names: tuple, path: str, number: int):

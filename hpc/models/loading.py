@@ -11,7 +11,7 @@ import warnings
 
 import torch
 import transformers
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -183,12 +183,25 @@ def load_adapter(model, adapter_dir: str, is_trainable: bool = False,
                             f"{lines[0]}") from None
         raise UserError(f"cannot load the adapter in {adapter_dir}: "
                         f"{_first_line(err)}") from None
+    _check_finite(peft_model, adapter_dir)
     adapted = _lora_module_names(peft_model)
     missing = [t for t in targets or [] if not any(_matches(n, t) for n in adapted)]
     if missing:
         raise UserError(f"adapter {adapter_dir} does not adapt {', '.join(missing)} "
                         f"(lora.targets asks for them)")
     return peft_model
+
+
+def _check_finite(peft_model, adapter_dir: str) -> None:
+    """UserError naming the weights file and the first tensor (by its name in the file) that
+    holds a NaN or an infinity: ESSA's SVD and F-GRPO's training would fail on it or spread it."""
+    for name, tensor in get_peft_model_state_dict(peft_model).items():
+        bad = int((~torch.isfinite(tensor)).sum())
+        if bad:
+            file = next(os.path.join(adapter_dir, f) for f in ADAPTER_WEIGHT_FILES
+                        if os.path.isfile(os.path.join(adapter_dir, f)))
+            raise UserError(f"adapter weights {file}: tensor {name} holds {bad} NaN or "
+                            f"infinite value(s) of {tensor.numel()}")
 
 
 def save_adapter(peft_model, out_dir: str) -> None:

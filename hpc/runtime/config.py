@@ -7,11 +7,14 @@ config reference (``docs/config.md``, written by ``make docs``) from those decla
 two never drift apart.
 
 Any unknown key, wrong type or out-of-range value raises :class:`UserError` naming the key,
-before any model is loaded.
+before any model is loaded; so do a key given twice in one YAML mapping (YAML would keep the
+last without a word), a list key with no item, and a file, value or nesting beyond the bounds
+below, which are checked before the text is parsed.
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import os
 import typing
@@ -20,6 +23,58 @@ from dataclasses import dataclass, field
 import yaml
 
 from hpc.runtime.errors import UserError
+
+MAX_CONFIG_BYTES = 2 ** 20  # a config file: a few KiB; read no further than this
+MAX_VALUE_CHARS = 2 ** 16   # one value (a path, a system prompt), a file's or an override's
+MAX_LIST_ITEMS = 1024       # items of a list key (module names)
+MAX_YAML_DEPTH = 16         # a config nests 3 levels (section, key, list)
+
+
+class StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that refuses what the safe loader accepts without a word: a key
+    given twice in one mapping (the safe loader keeps the last) and nesting deeper than
+    MAX_YAML_DEPTH (the composer recurses per level: 100k ``[`` would end in RecursionError).
+    Both raise a :class:`yaml.MarkedYAMLError` whose ``problem_mark`` is the offending line."""
+
+    _depth = 0
+
+    def compose_node(self, parent, index):
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise yaml.composer.ComposerError(
+                    None, None, f"nested more than {MAX_YAML_DEPTH} levels deep",
+                    self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            lines = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line
+                try:
+                    if key in lines:
+                        where = (f"line {line + 1}" if lines[key] == line + 1 else
+                                 f"lines {lines[key]} and {line + 1}")
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"key {key!r:.80} is given twice ({where}); YAML "
+                            f"would keep only the last", key_node.start_mark)
+                    lines[key] = line + 1
+                except TypeError:  # an unhashable key: the safe loader names it below
+                    continue
+        return super().construct_mapping(node, deep)
+
+
+def _yaml_error_text(err: yaml.YAMLError) -> str:
+    """One line for a YAML error: its problem and line where it has them."""
+    mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
+    if mark is not None and problem:
+        return f"line {mark.line + 1}: {problem}"
+    return str(err).splitlines()[0]
 
 
 def param(default, help: str, *, min=None, max=None, above=None, choices=None):
@@ -31,6 +86,11 @@ def param(default, help: str, *, min=None, max=None, above=None, choices=None):
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+# The model.path names of the built-in models (hpc.toys.builtin serves them; a test holds the two
+# equal): a tool that only reads a model folder's files knows them without importing the toys.
+BUILT_IN_MODEL_NAMES = ("toy", "toy-chat")
 
 
 @dataclass
@@ -172,9 +232,13 @@ class JobConfig:
             section, key = self.per_rank_key.split(".")
             require_per_rank(self.per_rank_key, getattr(getattr(self, section), key), world)
 
-# One experiment file may configure every method (a sweep submits it to each): a job skips the
-# sections of the other methods, and still rejects any other unknown section.
-METHOD_SECTIONS = ("sft", "essa", "fgrpo")
+# One experiment file may configure every method (a sweep submits it to each): a job checks the
+# sections of the other methods against their own declarations (keys and values), then skips
+# them; on the command line another method's key is refused, since it would change nothing.
+# The classes are named, not imported: they stand on the methods' floor above this one, and are
+# loaded (torch-free config modules) only when a file holds their section.
+METHOD_SECTIONS = {"sft": "hpc.sft_config:SFTConfig", "essa": "essa.config:ESSAConfig",
+                   "fgrpo": "fgrpo.config:FGRPOConfig"}
 
 
 def require_per_rank(key: str, value: int, world, what: str = "") -> None:
@@ -212,7 +276,7 @@ def _coerce(key: str, value, ftype, meta):
             raise UserError(f"config key '{key}': expected a finite number, got {value!r}")
     elif ftype is str:
         if isinstance(value, (dict, list)) or value is None:
-            raise UserError(f"config key '{key}': expected a string, got {value!r}")
+            raise UserError(f"config key '{key}': expected a string, got {value!r:.80}")
         if isinstance(value, bool) and {"on", "off"} <= set(meta.get("choices") or ()):
             value = "on" if value else "off"  # YAML 1.1 reads on/off (yes/no, true/false) as bools
         out = str(value)
@@ -220,10 +284,17 @@ def _coerce(key: str, value, ftype, meta):
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise UserError(f"config key '{key}': expected a list of strings, got {value!r}")
+            raise UserError(f"config key '{key}': expected a list of strings, got {value!r:.80}")
+        if not 1 <= len(value) <= MAX_LIST_ITEMS:
+            raise UserError(f"config key '{key}': {len(value)} items; it needs 1 to "
+                            f"{MAX_LIST_ITEMS}")
+        for item in value:
+            _check_length(key, item)
         out = list(value)
     else:  # pragma: no cover - a declaration error, not a user error
         raise TypeError(f"unsupported config type {ftype} for {key}")
+    if isinstance(out, str):
+        _check_length(key, out)
     if meta.get("choices") is not None and out not in meta["choices"]:
         raise UserError(f"config key '{key}': {out!r} is not one of {meta['choices']}")
     if meta.get("min") is not None and out < meta["min"]:
@@ -235,33 +306,55 @@ def _coerce(key: str, value, ftype, meta):
     return out
 
 
+def _check_length(key: str, text: str) -> None:
+    if len(text) > MAX_VALUE_CHARS:
+        raise UserError(f"config key '{key}': a value of {len(text)} characters, more than "
+                        f"{MAX_VALUE_CHARS}")
+
+
 def _parse_override(text: str):
     if "=" not in text:
-        raise UserError(f"override '{text}' is not of the form section.key=value")
+        raise UserError(f"override '{text:.80}' is not of the form section.key=value")
     key, raw = text.split("=", 1)
+    _check_length(key.strip(), raw)
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = yaml.load(raw, Loader=StrictLoader) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
     return key.strip(), value
 
 
-def _set(cfg, key: str, value) -> None:
+def _set(cfg, key: str, value, from_file: bool = False) -> None:
+    """Set ``key`` (section.key) of ``cfg`` to ``value``, checked. A key of another method's
+    section is checked against that method's declaration and skipped when it comes from a
+    config file (``from_file``: a file several methods share), refused on the command line."""
     parts = key.split(".")
     if len(parts) != 2:
-        raise UserError(f"config key '{key}' must be section.key (sections: "
+        raise UserError(f"config key '{key:.80}' must be section.key (sections: "
                         f"{', '.join(f.name for f in dataclasses.fields(cfg))})")
     section_name, name = parts
     sections = {f.name: f for f in dataclasses.fields(cfg)}
     if section_name in METHOD_SECTIONS and section_name not in sections:
+        if not from_file:
+            raise UserError(f"config key '{key}' is not read by this job (its sections: "
+                            f"{', '.join(sections)}); a config file may hold the sections of "
+                            f"other methods, the command line only this job's keys")
+        module, class_name = METHOD_SECTIONS[section_name].split(":")
+        _set_field(getattr(importlib.import_module(module), class_name)(), section_name, name,
+                   value)
         return
     if section_name not in sections:
-        raise UserError(f"config key '{key}': unknown section '{section_name}' "
+        raise UserError(f"config key '{key:.80}': unknown section '{section_name:.80}' "
                         f"(sections: {', '.join(sections)})")
-    section = getattr(cfg, section_name)
+    _set_field(getattr(cfg, section_name), section_name, name, value)
+
+
+def _set_field(section, section_name: str, name: str, value) -> None:
+    """Set field ``name`` of the section object ``section`` to ``value``, checked."""
+    key = f"{section_name}.{name}"
     fields = {f.name: f for f in dataclasses.fields(section)}
     if name not in fields:
-        raise UserError(f"config key '{key}' does not exist "
+        raise UserError(f"config key '{key:.80}' does not exist "
                         f"(keys of {section_name}: {', '.join(fields)})")
     f = fields[name]
     setattr(section, name, _coerce(key, value, _field_type(type(section), f), f.metadata))
@@ -274,31 +367,43 @@ def load_config(job_cls, path: str | None = None, overrides: list[str] = ()):
     """
     cfg = job_cls()
     if path:
-        if not os.path.isfile(path):
-            raise UserError(f"config file not found: {path}")
-        try:
-            with open(path, encoding="utf-8") as fh:
-                data = yaml.safe_load(fh) or {}
-        except yaml.YAMLError as err:
-            raise UserError(f"config file {path} is not valid YAML: "
-                            f"{str(err).splitlines()[0]}") from None
-        except UnicodeDecodeError as err:
-            raise UserError(f"config file {path} is not UTF-8 text (byte {err.start}: "
-                            f"{err.reason})") from None
-        except OSError as err:
-            raise UserError(f"cannot read config file {path}: {err.strerror or err}") from None
-        if not isinstance(data, dict):
-            raise UserError(f"config file {path} must map section names to keys")
+        data = _read_config_file(path)
         for section_name, values in data.items():
             if not isinstance(values, dict):
-                raise UserError(f"config section '{section_name}' in {path} must be a mapping")
+                raise UserError(f"config section '{section_name!s:.80}' in {path} must be a "
+                                f"mapping")
             for name, value in values.items():
-                _set(cfg, f"{section_name}.{name}", value)
+                _set(cfg, f"{section_name}.{name}", value, from_file=True)
     for text in overrides:
         _set(cfg, *_parse_override(text))
     if hasattr(cfg, "validate"):
         cfg.validate()
     return cfg
+
+
+def _read_config_file(path: str) -> dict:
+    """The YAML mapping in the file at ``path``: at most MAX_CONFIG_BYTES, UTF-8, read with
+    :class:`StrictLoader`; UserError otherwise."""
+    if not os.path.isfile(path):
+        raise UserError(f"config file not found: {path}")
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise UserError(f"config file {path} is larger than {MAX_CONFIG_BYTES} bytes; a "
+                            f"config holds a few sections of keys")
+        data = yaml.load(raw.decode("utf-8"), Loader=StrictLoader) or {}
+    except yaml.YAMLError as err:
+        raise UserError(f"config file {path} is not valid YAML: {_yaml_error_text(err)}"
+                        ) from None
+    except UnicodeDecodeError as err:
+        raise UserError(f"config file {path} is not UTF-8 text (byte {err.start}: "
+                        f"{err.reason})") from None
+    except OSError as err:
+        raise UserError(f"cannot read config file {path}: {err.strerror or err}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"config file {path} must map section names to keys")
+    return data
 
 
 def config_to_yaml(cfg) -> str:

@@ -41,6 +41,27 @@ def _launched() -> bool:
     return any(var in os.environ for var in _RANK_VARS)
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def end_with_launcher() -> None:
+    """In a rank started by mpirun or srun, on Linux: have the kernel SIGKILL this process when
+    its parent (mpirun, or srun's slurmstepd) dies. A launcher that is itself killed with
+    SIGKILL (the kernel's out-of-memory killer, a timeout's ``kill -9``) cannot end its ranks:
+    they ran on, orphaned, until a collective's deadline (``run.collective_timeout_s``) or, in
+    work without collectives, for ever. (A rank that dies is the launcher's to handle: mpirun
+    and ``srun --kill-on-bad-exit`` end the others at once.) Called first thing in a job."""
+    if not _launched() or not sys.platform.startswith("linux"):
+        return
+    import ctypes  # Linux only, and only in a launched rank
+
+    parent = os.getppid()
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0):
+        return  # not permitted here: the launcher's own kill and the deadlines remain
+    if os.getppid() != parent:  # the launcher died before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def report_user_error(err: UserError) -> None:
     """Print ``err`` as one line on stderr (rank 0 only unless the error is rank-local)."""
     rank = _rank_from_env()

@@ -24,6 +24,8 @@ import time
 
 import numpy as np
 
+from hpc.runtime.errors import end_with_launcher
+
 EXIT_PREEMPTED = 3
 # Test-only: seconds each start-up safe point sleeps first, so that a test's signal lands in
 # start-up even where loading the toy model takes no time. Never set it in a real job.
@@ -47,9 +49,12 @@ _installed: StopSignals | None = None
 
 def stop_signals() -> StopSignals:
     """This process's :class:`StopSignals`, installed by the first call (the entry point's);
-    later calls return the same one, so a signal received in between is not forgotten."""
+    later calls return the same one, so a signal received in between is not forgotten. The
+    first call also ties a launched rank's life to its launcher's
+    (:func:`hpc.runtime.errors.end_with_launcher`)."""
     global _installed
     if _installed is None:
+        end_with_launcher()
         _installed = StopSignals()
     return _installed
 
