@@ -93,6 +93,11 @@ QWEN25 = {
                 tie_word_embeddings=False),
 }
 USABLE_SHARE = 0.9
+# what a tensor tracker cannot see on a GPU, kept free by model.activation_checkpointing=auto
+# before it turns checkpointing off (unseen_parts)
+CUDA_CONTEXT_BYTES = 3 * GIB // 4  # CUDA context, loaded kernels, NCCL communicators
+CUBLAS_WORKSPACE_BYTES = GIB // 4  # cuBLAS / cuBLASLt workspaces of the streams in use
+FRAGMENTATION_SHARE = 0.10  # of the activations: the caching allocator's rounding and splits
 ESSA_MEMBER_SHARE = 0.5  # essa.batched.MEMORY_SHARE: the share of free memory k may fill
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LORA_BYTES_PER_PARAM = 4  # peft keeps adapter weights in fp32
@@ -240,13 +245,13 @@ def _max_len(cfg) -> int:
 
 
 def engine_budget(cfg, resident: int) -> int:
-    """The engine's budget (hpc.models.engine.memory_budget): ``model.engine_memory_gib``, or
-    ENGINE_MEMORY_SHARE of the memory ``resident`` bytes leave of ``plan.gpu_memory_gib`` at the
-    first generation, whole GiB."""
+    """The engine's budget: ``model.engine_memory_gib``, or :func:`hpc.models.engine.budget_left`
+    of ``plan.gpu_memory_gib`` with ``resident`` bytes (everything the method holds while it
+    decodes) resident. A job with a plan decodes within this budget
+    (:func:`planned_engine_budget`), so its engines are the plan's."""
     if cfg.model.engine_memory_gib > 0:
         return int(cfg.model.engine_memory_gib * GIB)
-    free = max(0, cfg.plan.gpu_memory_gib * GIB - resident)
-    return int(_engine().ENGINE_MEMORY_SHARE * free) // GIB * GIB
+    return _engine().budget_left(int(cfg.plan.gpu_memory_gib * GIB), resident)
 
 
 def engine_slots(shape: ModelShape, cfg, rows: int, k: int, budget: int) -> int:
@@ -298,6 +303,7 @@ class MethodPlan:
     usable: int
     notes: list
     advice: str = ""
+    engine_budget: int = 0  # bytes every engine of the job is sized within
 
     @property
     def peak(self) -> int:
@@ -356,9 +362,17 @@ def evaluation_phase(shape: ModelShape, cfg, resident: list, k: int, budget: int
 
 
 def essa_resident(shape: ModelShape, cfg) -> list:
+    """ESSA's weights and the job's own LoRA adapter (fp32, peft's), held all job long."""
+    n_lora = shape.lora_parameters(cfg.lora.rank, cfg.lora.targets)
     return [(f"weights ({cfg.model.dtype}" + (f", decoder linears {cfg.model.quantize}"
                                               if cfg.model.quantize != "none" else "") + ")",
-             weight_bytes(shape, cfg, quantized=True))]
+             weight_bytes(shape, cfg, quantized=True)),
+            (f"the job's own LoRA adapter ({n_lora:,} parameters, fp32)",
+             n_lora * LORA_BYTES_PER_PARAM)]
+
+
+def _total(parts: list) -> int:
+    return sum(b for _, b in parts)
 
 
 def essa_scoring_phase(shape: ModelShape, cfg, ranks: int, k: int) -> Phase:
@@ -369,7 +383,7 @@ def essa_scoring_phase(shape: ModelShape, cfg, ranks: int, k: int) -> Phase:
     return Phase("ESSA scoring", resident + [
         (f"LoRA factors of this rank's {members} members (fp32)", members * lora),
         *engine_parts(shape, cfg, f"{k} member(s) x {rows // k} rows", rows, k,
-                      engine_budget(cfg, resident[0][1]))])
+                      engine_budget(cfg, _total(resident)))])
 
 
 def essa_members_that_fit(shape: ModelShape, cfg, ranks: int) -> int:
@@ -379,7 +393,7 @@ def essa_members_that_fit(shape: ModelShape, cfg, ranks: int) -> int:
     rows = min(cfg.eval.batch_size, cfg.essa.minibatch)
     while k < most:
         phase = essa_scoring_phase(shape, cfg, ranks, k + 1)
-        if phase.peak > _usable(cfg) or "in waves" in phase.parts[2][0]:
+        if phase.peak > _usable(cfg) or "in waves" in phase.parts[-2][0]:
             break
         k += 1
     return k if k or rows else 0
@@ -390,17 +404,18 @@ def essa_plan(shape: ModelShape, cfg, ranks: int, advise: bool = True) -> Method
     held-out evaluation (its engine is given back before the next scoring pass)."""
     k = essa_members_per_pass(cfg, ranks)
     resident = essa_resident(shape, cfg)
-    budget = engine_budget(cfg, resident[0][1])
+    budget = engine_budget(cfg, _total(resident))
     phases = [essa_scoring_phase(shape, cfg, ranks, k),
               evaluation_phase(shape, cfg, resident, 1, budget)]
     fit = essa_members_that_fit(shape, cfg, ranks)
     notes = [f"engine budget {gib(budget)} (model.engine_memory_gib="
              f"{cfg.model.engine_memory_gib:g}: 0 = {_engine().ENGINE_MEMORY_SHARE:.0%} of the "
-             f"memory the weights leave, whole GiB)",
+             f"memory the weights and the adapter leave, whole GiB)",
              f"members per pass that fit in one wave: {fit} of this rank's "
              f"{math.ceil(cfg.essa.population / ranks)} (essa.members_per_pass="
              f"{cfg.essa.members_per_pass})"]
-    plan = MethodPlan("ESSA", phases, _usable(cfg), notes)
+    plan = MethodPlan("ESSA", phases, _usable(cfg), notes + [HANDOVER_NOTE],
+                      engine_budget=budget)
     if advise and not plan.fits:
         plan.advice = _smallest_fix(essa_plan, shape, cfg, ranks, [
             *[(f"essa.members_per_pass={k2}", {"essa__members_per_pass": k2}, None)
@@ -559,9 +574,12 @@ def fgrpo_rollout_rows(cfg, ranks: int) -> int:
         cfg.fgrpo.num_generations
 
 
-def fgrpo_plan(shape: ModelShape, cfg, ranks: int, advise: bool = True) -> MethodPlan:
+def fgrpo_plan(shape: ModelShape, cfg, ranks: int, advise: bool = True,
+               keep_engine: bool | None = None) -> MethodPlan:
     """F-GRPO on one GPU: rollout, training (micro-batch forward/backward), the gradient
-    reduction and AdamW step, and the held-out evaluation."""
+    reduction and AdamW step, and the held-out evaluation. ``keep_engine``: whether the
+    rollout's engine stays on the model through training under DDP (None: as
+    :func:`rollout_engine_kept` resolves it)."""
     f, n = cfg.fgrpo, shape.parameters()
     held = fgrpo_state(shape, cfg, ranks)
     state = [(label, b) for label, b, kind in held if kind != "gradients"]
@@ -579,7 +597,9 @@ def fgrpo_plan(shape: ModelShape, cfg, ranks: int, advise: bool = True) -> Metho
     rollout_engine = engine_parts(shape, cfg, f"{rows // f.num_generations} prompts x G="
                                   f"{f.num_generations}", rows, k, budget)
     rollout = Phase("rollout", decoding + rollout_engine)
-    kept = [] if _sharded(cfg) else [("rollout engine, kept on the model", rollout_engine[0][1])]
+    if keep_engine is None:
+        keep_engine = _engine_kept(shape, cfg, ranks)
+    kept = [("rollout engine, kept on the model", rollout_engine[0][1])] if keep_engine else []
     train = Phase(f"training (micro_batch {f.micro_batch})", state + gradients + kept
                   + (gathered_parts(shape, cfg) if _sharded(cfg) else [])
                   + training_activation_parts(shape, cfg, ranks))
@@ -599,7 +619,8 @@ def fgrpo_plan(shape: ModelShape, cfg, ranks: int, advise: bool = True) -> Metho
         + (f"log-probs in chunks of {chunk} positions" if chunk else
            "full-vocabulary logits (model.logprob_chunk=0)")
         + f"; engine budget {gib(budget)}",
-        offload_note(cfg, offload, moved)])
+        offload_note(cfg, offload, moved), kept_engine_note(cfg, keep_engine),
+        HANDOVER_NOTE] + checkpointing_notes(shape, cfg, ranks), engine_budget=budget)
     if advise and not plan.fits:
         ckpt, chunked = {"model__activation_checkpointing": "on"}, {"model__logprob_chunk": 1024}
         both = dict(ckpt, **chunked)
@@ -622,6 +643,38 @@ def fgrpo_plan(shape: ModelShape, cfg, ranks: int, advise: bool = True) -> Metho
                + ("train a LoRA (fgrpo.full_finetune=false)" if f.full_finetune else
                   "use GPUs with more memory"))
     return plan
+
+
+def _engine_kept(shape: ModelShape, cfg, ranks: int) -> bool:
+    """DDP: the rollout's engine stays on the model through training (no rebuild, its CUDA
+    graphs kept) when the plan fits so; else it is released after each rollout, which the
+    training's peak then does without. FSDP2 frees it with the gathered copy, always."""
+    if _sharded(cfg):
+        return False
+    return fgrpo_plan(shape, cfg, ranks, advise=False, keep_engine=True).fits
+
+
+def rollout_engine_kept(cfg, ranks: int, device_type: str) -> bool:
+    """For an F-GRPO job: :func:`_engine_kept` on CUDA with a local model folder and
+    ``plan.gpu_memory_gib`` > 0; else (no plan) kept under DDP, as before any plan."""
+    path = cfg.model.path
+    if (device_type != "cuda" or cfg.plan.gpu_memory_gib <= 0
+            or not os.path.isfile(os.path.join(path, "config.json"))):
+        return not _sharded(cfg)
+    return _engine_kept(ModelShape.from_folder(path), cfg, ranks)
+
+
+def kept_engine_note(cfg, kept: bool) -> str:
+    if _sharded(cfg):
+        return "rollout engine: freed with the gathered copy after each rollout (FSDP2)"
+    if kept:
+        return "rollout engine: kept on the model through training (it fits)"
+    return "rollout engine: released after each rollout (the training needs its room)"
+
+
+HANDOVER_NOTE = ("engine hand-overs: each engine is released before the next is built and an "
+                 "evaluation's at its end, so no two are alive at once (no peak beyond the "
+                 "phases')")
 
 
 def offload_note(cfg, offload: str, moved: int) -> str:
@@ -671,6 +724,18 @@ def check_job_memory(cfg, method: str, ranks: int, device_type: str) -> None:
                         f"with the same config)")
 
 
+def planned_engine_budget(cfg, method: str, ranks: int, device_type: str) -> int:
+    """The engine budget of ``method``'s plan (:attr:`MethodPlan.engine_budget`) for a job on
+    CUDA with a local model folder and ``plan.gpu_memory_gib`` > 0 (0 otherwise: the job
+    derives it from the device, :func:`hpc.models.engine.memory_budget`). The job's engines
+    are so sized within the very figure the plan's phases were checked with."""
+    path = cfg.model.path
+    if (method not in PLANS or device_type != "cuda" or cfg.plan.gpu_memory_gib <= 0
+            or not os.path.isfile(os.path.join(path, "config.json"))):
+        return 0
+    return PLANS[method](ModelShape.from_folder(path), cfg, ranks, advise=False).engine_budget
+
+
 def activation_checkpointing(cfg, method: str, ranks: int, device_type: str,
                              planned: bool = False) -> bool:
     """``model.activation_checkpointing`` resolved for a job of ``method`` (sft or fgrpo) on
@@ -688,15 +753,57 @@ def activation_checkpointing(cfg, method: str, ranks: int, device_type: str,
         return False
     shape = ModelShape.from_folder(path)
     if method == "fgrpo":
-        plan = fgrpo_plan(shape, _with(cfg, model__activation_checkpointing="off"), ranks,
-                          advise=False)
-        return not plan.fits
+        return not _fits_unchecked(shape, cfg, ranks)
     elem = DTYPE_BYTES[cfg.model.dtype]
     state = (shape.parameters() * elem + LORA_TRAIN_BYTES_PER_PARAM
              * shape.lora_parameters(cfg.lora.rank, cfg.lora.targets))
-    train = math.ceil(cfg.sft.batch_size / ranks) * _seq(cfg) * \
-        shape.training_token_bytes(elem, cfg.lora.targets)
-    return state + train > _usable(cfg)
+    tokens = math.ceil(cfg.sft.batch_size / ranks) * _seq(cfg)
+    train = tokens * shape.training_token_bytes(elem, cfg.lora.targets)
+    return state + train + _total(unseen_parts(shape, tokens, 0, train)) > _usable(cfg)
+
+
+def unseen_parts(shape: ModelShape, tokens: int, chunk: int, activations: int) -> list:
+    """(label, bytes) of what torch's tensor trackers cannot see on a GPU, which
+    ``model.activation_checkpointing=auto`` keeps free before it turns checkpointing off: the
+    CUDA context, cuBLAS workspaces, the fp32 log-softmax scratch of the LM head's positions
+    (``chunk`` of the micro-batch's ``tokens``, all of them for 0) and FRAGMENTATION_SHARE of
+    the ``activations`` bytes (the caching allocator's rounding and split blocks)."""
+    positions = min(chunk, tokens) if chunk else tokens
+    return [("CUDA context, kernels, NCCL", CUDA_CONTEXT_BYTES),
+            ("cuBLAS workspaces", CUBLAS_WORKSPACE_BYTES),
+            (f"fp32 log-softmax scratch of {positions} positions", 4 * positions * shape.vocab),
+            (f"fragmentation ({FRAGMENTATION_SHARE:.0%} of the activations)",
+             int(FRAGMENTATION_SHARE * activations))]
+
+
+def _unchecked(cfg):
+    return _with(cfg, model__activation_checkpointing="off")
+
+
+def fgrpo_unseen(shape: ModelShape, cfg, ranks: int) -> list:
+    """:func:`unseen_parts` of an F-GRPO micro-batch trained without checkpointing."""
+    tokens = cfg.fgrpo.micro_batch * _seq(cfg)
+    activations = _total(training_activation_parts(shape, _unchecked(cfg), ranks))
+    return unseen_parts(shape, tokens, cfg.model.logprob_chunk, activations)
+
+
+def _fits_unchecked(shape: ModelShape, cfg, ranks: int) -> bool:
+    """F-GRPO without checkpointing fits with :func:`fgrpo_unseen`'s margin to spare."""
+    plan = fgrpo_plan(shape, _unchecked(cfg), ranks, advise=False)
+    return plan.fits and plan.peak + _total(fgrpo_unseen(shape, cfg, ranks)) <= plan.usable
+
+
+def checkpointing_notes(shape: ModelShape, cfg, ranks: int) -> list:
+    """What ``model.activation_checkpointing=auto`` weighed (no line for on or off)."""
+    if cfg.model.activation_checkpointing != "auto":
+        return []
+    plan = fgrpo_plan(shape, _unchecked(cfg), ranks, advise=False)
+    unseen = fgrpo_unseen(shape, cfg, ranks)
+    terms = ", ".join(f"{label} {gib(b)}" for label, b in unseen)
+    verdict = "on" if not _fits_unchecked(shape, cfg, ranks) else "off"
+    return [f"checkpointing auto -> {verdict}: without it the peak is {gib(plan.peak)}, plus a "
+            f"margin of {gib(_total(unseen))} for what trackers cannot see ({terms}), of "
+            f"{gib(plan.usable)} usable"]
 
 
 def plan_text(cfg, ranks: int) -> str:
