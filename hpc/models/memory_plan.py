@@ -444,6 +444,8 @@ def training_activation_parts(shape: ModelShape, cfg, ranks: int) -> list:
     # under FSDP2 the factors are gathered in model.dtype like every other weight
     targets = () if f.full_finetune or _sharded(cfg) else cfg.lora.targets
     layer = shape.training_layer_bytes(e, targets, f.full_finetune)
+    if _sharded(cfg) and not f.full_finetune:  # measured: one h-wide 16-bit copy a token more
+        layer += shape.hidden * e  # (a sharded LoRA layer's input cast to the compute dtype)
     chunk = cfg.model.logprob_chunk
     upcast = 4 if e < 4 else 0
     if chunk:  # the final norm's input (+ fp32 upcast), the flattened hidden, one head chunk
