@@ -184,7 +184,7 @@ def _decode_pass(model, cfg, rows: int, k: int, budget: int, sampled: bool,
     the rows admitted at once, one decode step over every slot at the full context, and (for
     ``sampled`` phases) the keyed sampling of its tokens. ``members``: the factors of that many
     members are made first and live through the pass (ESSA's rank's members)."""
-    from hpc.models.engine import PREFILL_TOKENS, engine_for
+    from hpc.models.engine import PREFILL_TOKENS, GraphedDecode, engine_for
     from hpc.models.memory_plan import engine_slots
     from hpc.models.sampling import Sampling, pick_tokens
 
@@ -192,7 +192,10 @@ def _decode_pass(model, cfg, rows: int, k: int, budget: int, sampled: bool,
     # the slots the budget gives the model's full shape (not the fewer layers built here)
     slots = engine_slots(_shape(cfg), cfg, rows, k, budget)
     job_part(f"engine of {rows} rows, {k} members")
-    engine = engine_for(model, rows, seq, k, None, most=rows, budget_bytes=1 << 60,
+    # on a GPU the decode step is captured as the job captures it (its graphs' pool counted)
+    cuda = next(model.parameters()).device.type == "cuda"
+    replay = GraphedDecode if cuda and cfg.model.cuda_graphs else None
+    engine = engine_for(model, rows, seq, k, replay, most=rows, budget_bytes=1 << 60,
                         max_slots=slots)
     with torch.inference_mode():
         factors = _member_factors(model, max(members, k)) if members or k > 1 else None
@@ -562,12 +565,13 @@ def model_config(cfg) -> dict:
 
 
 def measure_phases(case: str, cfg, ranks: int = 1, layers: int | None = None,
-                   device: str = "fake") -> dict:
+                   device: str = "fake", steps: int = 2) -> dict:
     """Peak live bytes by phase of ``case`` (:data:`CASES`) for the model of
     ``cfg.model.path`` under job config ``cfg`` (with essa and fgrpo sections) on rank 0 of
     ``ranks``: {"rollout": ..., "training": ...} for fgrpo (+ "step" on a real ``device``),
-    {"all": ...} otherwise. ``device``: fake tensors, or real ones on cpu (torch's tracker)
-    or cuda (the allocator's peaks)."""
+    {phase or phase | part: ...} for a job case of ``steps`` steps, {"all": ...} otherwise.
+    ``device``: fake tensors, or real ones on cpu (torch's tracker) or cuda (the allocator's
+    peaks)."""
     if case not in CASES:
         raise ValueError(f"case {case!r} is not one of {CASES}")
     config = model_config(cfg)
@@ -579,12 +583,12 @@ def measure_phases(case: str, cfg, ranks: int = 1, layers: int | None = None,
         if case == "fgrpo":
             fgrpo_step(model, cfg, ranks, tracker, real=device != "fake")
         elif case == "fgrpo_job":
-            fgrpo_job(model, cfg, ranks, tracker, real=device != "fake")
+            fgrpo_job(model, cfg, ranks, tracker, real=device != "fake", steps=steps)
         elif case == "essa_job":
             model.requires_grad_(False)
             tracker.track_external(model)
             with tracker:
-                essa_job(model, cfg, ranks, tracker)
+                essa_job(model, cfg, ranks, tracker, steps)
         else:  # ESSA loads its adapter frozen (is_trainable=False)
             model.requires_grad_(False)
             tracker.track_external(model)
@@ -606,13 +610,14 @@ def measure(case: str, cfg, ranks: int = 1, layers: int | None = None,
     return max(measure_phases(case, cfg, ranks, layers, device).values())
 
 
-def phase_peaks(case: str, cfg, ranks: int = 1, layers_from: tuple = ()) -> dict:
+def phase_peaks(case: str, cfg, ranks: int = 1, layers_from: tuple = (),
+                steps: int = 2) -> dict:
     """:func:`measure_phases` at the model's layer count; with ``layers_from`` (two small
-    counts) each phase's peak measured at those and extended linearly to it."""
+    counts) each phase's (or its parts') peak measured at those and extended linearly to it."""
     if not layers_from:
-        return _whole_phases(measure_phases(case, cfg, ranks))
+        return _whole_phases(measure_phases(case, cfg, ranks, steps=steps))
     (l1, l2), target = layers_from, model_config(cfg)["num_hidden_layers"]
-    p1, p2 = (measure_phases(case, cfg, ranks, n) for n in (l1, l2))
+    p1, p2 = (measure_phases(case, cfg, ranks, n, steps=steps) for n in (l1, l2))
     return _whole_phases({k: p1[k] + (p2[k] - p1[k]) * (target - l1) // (l2 - l1) for k in p1})
 
 
@@ -697,6 +702,9 @@ def main(argv=None):
                    help="fake tensors (any shape, no memory), or a real run of one rank at "
                         "every layer: cpu (torch's tracker) or cuda (the allocator's peak, "
                         "torch.cuda.max_memory_allocated, per phase)")
+    p.add_argument("--job-steps", type=int, default=2, metavar="N",
+                   help="steps of the job cases (1: the start evaluation, one step, the "
+                        "final evaluation and the export)")
     p.add_argument("--legacy-handover", action="store_true",
                    help="engines change hands as before the fix (legacy_handover), to see "
                         "the hand-over peaks of the job cases")
@@ -721,8 +729,9 @@ def main(argv=None):
     results = []
     for case in args.cases.split(","):
         with legacy_handover() if args.legacy_handover else contextlib.nullcontext():
-            measured = (phase_peaks(case, cfg, args.ranks, layers) if args.device == "fake"
-                        else _whole_phases(measure_phases(case, cfg, args.ranks, None, args.device)))
+            measured = (phase_peaks(case, cfg, args.ranks, layers, args.job_steps)
+                        if args.device == "fake" else _whole_phases(measure_phases(
+                            case, cfg, args.ranks, None, args.device, args.job_steps)))
         planned = planned_phases(case, cfg, args.ranks)
         if case in JOB_CASES:  # the whole sequence, hand-overs included, against the plan
             measured["job"] = max(measured.values())

@@ -453,3 +453,29 @@ def test_whole_job_sees_the_legacy_handover_peak(tmp_path, size, case, overrides
     with legacy_handover():
         planned, measured = job_peaks(tmp_path, size, case, overrides)
     assert measured > above * planned
+
+
+def test_gpu_check_of_the_handover_in_its_cpu_form(tmp_path, capsys):
+    """The GPU check of an ESSA start evaluation -> scoring hand-over (benchmarks/
+    memory_tracker.py --cases essa_job --job-steps 1 --device cuda, README's command) in its
+    CPU form: real tensors of a tiny shape, each phase's peak and the whole job's beside the
+    plan's, written as JSON."""
+    from memory_tracker import main as tracker_main
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=512, tie_word_embeddings=True)))
+    out = tmp_path / "handover.json"
+    tracker_main([f"model.path={tmp_path}", "plan.max_prompt_tokens=8", "task.max_new_tokens=8",
+                  "eval.batch_size=4", "eval.n_samples=4", "essa.population=4",
+                  "essa.minibatch=4", "--ranks", "1", "--cases", "essa_job", "--job-steps", "1",
+                  "--device", "cpu", "--json", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert [r["phase"] for r in rows] == ["start evaluation", "step 1 scoring",
+                                          "periodic evaluation", "final evaluation", "export",
+                                          "job"]
+    assert all(r["measured_bytes"] > 0 and r["planned_bytes"] > 0 for r in rows)
+    job = rows[-1]
+    assert job["measured_bytes"] == max(r["measured_bytes"] for r in rows[:-1])
+    assert "essa_job job" in capsys.readouterr().out
