@@ -6,10 +6,15 @@ tensors: no weights, no GPU, any model shape (Qwen2.5-1.5B to 32B) in seconds.
     python benchmarks/memory_tracker.py configs/cluster/math.yaml --qwen25 1.5B \
         fgrpo.parallelism=fsdp2 fgrpo.full_finetune=true --cases fgrpo --device cuda \
         --json benchmarks/results/gpu_memory-h200.json
+    python benchmarks/memory_tracker.py configs/cluster/math.yaml --qwen25 1.5B \
+        --cases essa_job --job-steps 1 --device cuda \
+        --json benchmarks/results/gpu_handover-h200.json
 
 The second form is the GPU check of the plan: the same code on real tensors (weights drawn at
 random), one rank, every layer, each phase's ``torch.cuda.max_memory_allocated`` printed beside
-the plan's figure (``--device cpu``: torch's tracker on real CPU tensors).
+the plan's figure (``--device cpu``: torch's tracker on real CPU tensors); the third is the GPU
+check of the hand-overs: an ESSA job's start evaluation -> scoring -> final evaluation, its
+decode steps captured as CUDA graphs as the job captures them.
 
 Each case builds the model from ``model.path``'s ``config.json`` (no weights needed) under ``FakeTensorMode`` (``from_config`` in
 the config's ``model.dtype``; tensors on the ``cpu`` device: on a CPU-only torch a fake ``cuda``
@@ -25,6 +30,13 @@ leaf that needs a gradient aborts the process) and runs, under
   rows) on the job's own adapter (k = 1);
 * ``after_evaluation``: the evaluation, then an ESSA scoring pass: what the job holds once the
   start evaluation's engine has (or has not) been given back;
+* ``essa_job``, ``fgrpo_job``: a whole job's phases in order in one tracker, as
+  :func:`hpc.job.loop.run_loop` runs them (:func:`essa_job`, :func:`fgrpo_job`): the start
+  evaluation (greedy, then sampled), ``--job-steps`` steps with a periodic evaluation after
+  the first, the final evaluation and the export, every engine change of hands included
+  (``--legacy-handover``: as before the old engine was released first, the reference);
+  each phase's parts (an engine's build, a prefill, a decode step) are measured apart so
+  that each part's peak is one event, affine in the layer count;
 * ``fgrpo``: one F-GRPO step on one rank as :mod:`fgrpo.trainer` runs it from its second step
   on: the rollout's engine pass (``min(eval.batch_size, prompts per rank) * G`` rows), then (gradients and AdamW moments allocated): AdamW on the trainable parameters (fgrpo.policy.build_model's LoRA or full fine-tuning),
   :func:`fgrpo.gradients.accumulate_gradients` over two micro-batches of full-length rows, the

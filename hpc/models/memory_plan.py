@@ -16,12 +16,17 @@ context, NCCL buffers, allocator fragmentation) and every engine holds a row in 
 * the decoding engine (:func:`hpc.models.engine.engine_memory`: KV cache, stacked members,
   per-slot buffers, a step's transient), sized per phase as the job sizes it: the phase's rows
   bucketed, capped by ``model.engine_slots`` and by its budget (``model.engine_memory_gib``, or
-  half of what the resident state leaves, whole GiB); larger phases decode in waves, and a
-  phase's engine is replaced by the next phase's, so the evaluation's engine does not outlive
-  it. The rollout's engine stays on the model through F-GRPO's training under DDP; FSDP2's
-  gathered copy and its engine are freed after the rollout.
+  :func:`hpc.models.engine.budget_left`: half of what everything resident leaves, whole GiB;
+  the job decodes within this same figure, :func:`planned_engine_budget`); larger phases
+  decode in waves. Hand-overs: an engine is released before the next is built and an
+  evaluation's at its end (unless the next phase reuses it), so no two engines are alive at
+  once and no transition peaks above the phases. Under DDP the rollout's engine stays on the
+  model through F-GRPO's training where the plan fits so, else it is released after each
+  rollout (:func:`rollout_engine_kept`; the plan's notes say which); FSDP2's gathered copy and
+  its engine are freed after the rollout.
 * ESSA: weights (decoder linears at ``model.quantize``'s bytes with torchao's scales), the
-  rank's members' LoRA factors (fp32), and the scoring engine of k members x
+  job's own adapter (fp32), the rank's members' LoRA factors (fp32), and the scoring engine
+  of k members x
   ``min(eval.batch_size, essa.minibatch)`` rows; the evaluation phase instead holds the
   evaluation engine (``eval.batch_size x eval.n_samples`` rows asked).
 * F-GRPO state (:mod:`hpc.models.parallelize`): DDP LoRA: weights + 16 bytes per LoRA
@@ -38,16 +43,23 @@ context, NCCL buffers, allocator fragmentation) and every engine holds a row in 
 * F-GRPO training, one micro-batch of ``fgrpo.micro_batch`` sequences: without activation
   checkpointing every layer keeps (6h + 2ad + 3I) values a token in 16 bits ((5h + ...) in
   fp32; K and V at all a heads, as transformers' padded path saves them) plus the inputs of
-  the LoRA targets in fp32 (not under FSDP2, which gathers the factors in 16 bits), or
-  (4h + I) values more with full fine-tuning; with it
+  the LoRA targets in fp32 (not under FSDP2, which gathers the factors in 16 bits; there a
+  LoRA layer keeps h values more, measured), or (4h + I) values more with full fine-tuning;
+  with it
   (``model.activation_checkpointing``) each layer keeps its input (h values) and one layer is
   recomputed at a time. Log-probs: full-vocabulary logits cost 16 V bytes a position at the
   backward's peak; in chunks (``model.logprob_chunk`` = c) the final norm's input and the
   flattened hidden states stay, and one chunk's 16 c V bytes come and go.
+  ``model.activation_checkpointing=auto`` turns checkpointing off only when the plan without
+  it fits with a stated margin to spare for what a tensor tracker cannot see
+  (:func:`unseen_parts`: CUDA context, cuBLAS workspaces, the fp32 log-softmax scratch, 10% of
+  the activations for fragmentation).
 
 These terms were checked against torch's memory tracker running the package's own engine and
 F-GRPO step on fake tensors, DDP and FSDP2 (benchmarks/memory_tracker.py,
-tests/test_memory_plan.py: within 15% for Qwen2.5-1.5B, 7B and 32B). When a plan does not fit, the advice is the first of a list
+tests/test_memory_plan.py: within 15% for Qwen2.5-1.5B, 7B and 32B), and over whole jobs in
+the package's order (start evaluation, steps, a periodic and the final evaluation, export;
+ESSA bf16 and INT8, F-GRPO DDP and FSDP2: within 5%). When a plan does not fit, the advice is the first of a list
 of changes (checkpointing, chunked log-probs, smaller micro-batches, FSDP2 over more ranks,
 optimizer offload, a smaller engine budget, int8 weights) under which it does.
 
