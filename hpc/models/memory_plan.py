@@ -634,7 +634,8 @@ def fgrpo_plan(shape: ModelShape, cfg, ranks: int, advise: bool = True,
            "full-vocabulary logits (model.logprob_chunk=0)")
         + f"; engine budget {gib(budget)}",
         offload_note(cfg, offload, moved), kept_engine_note(cfg, keep_engine),
-        HANDOVER_NOTE] + checkpointing_notes(shape, cfg, ranks), engine_budget=budget)
+        HANDOVER_NOTE] + (checkpointing_notes(shape, cfg, ranks) if advise else []),
+        engine_budget=budget)
     if advise and not plan.fits:
         ckpt, chunked = {"model__activation_checkpointing": "on"}, {"model__logprob_chunk": 1024}
         both = dict(ckpt, **chunked)
@@ -671,11 +672,15 @@ def _engine_kept(shape: ModelShape, cfg, ranks: int) -> bool:
 def rollout_engine_kept(cfg, ranks: int, device_type: str) -> bool:
     """For an F-GRPO job: :func:`_engine_kept` on CUDA with a local model folder and
     ``plan.gpu_memory_gib`` > 0; else (no plan) kept under DDP, as before any plan."""
-    path = cfg.model.path
-    if (device_type != "cuda" or cfg.plan.gpu_memory_gib <= 0
-            or not os.path.isfile(os.path.join(path, "config.json"))):
+    if not _job_has_plan(cfg, device_type):
         return not _sharded(cfg)
-    return _engine_kept(ModelShape.from_folder(path), cfg, ranks)
+    return _engine_kept(ModelShape.from_folder(cfg.model.path), cfg, ranks)
+
+
+def _job_has_plan(cfg, device_type: str) -> bool:
+    """A job is planned on CUDA with a local model folder and ``plan.gpu_memory_gib`` > 0."""
+    return (device_type == "cuda" and cfg.plan.gpu_memory_gib > 0
+            and os.path.isfile(os.path.join(cfg.model.path, "config.json")))
 
 
 def kept_engine_note(cfg, kept: bool) -> str:
@@ -743,11 +748,10 @@ def planned_engine_budget(cfg, method: str, ranks: int, device_type: str) -> int
     CUDA with a local model folder and ``plan.gpu_memory_gib`` > 0 (0 otherwise: the job
     derives it from the device, :func:`hpc.models.engine.memory_budget`). The job's engines
     are so sized within the very figure the plan's phases were checked with."""
-    path = cfg.model.path
-    if (method not in PLANS or device_type != "cuda" or cfg.plan.gpu_memory_gib <= 0
-            or not os.path.isfile(os.path.join(path, "config.json"))):
+    if method not in PLANS or not _job_has_plan(cfg, device_type):
         return 0
-    return PLANS[method](ModelShape.from_folder(path), cfg, ranks, advise=False).engine_budget
+    return PLANS[method](ModelShape.from_folder(cfg.model.path), cfg, ranks,
+                         advise=False).engine_budget
 
 
 def activation_checkpointing(cfg, method: str, ranks: int, device_type: str,
