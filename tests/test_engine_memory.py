@@ -213,17 +213,18 @@ ESSA_ARGS = ["model.path=toy", "task.n_train=200", "task.n_eval=32", "essa.popul
 
 
 def test_essa_engine_after_start_evaluation_holds_the_scoring_need(toy_adapter, tmp_path):
-    """The start evaluation decodes 16 prompts x 8 samples (128 slots); the first generation's
-    scoring (16 prompts, one member per pass) then runs on a 16-slot engine, whose KV cache is
-    the formula's."""
+    """The start evaluation decodes 16 prompts x 8 samples (128 slots) and releases that engine
+    at its end, as the first generation's scoring (16 prompts, one member per pass) needs
+    fewer; the scoring then runs on a 16-slot engine, whose KV cache is the formula's."""
     prefix = tmp_path / "report"
     proc = run_cli(["tests/mpi/engine_job.py", str(prefix), "memory", *ESSA_ARGS,
                     f"lora.adapter={toy_adapter}", "essa.members_per_pass=1",
                     f"run.out={tmp_path / 'run'}"], timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "report.0.json").read_text())
-    evaluation, scoring = report["after_start_eval"], report["after_generation"]
+    evaluation, scoring = report["end_of_start_eval"], report["after_generation"]
     assert evaluation["slots"] == 128 and evaluation["k"] == scoring["k"] == 1
+    assert report["after_start_eval"] == {}  # released: no two engines at the hand-over
     assert scoring["slots"] == bucket(16, 1 << 30) == 16
     assert scoring["kv_bytes"] == scoring["memory"]["kv_cache"] < evaluation["kv_bytes"] / 4
 
