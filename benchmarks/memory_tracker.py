@@ -6,10 +6,15 @@ tensors: no weights, no GPU, any model shape (Qwen2.5-1.5B to 32B) in seconds.
     python benchmarks/memory_tracker.py configs/cluster/math.yaml --qwen25 1.5B \
         fgrpo.parallelism=fsdp2 fgrpo.full_finetune=true --cases fgrpo --device cuda \
         --json benchmarks/results/gpu_memory-h200.json
+    python benchmarks/memory_tracker.py configs/cluster/math.yaml --qwen25 1.5B \
+        --cases essa_job --job-steps 1 --device cuda \
+        --json benchmarks/results/gpu_handover-h200.json
 
 The second form is the GPU check of the plan: the same code on real tensors (weights drawn at
 random), one rank, every layer, each phase's ``torch.cuda.max_memory_allocated`` printed beside
-the plan's figure (``--device cpu``: torch's tracker on real CPU tensors).
+the plan's figure (``--device cpu``: torch's tracker on real CPU tensors); the third is the GPU
+check of the hand-overs: an ESSA job's start evaluation -> scoring -> final evaluation, its
+decode steps captured as CUDA graphs as the job captures them.
 
 Each case builds the model from ``model.path``'s ``config.json`` (no weights needed) under ``FakeTensorMode`` (``from_config`` in
 the config's ``model.dtype``; tensors on the ``cpu`` device: on a CPU-only torch a fake ``cuda``
@@ -25,6 +30,13 @@ leaf that needs a gradient aborts the process) and runs, under
   rows) on the job's own adapter (k = 1);
 * ``after_evaluation``: the evaluation, then an ESSA scoring pass: what the job holds once the
   start evaluation's engine has (or has not) been given back;
+* ``essa_job``, ``fgrpo_job``: a whole job's phases in order in one tracker, as
+  :func:`hpc.job.loop.run_loop` runs them (:func:`essa_job`, :func:`fgrpo_job`): the start
+  evaluation (greedy, then sampled), ``--job-steps`` steps with a periodic evaluation after
+  the first, the final evaluation and the export, every engine change of hands included
+  (``--legacy-handover``: as before the old engine was released first, the reference);
+  each phase's parts (an engine's build, a prefill, a decode step) are measured apart so
+  that each part's peak is one event, affine in the layer count;
 * ``fgrpo``: one F-GRPO step on one rank as :mod:`fgrpo.trainer` runs it from its second step
   on: the rollout's engine pass (``min(eval.batch_size, prompts per rank) * G`` rows), then (gradients and AdamW moments allocated): AdamW on the trainable parameters (fgrpo.policy.build_model's LoRA or full fine-tuning),
   :func:`fgrpo.gradients.accumulate_gradients` over two micro-batches of full-length rows, the
@@ -67,7 +79,24 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from common import machine  # also puts the repository on sys.path
 
 GIB = 2 ** 30
-CASES = ("essa", "evaluation", "after_evaluation", "fgrpo")
+CASES = ("essa", "evaluation", "after_evaluation", "fgrpo", "essa_job", "fgrpo_job")
+JOB_CASES = ("essa_job", "fgrpo_job")
+PART = " | "  # between a job phase and its part: "start evaluation | engine"
+_JOB = {"tracker": None, "phase": ""}  # the job case's tracker and phase, while one runs
+
+
+def job_phase(tracker, name: str) -> None:
+    """Start job phase ``name`` on ``tracker``; its parts (:func:`job_part`) follow."""
+    _JOB.update(tracker=tracker, phase=name)
+    tracker.phase = name
+
+
+def job_part(name: str) -> None:
+    """Within a job case, the current phase's part ``name`` (an engine's build, a prefill, a
+    decode step) is measured apart: each part's peak is one event, affine in the layer count,
+    so :func:`phase_peaks` can extend it; a phase's peak is the largest of its parts'."""
+    if _JOB["tracker"] is not None:
+        _JOB["tracker"].phase = _JOB["phase"] + PART + name
 
 
 class HostReadsOne(TorchDispatchMode):
@@ -104,8 +133,8 @@ def fake_model(config: dict, cfg, case: str, ranks: int, stack: contextlib.ExitS
     it resolves to on (and torch's fake process group of ``ranks`` entered in ``stack``).
     Built on the meta device, then given fake storage under :func:`fake_tensors` (entered in
     ``stack`` too), or with ``device`` cpu or cuda real storage (weights drawn N(0, 0.02),
-    LoRA B zero, one real rank: ``ranks`` must be 1). ``layers`` overrides
-    ``num_hidden_layers``."""
+    LoRA B zero, one real rank: ``ranks`` must be 1); for ESSA the base linears quantised at
+    ``model.quantize`` (torchao). ``layers`` overrides ``num_hidden_layers``."""
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -113,7 +142,7 @@ def fake_model(config: dict, cfg, case: str, ranks: int, stack: contextlib.ExitS
     from hpc.models.memory_plan import activation_checkpointing
     from hpc.models.parallelize import load_dtype, shard_model
 
-    training = case == "fgrpo"
+    training = case in ("fgrpo", "fgrpo_job")
     sharded = training and cfg.fgrpo.parallelism == "fsdp2"
     shape = Qwen2Config(**dict(config, num_hidden_layers=layers or config["num_hidden_layers"]))
     shape._attn_implementation = "sdpa"
@@ -138,6 +167,10 @@ def fake_model(config: dict, cfg, case: str, ranks: int, stack: contextlib.ExitS
         stack.enter_context(fake_tensors())
         model = model.to_empty(device="cpu")
     model.eval()
+    if not training:  # ESSA's base linears at model.quantize, as the job loads them
+        from hpc.models.quantize import quantize_base
+
+        quantize_base(model, cfg.model.quantize)
     if sharded:  # on fake storage: its settling forward runs, its collectives return at once
         shard_model(model, cfg.model.dtype, mesh)
     return model
@@ -155,24 +188,33 @@ def _member_factors(model, k: int) -> dict:
     return out
 
 
-def _decode_pass(model, cfg, rows: int, k: int, budget: int, sampled: bool) -> None:
+def _decode_pass(model, cfg, rows: int, k: int, budget: int, sampled: bool,
+                 members: int = 0) -> None:
     """One pass as :func:`hpc.models.generation.run_requests` runs it: ``engine_for`` for
     ``rows`` rows, at most the slots the model's full shape gets within ``budget`` bytes
     (:func:`hpc.models.memory_plan.engine_slots`; kept on the model), members loaded, one prefill of
     the rows admitted at once, one decode step over every slot at the full context, and (for
-    ``sampled`` phases) the keyed sampling of its tokens."""
-    from hpc.models.engine import PREFILL_TOKENS, engine_for
+    ``sampled`` phases) the keyed sampling of its tokens. ``members``: the factors of that many
+    members are made first and live through the pass (ESSA's rank's members)."""
+    from hpc.models.engine import PREFILL_TOKENS, GraphedDecode, engine_for
     from hpc.models.memory_plan import engine_slots
     from hpc.models.sampling import Sampling, pick_tokens
 
     prompt, seq = _lengths(cfg)
     # the slots the budget gives the model's full shape (not the fewer layers built here)
     slots = engine_slots(_shape(cfg), cfg, rows, k, budget)
-    engine = engine_for(model, rows, seq, k, None, most=rows, budget_bytes=1 << 60,
+    job_part(f"engine of {rows} rows, {k} members")
+    # on a GPU the decode step is captured as the job captures it (its graphs' pool counted)
+    cuda = next(model.parameters()).device.type == "cuda"
+    replay = GraphedDecode if cuda and cfg.model.cuda_graphs else None
+    engine = engine_for(model, rows, seq, k, replay, most=rows, budget_bytes=1 << 60,
                         max_slots=slots)
     with torch.inference_mode():
+        factors = _member_factors(model, max(members, k)) if members or k > 1 else None
         if k:
-            engine.set_members(_member_factors(model, k) if k > 1 else None)
+            engine.set_members(None if factors is None else
+                               {m: (a[:k], b[:k]) for m, (a, b) in factors.items()})
+        job_part("prefill")
         n = max(1, min(engine.slots, PREFILL_TOKENS // prompt))
         device = engine.device
         ids = torch.zeros((n, prompt), dtype=torch.int64, device=device)
@@ -180,6 +222,7 @@ def _decode_pass(model, cfg, rows: int, k: int, budget: int, sampled: bool) -> N
         engine.prefill(ids, torch.full((n,), prompt, device=device), admitted,
                        admitted % max(k, 1))
         engine.positions[:] = seq - 1
+        job_part("decode step")
         logits = engine.step(engine.slots, engine.cache.max_len)
         if sampled:
             keys = torch.zeros(engine.slots, dtype=torch.int64, device=device)
@@ -197,20 +240,102 @@ def _shape(cfg):
     return ModelShape.from_folder(cfg.model.path)
 
 
-def essa_pass(model, cfg, ranks: int) -> None:
-    from hpc.models.memory_plan import engine_budget, essa_members_per_pass, weight_bytes
+def _essa_budget(cfg, ranks: int) -> int:
+    """The engine budget an ESSA job decodes within (its plan's, as the job takes it)."""
+    from hpc.models.memory_plan import essa_plan
+
+    return essa_plan(_shape(cfg), cfg, ranks, advise=False).engine_budget
+
+
+def essa_scoring_rows(cfg, ranks: int) -> tuple:
+    """(rows, k) of a scoring pass (essa.trainer.ESSA.step_decode)."""
+    from hpc.models.memory_plan import essa_members_per_pass
 
     k = essa_members_per_pass(cfg, ranks)
-    budget = engine_budget(cfg, weight_bytes(_shape(cfg), cfg, quantized=True))
-    _decode_pass(model, cfg, min(cfg.eval.batch_size, cfg.essa.minibatch) * k, k, budget,
-                 sampled=False)
+    return min(cfg.eval.batch_size, cfg.essa.minibatch) * k, k
+
+
+def essa_pass(model, cfg, ranks: int) -> None:
+    rows, k = essa_scoring_rows(cfg, ranks)
+    _decode_pass(model, cfg, rows, k, _essa_budget(cfg, ranks), sampled=False)
 
 
 def evaluation_pass(model, cfg, ranks: int) -> None:
-    from hpc.models.memory_plan import engine_budget, evaluation_rows, weight_bytes
+    from hpc.models.memory_plan import evaluation_rows
 
-    budget = engine_budget(cfg, weight_bytes(_shape(cfg), cfg, quantized=True))
-    _decode_pass(model, cfg, evaluation_rows(cfg), 1, budget, sampled=True)
+    _decode_pass(model, cfg, evaluation_rows(cfg), 1, _essa_budget(cfg, ranks), sampled=True)
+
+
+def evaluation(model, cfg, budget: int, sampled: bool, next_decode: tuple) -> None:
+    """The held-out evaluation as :func:`hpc.evaluate.evaluate` runs it: the greedy pass
+    (``eval.batch_size`` rows), for ``sampled`` the sampled one (``eval.batch_size x
+    eval.n_samples`` rows), then :func:`hpc.models.engine.end_phase` with the next phase's
+    (rows, members)."""
+    from hpc.models import engine
+    from hpc.models.memory_plan import evaluation_rows
+
+    k = 1 if engine.adapter_ranks(model) else 0
+    _decode_pass(model, cfg, cfg.eval.batch_size, k, budget, sampled=False)
+    if sampled:
+        _decode_pass(model, cfg, evaluation_rows(cfg), k, budget, sampled=True)
+    job_part("end")
+    engine.end_phase(model, *next_decode)
+
+
+@contextlib.contextmanager
+def legacy_handover():
+    """Within the block, engines change hands as before release-before-build: the old engine
+    stays alive while :func:`hpc.models.engine.engine_for` builds the new one, and an
+    evaluation's engine is not released at its end (its next phase replaces it). The reference
+    the whole-job test holds the fix against (``--legacy-handover``)."""
+    from hpc.models import engine
+
+    build, end = engine.engine_for, engine.end_phase
+
+    def engine_for(model, *args, **kwargs):
+        old = model.__dict__.get("_decode_engine")
+        held = dict(vars(old)) if old is not None else {}  # noqa: F841 (through the build)
+        return build(model, *args, **kwargs)
+
+    engine.engine_for, engine.end_phase = engine_for, lambda *args, **kwargs: False
+    try:
+        yield
+    finally:
+        engine.engine_for, engine.end_phase = build, end
+
+
+def essa_job(model, cfg, ranks: int, tracker, steps: int = 2) -> None:
+    """An ESSA job's phases in order (:func:`hpc.job.loop.run_loop`): the start evaluation,
+    ``steps`` generations (this rank's members' factors, a scoring pass), a periodic held-out
+    evaluation (greedy, the mean's and the best member's) after the first, the final
+    evaluation, the export (the adapter's tensors copied one by one)."""
+    budget = _essa_budget(cfg, ranks)
+    rows, k = essa_scoring_rows(cfg, ranks)
+    job_phase(tracker, "start evaluation")
+    evaluation(model, cfg, budget, True, (rows, k))
+    for step in range(1, steps + 1):
+        job_phase(tracker, f"step {step} scoring")
+        _decode_pass(model, cfg, rows, k, budget, sampled=False,
+                     members=-(-cfg.essa.population // ranks))
+        if step == 1:
+            job_phase(tracker, "periodic evaluation")
+            for _ in ("mean", "best"):
+                evaluation(model, cfg, budget, False, (rows, k))
+    job_phase(tracker, "final evaluation")
+    evaluation(model, cfg, budget, True, (0, 1))
+    job_phase(tracker, "export")
+    _export(model)
+
+
+def _export(model) -> None:
+    """The export's device work: each trained (or adapter) tensor gathered and copied in turn
+    (:func:`hpc.models.parallelize.save_gathered_adapter`; a host copy is not counted)."""
+    from hpc.models.parallelize import _full
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad or "lora_" in name:
+                _full(p.detach()).clone()
 
 
 class _NoModules:
@@ -331,51 +456,119 @@ def fake_process_group(ranks: int):
         dist.destroy_process_group()
 
 
+class _Step:
+    """What an F-GRPO job holds for its steps on rank 0 of ``ranks`` (fgrpo.trainer.FGRPO):
+    TrainedWeights with the state of a step after the first (AdamW moments, masters), two
+    micro-batches of full-length rollouts, the plan's engine budget, fgrpo.offload and the
+    rollout engine's fate as the job resolves them, and a rollout's (rows, members)."""
+
+    def __init__(self, model, cfg, ranks: int):
+        from fgrpo.rollout import Rollouts
+        from hpc.models.memory_plan import (fgrpo_plan, fgrpo_rollout_rows, rollout_offload,
+                                            _engine_kept)
+        from hpc.models.parallelize import TrainedWeights
+
+        f = cfg.fgrpo
+        _, seq = _lengths(cfg)
+        self.cfg, self.ranks, self.model = cfg, ranks, model
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.rows = rows = 2 * f.micro_batch
+        self.device = device = next(model.parameters()).device
+        ids = torch.zeros((rows, seq), dtype=torch.int64, device=device)
+        self.rollouts = Rollouts(ids, torch.ones_like(ids), torch.ones((rows, seq), device=device),
+                                 torch.zeros((max(1, rows // f.num_generations),
+                                              f.num_generations)), torch.full((rows,), seq))
+        self.world = _OneRankWorld(ranks)
+        shape = _shape(cfg)
+        self.budget = fgrpo_plan(shape, cfg, ranks, advise=False).engine_budget
+        self.offload = rollout_offload(cfg, ranks, "cuda", planned=True)
+        self.keep_engine = _engine_kept(shape, cfg, ranks)
+        self.decode = (fgrpo_rollout_rows(cfg, ranks), 0 if f.full_finetune else 1)
+        self.weights = TrainedWeights(params, f.learning_rate, f.weight_decay)
+        for p in params:  # the state of a step after the first: AdamW moments (and masters)
+            p.grad = torch.zeros_like(p)
+        self.weights.reduce_gradients(self.world)
+        self.weights.step(f.max_grad_norm)
+        self.weights.free_gradients()
+
+    def decoding(self):
+        from hpc.models.parallelize import decoding
+
+        self.model.eval()
+        return decoding(self.model, self.weights, self.offload)
+
+    def rollout(self) -> None:
+        """The rollout's engine pass; then its engine released where the plan says so."""
+        from hpc.models.engine import release_engine
+
+        with self.decoding():
+            _decode_pass(self.model, self.cfg, *self.decode, self.budget, sampled=True)
+        if not self.keep_engine:
+            release_engine(self.model)
+
+    def train(self, tracker, step: bool, step_phase: str | None = None) -> None:
+        """accumulate_gradients over the micro-batches; with ``step`` the gradient reduction
+        and AdamW step (as phase ``step_phase`` if given); the gradients freed."""
+        from fgrpo.gradients import accumulate_gradients
+
+        cfg, w = self.cfg, self.weights
+        self.model.train()
+        w.zero_grad()
+        accumulate_gradients(self.model, self.rollouts, torch.ones(self.rows, device=self.device),
+                             cfg, self.world, cfg.task.max_new_tokens)
+        if step:
+            if step_phase:
+                job_phase(tracker, step_phase)
+            w.reduce_gradients(self.world)
+            w.step(cfg.fgrpo.max_grad_norm)
+        w.free_gradients()
+
+    def evaluation(self, sampled: bool, next_decode: tuple) -> None:
+        with self.decoding():
+            evaluation(self.model, self.cfg, self.budget, sampled, next_decode)
+
+
+def _tracked_state(tracker, model, s: _Step) -> None:
+    from hpc.models.parallelize import _local
+
+    tracker.track_external(model, s.weights.opt, *[_local(m) for m in s.weights.masters])
+
+
 def fgrpo_step(model, cfg, ranks: int, tracker, real: bool = False) -> None:
     """One F-GRPO step on rank 0 of ``ranks`` (module docstring); ``real``: on real tensors,
     where the sharded AdamW step is measured too (phase ``step``)."""
-    from fgrpo.gradients import accumulate_gradients
-    from fgrpo.rollout import Rollouts
-    from hpc.models.memory_plan import (engine_budget, fgrpo_plan, fgrpo_rollout_rows,
-                                        rollout_offload)
-    from hpc.models.parallelize import TrainedWeights, _local, decoding
-
-    f = cfg.fgrpo
-    _, seq = _lengths(cfg)
-    params = [p for p in model.parameters() if p.requires_grad]
-    rows = 2 * f.micro_batch
-    device = next(model.parameters()).device
-    ids = torch.zeros((rows, seq), dtype=torch.int64, device=device)
-    rollouts = Rollouts(ids, torch.ones_like(ids), torch.ones((rows, seq), device=device),
-                        torch.zeros((max(1, rows // f.num_generations), f.num_generations)),
-                        torch.full((rows,), seq))
-    world = _OneRankWorld(ranks)
-    plan = fgrpo_plan(_shape(cfg), cfg, ranks, advise=False)
-    budget = engine_budget(cfg, sum(b for _, b in plan.phases[0].parts[:-2]))
-    weights = TrainedWeights(params, f.learning_rate, f.weight_decay)
-    for p in params:  # the state of a step after the first: AdamW moments (and masters)
-        p.grad = torch.zeros_like(p)
-    weights.reduce_gradients(world)
-    weights.step(f.max_grad_norm)
-    weights.free_gradients()
+    s = _Step(model, cfg, ranks)
     tracker.phase = "rollout"
-    tracker.track_external(model, weights.opt, *[_local(m) for m in weights.masters])
-    sharded = f.parallelism == "fsdp2"
+    _tracked_state(tracker, model, s)
     with tracker:
-        model.eval()
-        with decoding(model, weights, rollout_offload(cfg, ranks, "cuda", planned=True)):
-            _decode_pass(model, cfg, fgrpo_rollout_rows(cfg, ranks),
-                         0 if f.full_finetune else 1, budget, sampled=True)
-        model.train()
+        s.rollout()
         tracker.phase = "training"
-        weights.zero_grad()
-        accumulate_gradients(model, rollouts, torch.ones(rows, device=device), cfg, world,
-                             cfg.task.max_new_tokens)
-        if real:
-            tracker.phase = "step"
-        if real or not sharded:  # see the module docstring
-            weights.reduce_gradients(world)
-            weights.step(f.max_grad_norm)
+        s.train(tracker, real or cfg.fgrpo.parallelism != "fsdp2",  # see the module docstring
+                "step" if real else None)
+
+
+def fgrpo_job(model, cfg, ranks: int, tracker, real: bool = False, steps: int = 2) -> None:
+    """An F-GRPO job's phases in order (:func:`hpc.job.loop.run_loop`): the start evaluation,
+    ``steps`` steps (rollout, training, step), a periodic held-out evaluation (greedy) after
+    the first, the final evaluation and the export, on the state of :class:`_Step`."""
+    s = _Step(model, cfg, ranks)
+    step = real or cfg.fgrpo.parallelism != "fsdp2"
+    job_phase(tracker, "start evaluation")
+    _tracked_state(tracker, model, s)
+    with tracker:
+        s.evaluation(True, s.decode)
+        for i in range(1, steps + 1):
+            job_phase(tracker, f"step {i} rollout")
+            s.rollout()
+            job_phase(tracker, f"step {i} training")
+            s.train(tracker, step, f"step {i} gradient reduction and AdamW step")
+            if i == 1:
+                job_phase(tracker, "periodic evaluation")
+                s.evaluation(False, s.decode)
+        job_phase(tracker, "final evaluation")
+        s.evaluation(True, (0, 1))
+        job_phase(tracker, "export")
+        _export(model)
 
 
 def model_config(cfg) -> dict:
@@ -384,12 +577,13 @@ def model_config(cfg) -> dict:
 
 
 def measure_phases(case: str, cfg, ranks: int = 1, layers: int | None = None,
-                   device: str = "fake") -> dict:
+                   device: str = "fake", steps: int = 2) -> dict:
     """Peak live bytes by phase of ``case`` (:data:`CASES`) for the model of
     ``cfg.model.path`` under job config ``cfg`` (with essa and fgrpo sections) on rank 0 of
     ``ranks``: {"rollout": ..., "training": ...} for fgrpo (+ "step" on a real ``device``),
-    {"all": ...} otherwise. ``device``: fake tensors, or real ones on cpu (torch's tracker)
-    or cuda (the allocator's peaks)."""
+    {phase or phase | part: ...} for a job case of ``steps`` steps, {"all": ...} otherwise.
+    ``device``: fake tensors, or real ones on cpu (torch's tracker) or cuda (the allocator's
+    peaks)."""
     if case not in CASES:
         raise ValueError(f"case {case!r} is not one of {CASES}")
     config = model_config(cfg)
@@ -400,6 +594,13 @@ def measure_phases(case: str, cfg, ranks: int = 1, layers: int | None = None,
             torch.cuda.empty_cache()
         if case == "fgrpo":
             fgrpo_step(model, cfg, ranks, tracker, real=device != "fake")
+        elif case == "fgrpo_job":
+            fgrpo_job(model, cfg, ranks, tracker, real=device != "fake", steps=steps)
+        elif case == "essa_job":
+            model.requires_grad_(False)
+            tracker.track_external(model)
+            with tracker:
+                essa_job(model, cfg, ranks, tracker, steps)
         else:  # ESSA loads its adapter frozen (is_trainable=False)
             model.requires_grad_(False)
             tracker.track_external(model)
@@ -408,7 +609,11 @@ def measure_phases(case: str, cfg, ranks: int = 1, layers: int | None = None,
                     evaluation_pass(model, cfg, ranks)
                 if case in ("essa", "after_evaluation"):
                     essa_pass(model, cfg, ranks)
-        return dict(tracker.peaks)
+        _JOB.update(tracker=None, phase="")
+        peaks = dict(tracker.peaks)
+        if case in JOB_CASES:
+            peaks.pop("all", None)  # the state as the tracker took it in, before the job
+        return peaks
 
 
 def measure(case: str, cfg, ranks: int = 1, layers: int | None = None,
@@ -417,15 +622,30 @@ def measure(case: str, cfg, ranks: int = 1, layers: int | None = None,
     return max(measure_phases(case, cfg, ranks, layers, device).values())
 
 
-def peak_bytes(case: str, cfg, ranks: int = 1, layers_from: tuple = ()) -> int:
-    """:func:`measure` at the model's layer count; with ``layers_from`` (two small counts)
-    each phase's peak measured at those and extended linearly to it, then the largest (the
-    phase that peaks at a few layers need not be the one that peaks at all of them)."""
+def phase_peaks(case: str, cfg, ranks: int = 1, layers_from: tuple = (),
+                steps: int = 2) -> dict:
+    """:func:`measure_phases` at the model's layer count; with ``layers_from`` (two small
+    counts) each phase's (or its parts') peak measured at those and extended linearly to it."""
     if not layers_from:
-        return measure(case, cfg, ranks)
+        return _whole_phases(measure_phases(case, cfg, ranks, steps=steps))
     (l1, l2), target = layers_from, model_config(cfg)["num_hidden_layers"]
-    p1, p2 = (measure_phases(case, cfg, ranks, n) for n in (l1, l2))
-    return max(p1[k] + (p2[k] - p1[k]) * (target - l1) // (l2 - l1) for k in p1)
+    p1, p2 = (measure_phases(case, cfg, ranks, n, steps=steps) for n in (l1, l2))
+    return _whole_phases({k: p1[k] + (p2[k] - p1[k]) * (target - l1) // (l2 - l1) for k in p1})
+
+
+def _whole_phases(peaks: dict) -> dict:
+    """{phase: the largest of its parts' peaks} of {phase or phase | part: peak}, in order."""
+    out: dict = {}
+    for key, nbytes in peaks.items():
+        phase = key.split(PART)[0]
+        out[phase] = max(out.get(phase, 0), nbytes)
+    return out
+
+
+def peak_bytes(case: str, cfg, ranks: int = 1, layers_from: tuple = ()) -> int:
+    """The largest of :func:`phase_peaks` (the phase that peaks at a few layers need not be
+    the one that peaks at all of them)."""
+    return max(phase_peaks(case, cfg, ranks, layers_from).values())
 
 
 def _size(nbytes: int) -> str:
@@ -436,6 +656,8 @@ def planned_phases(case: str, cfg, ranks: int) -> dict:
     """The plan's figure for each phase :func:`measure_phases` reports."""
     from hpc.models.memory_plan import essa_plan, fgrpo_plan
 
+    if case in JOB_CASES:
+        return job_plan(case, cfg, ranks)
     if case != "fgrpo":
         plan = essa_plan(_shape(cfg), cfg, ranks)
         return {"all": {"essa": plan.phase("ESSA scoring").peak,
@@ -445,6 +667,36 @@ def planned_phases(case: str, cfg, ranks: int) -> dict:
     train = plan.phases[1].peak
     step = next((p.peak for p in plan.phases if p.name.startswith("gradient reduction")), train)
     return {"rollout": plan.phase("rollout").peak, "training": train, "step": step}
+
+
+def job_plan(case: str, cfg, ranks: int) -> dict:
+    """{job phase (:func:`essa_job`, :func:`fgrpo_job`): the plan's figure}: the plan's phase
+    of the same work; the export: what stays resident (the decoding phases less their
+    engines); ``"job"``: the plan's peak, which the whole sequence's peak is held to."""
+    from hpc.models.memory_plan import essa_plan, fgrpo_plan
+
+    shape = _shape(cfg)
+    plan = (essa_plan if case == "essa_job" else fgrpo_plan)(shape, cfg, ranks)
+    by_kind = {"evaluation": plan.phase("evaluation").peak,
+               "export": sum(b for label, b in plan.phase("evaluation").parts[:-2]
+                             if not label.startswith("gathered"))}
+    if case == "essa_job":
+        by_kind["scoring"] = plan.phase("ESSA scoring").peak
+    else:
+        by_kind["rollout"] = plan.phase("rollout").peak
+        by_kind["training"] = plan.phases[1].peak
+        by_kind["AdamW step"] = next((p.peak for p in plan.phases
+                                      if p.name.startswith("gradient reduction")),
+                                     by_kind["training"])
+    return dict(by_kind, job=plan.peak)
+
+
+def planned_for(phase: str, planned: dict) -> int:
+    """The plan's figure of a measured ``phase`` in :func:`planned_phases`'s ``planned``."""
+    if phase in planned:
+        return planned[phase]
+    return next((b for kind, b in planned.items() if phase.endswith(kind)),
+                max(planned.values()))
 
 
 def main(argv=None):
@@ -462,6 +714,12 @@ def main(argv=None):
                    help="fake tensors (any shape, no memory), or a real run of one rank at "
                         "every layer: cpu (torch's tracker) or cuda (the allocator's peak, "
                         "torch.cuda.max_memory_allocated, per phase)")
+    p.add_argument("--job-steps", type=int, default=2, metavar="N",
+                   help="steps of the job cases (1: the start evaluation, one step, the "
+                        "final evaluation and the export)")
+    p.add_argument("--legacy-handover", action="store_true",
+                   help="engines change hands as before the fix (legacy_handover), to see "
+                        "the hand-over peaks of the job cases")
     p.add_argument("--json", metavar="PATH", help="also write each phase's figure and the "
                                                   "plan's beside it as JSON")
     p.add_argument("--qwen25", choices=sorted(QWEN25), help="the released Qwen2.5 shape of "
@@ -482,15 +740,17 @@ def main(argv=None):
     print(f"machine: {machine()}")
     results = []
     for case in args.cases.split(","):
-        if args.device == "fake":
-            measured = {"all": peak_bytes(case, cfg, args.ranks, layers)}
-        else:
-            measured = measure_phases(case, cfg, args.ranks, None, args.device)
+        with legacy_handover() if args.legacy_handover else contextlib.nullcontext():
+            measured = (phase_peaks(case, cfg, args.ranks, layers, args.job_steps)
+                        if args.device == "fake" else _whole_phases(measure_phases(
+                            case, cfg, args.ranks, None, args.device, args.job_steps)))
         planned = planned_phases(case, cfg, args.ranks)
+        if case in JOB_CASES:  # the whole sequence, hand-overs included, against the plan
+            measured["job"] = max(measured.values())
         for phase, nbytes in measured.items():
-            plan = planned.get(phase, max(planned.values()))
+            plan = planned_for(phase, planned)
             label = case if phase == "all" else f"{case} {phase}"
-            print(f"{label:<18} {_size(nbytes)}   plan {_size(plan)} "
+            print(f"{label:<40} {_size(nbytes)}   plan {_size(plan)} "
                   f"({(plan - nbytes) / nbytes:+.1%})")
             results.append({"case": case, "phase": phase, "measured_bytes": int(nbytes),
                             "planned_bytes": int(plan)})
@@ -498,6 +758,7 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"machine": machine(), "device": args.device, "ranks": args.ranks,
+                       "legacy_handover": args.legacy_handover,
                        "model": args.qwen25 and f"Qwen2.5-{args.qwen25} (random weights)"
                        or cfg.model.path, "overrides": overrides,
                        "results": results}, fh, indent=1)

@@ -98,7 +98,12 @@ class ESSA(Method):
         self.space.apply(self.model, x)
         return evaluate(self.model, self.tok, self.task, self.task.eval, cfg.eval,
                         cfg.task.max_new_tokens, self.job.world, seed=cfg.run.seed,
-                        sampled=sampled)
+                        sampled=sampled, next_decode=self.next_decode())
+
+    def step_decode(self) -> tuple:
+        """A scoring pass: k members x min(eval.batch_size, essa.minibatch) rows."""
+        k = max(1, min(self.e.members_per_pass, len(self.my_members)))
+        return min(self.job.cfg.eval.batch_size, self.e.minibatch) * k, k
 
     def evaluate(self, sampled: bool):
         return self._evaluate(self.opt.mean, sampled)

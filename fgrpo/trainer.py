@@ -27,7 +27,8 @@ from fgrpo.rollout import sample_rollouts
 from hpc.data.tasks import load_task
 from hpc.gradient_method import GradientMethod, step_seed
 from hpc.models.adapter_space import SingularValueSpace
-from hpc.models.memory_plan import rollout_offload
+from hpc.models.engine import release_engine
+from hpc.models.memory_plan import fgrpo_rollout_rows, rollout_engine_kept, rollout_offload
 from hpc.models.parallelize import (TrainedWeights, decoding, save_full_model,
                                      save_gathered_adapter, shard_model)
 from hpc.runtime.dist import init_process_group
@@ -75,12 +76,14 @@ class FGRPO(GradientMethod):
             self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.weights = TrainedWeights(self.params, f.learning_rate, f.weight_decay)
         self.offload = rollout_offload(cfg, world.size, job.device.type)
+        self.keep_engine = rollout_engine_kept(cfg, world.size, job.device.type)
         self.collective_export = f.full_finetune or self.sharded  # gathers, rank 0 writes
         self.total_steps, self.keep_checkpoints, self.skipped = f.steps, f.keep_checkpoints, 0
 
     def attrs(self) -> dict:
         return {"trainable_parameters": sum(p.numel() for p in self.params),
-                "activation_checkpointing": self.checkpointed, "offload": self.offload}
+                "activation_checkpointing": self.checkpointed, "offload": self.offload,
+                "rollout_engine_kept": self.keep_engine}
 
     def step(self, i: int) -> dict:
         cfg, f, world, task, timer = self.job.cfg, self.f, self.job.world, self.task, self.timer
@@ -94,6 +97,8 @@ class FGRPO(GradientMethod):
                                        [task.train.answers[j] for j in mine], f,
                                        cfg.task.max_new_tokens, cfg.eval.batch_size,
                                        step_seed(cfg.run.seed, i, world.rank), timer)
+        if not self.keep_engine:  # the plan needs its room for the training
+            release_engine(self.model)
         batch_std = None
         if f.scale_rewards == "batch":
             batch_std = std_from_moments(world.allgather(
@@ -144,6 +149,11 @@ class FGRPO(GradientMethod):
             yield
             with timed(phase):
                 stack.close()
+
+    def step_decode(self) -> tuple:
+        """A rollout: min(eval.batch_size, this rank's prompts) x G rows, the own adapter."""
+        cfg = self.job.cfg
+        return fgrpo_rollout_rows(cfg, self.job.world.size), 0 if self.f.full_finetune else 1
 
     def evaluate(self, sampled: bool):
         with self.decoding(phase=None):

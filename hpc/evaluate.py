@@ -54,8 +54,13 @@ def pass_at_k_curve(correct_counts: np.ndarray, n: int) -> np.ndarray:
 
 
 def evaluate(model, tokenizer, task, split, eval_cfg: EvalConfig, max_new_tokens: int,
-             world: World, seed: int = 0, sampled: bool = True) -> EvalResult:
-    """Greedy accuracy and (if ``sampled``) pass@k over ``split``, shared across ranks."""
+             world: World, seed: int = 0, sampled: bool = True,
+             next_decode: tuple = (0, 1)) -> EvalResult:
+    """Greedy accuracy and (if ``sampled``) pass@k over ``split``, shared across ranks. The
+    evaluation's engine is released at the end unless the phase after it, which decodes
+    ``next_decode`` = (rows, members) at once ((0, 1): nothing), would reuse it
+    (:func:`hpc.models.engine.end_phase`)."""
+    from hpc.models.engine import end_phase
     from hpc.models.generation import generate
 
     start = time.perf_counter()
@@ -79,6 +84,7 @@ def evaluate(model, tokenizer, task, split, eval_cfg: EvalConfig, max_new_tokens
         reward_sums = world.allgatherv(rewards.sum(axis=1), counts, tag="eval")
         curve = pass_at_k_curve(c, n)
         avg = float(reward_sums.sum() / (len(split) * n))
+    end_phase(model, *next_decode)
     return EvalResult(accuracy=float(all_correct.mean()), pass_at_k=curve, avg_at_n=avg,
                       n_problems=len(split), seconds=time.perf_counter() - start,
                       greedy_correct=all_correct)

@@ -46,7 +46,7 @@ class GradientMethod(Method):
         self.model.eval()
         return evaluate(self.model, self.tok, self.task, self.task.eval, cfg.eval,
                         cfg.task.max_new_tokens, self.job.world, seed=cfg.run.seed,
-                        sampled=sampled)
+                        sampled=sampled, next_decode=self.next_decode())
 
     def heldout(self) -> dict:
         return {"accuracy": self.evaluate(sampled=False).accuracy}

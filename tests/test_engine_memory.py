@@ -213,17 +213,18 @@ ESSA_ARGS = ["model.path=toy", "task.n_train=200", "task.n_eval=32", "essa.popul
 
 
 def test_essa_engine_after_start_evaluation_holds_the_scoring_need(toy_adapter, tmp_path):
-    """The start evaluation decodes 16 prompts x 8 samples (128 slots); the first generation's
-    scoring (16 prompts, one member per pass) then runs on a 16-slot engine, whose KV cache is
-    the formula's."""
+    """The start evaluation decodes 16 prompts x 8 samples (128 slots) and releases that engine
+    at its end, as the first generation's scoring (16 prompts, one member per pass) needs
+    fewer; the scoring then runs on a 16-slot engine, whose KV cache is the formula's."""
     prefix = tmp_path / "report"
     proc = run_cli(["tests/mpi/engine_job.py", str(prefix), "memory", *ESSA_ARGS,
                     f"lora.adapter={toy_adapter}", "essa.members_per_pass=1",
                     f"run.out={tmp_path / 'run'}"], timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "report.0.json").read_text())
-    evaluation, scoring = report["after_start_eval"], report["after_generation"]
+    evaluation, scoring = report["end_of_start_eval"], report["after_generation"]
     assert evaluation["slots"] == 128 and evaluation["k"] == scoring["k"] == 1
+    assert report["after_start_eval"] == {}  # released: no two engines at the hand-over
     assert scoring["slots"] == bucket(16, 1 << 30) == 16
     assert scoring["kv_bytes"] == scoring["memory"]["kv_cache"] < evaluation["kv_bytes"] / 4
 
@@ -246,3 +247,44 @@ def test_essa_job_with_a_perturbed_captured_step(toy_adapter, tmp_path):
     run = RunFile(str(out / "essa.h5"))
     assert run.attrs["status"] == "complete"
     assert run.attrs["cuda_graphs_disabled"].startswith("rank 1: decode shape (rows ")
+
+
+def _small_qwen():
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(
+        hidden_size=64, intermediate_size=128, vocab_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2)).eval()
+
+
+def test_replaced_engine_is_freed_before_the_next_is_built(monkeypatch):
+    """engine_for: when the model's engine does not fit the call, its KV cache is gone before
+    the next engine allocates its own (no two caches alive at once: the hand-over peak)."""
+    from hpc.models.engine import KVCache
+
+    model = _small_qwen()
+    engine_for(model, 64, 128, 0)
+    old = weakref.ref(engine_of(model))
+    freed_first = []
+    build = KVCache.__init__
+
+    def watched(self, *args, **kwargs):
+        engine = old()
+        freed_first.append(engine is None or engine.cache is None)
+        build(self, *args, **kwargs)
+
+    monkeypatch.setattr(KVCache, "__init__", watched)
+    engine_for(model, 8, 128, 0, most=8)  # fewer slots: replaced
+    assert freed_first == [True] and engine_of(model).slots == 8
+
+
+def test_end_phase_keeps_the_engine_only_for_a_next_phase_that_reuses_it():
+    from hpc.models.engine import end_phase
+
+    model = _small_qwen()
+    engine_for(model, 512, 128, 0)
+    assert not end_phase(model, 300, 0) and engine_of(model).slots == 512  # reused as it is
+    assert end_phase(model, 64, 0) and "_decode_engine" not in model.__dict__  # fewer rows
+    engine_for(model, 64, 128, 0)
+    assert end_phase(model, 64, 2)  # other members: rebuilt anyway, so released now
+    engine_for(model, 64, 128, 0)
+    assert end_phase(model) and not end_phase(model)  # nothing decodes next (the export)

@@ -7,8 +7,9 @@ import pytest
 
 from hpc.runtime.runstore import RunStore
 from hpc.analysis.scaling import (GPUS, LINKS, QWEN25_32B, GpuCheck, Link, Measured, Network,
-                                 Roofline, Sharding, Workload, allgather, essa_step, grpo_step,
-                                 main, predict, ring_allgather, ring_allreduce)
+                                 Roofline, Sharding, Workload, allgather, build_parser,
+                                 essa_step, grpo_step, main, planned_decoding, predict,
+                                 ring_allgather, ring_allreduce)
 
 GPU_CHECK = str(Path(__file__).resolve().parents[1] / "benchmarks" / "results" /
                 "gpu_check-h200-2026-11-30.json")
@@ -102,9 +103,52 @@ def test_paper_preset_prints_table_assumptions_and_figures(capsys):
     assert "ring all-reduce 2 (N-1)/N bytes/bw + 2 (N-1) latency" in out
     assert "hierarchical" in out and "not taken from the paper" in out
     assert "2x faster than GRPO on 16 GPUs and 6-7.8x" in out
-    rows = predict([16, 128], PAPER_W, paper_costs(), NDR)
+    rows = predict([16, 128], PAPER_W, paper_costs(decoding=planned_decoding(
+        build_parser().parse_args([]), 256)), NDR)
     assert f"prediction: {rows[0]['ratio']:.2f}x at 16 GPUs, {rows[1]['ratio']:.2f}x at 128" in out
     assert "where they differ" in out and "sensitivity" in out
+    side = out.split("ESSA's inference in bf16 and INT8")[1].splitlines()
+    assert side[1].split()[1:] == ["bf16", "ESSA", "gen", "s", "bf16", "ESSA", "step", "s",
+                                   "bf16", "GRPO/ESSA", "INT8", "ESSA", "gen", "s", "INT8",
+                                   "ESSA", "step", "s", "INT8", "GRPO/ESSA"]
+    assert [line.split()[0] for line in side[2:6]] == ["16", "32", "64", "128"]
+    assert "- bf16: ESSA: 65.5 GB of weights a decode step (bf16), at most 22 concurrent" in out
+    assert "- INT8: ESSA: 34.3 GB of weights a decode step (int8 decoder linears), at most 66 " \
+        "concurrent sequences (hpc-plan's engine in its 23 GiB budget)" in out
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8", "int4"])
+def test_model_concurrency_is_the_plans(quantize):
+    """hpc-scaling's ESSA and F-GRPO concurrency and weight bytes are the memory plan's for
+    the same config: the scoring and rollout engines' slots as hpc-plan prints them (their
+    rows asked exceed what the budget holds), and the weights it counts."""
+    from hpc.analysis.plan_terms import model_shape, plan_config
+    from hpc.models.memory_plan import essa_plan, fgrpo_plan, weight_bytes
+
+    args = build_parser().parse_args(["--essa-quantize", quantize])
+    cost = paper_costs(decoding=planned_decoding(args, 256))
+    shape = model_shape(64, 5120, 27648, 1024)
+    cfg = plan_config(None, lora_rank=16, prompt=256, max_new=1024, gpu_gb=80, minibatch=256,
+                      essa_quantize=quantize, full=False, sharded=False, micro_batch=8)
+    scoring = essa_plan(shape, cfg, 16).phase("ESSA scoring").parts[-2][0]
+    slots = int(scoring.split(": ")[2].split(" slots")[0])
+    assert "in waves" in scoring and cost.terms("essa")[1] == slots
+    assert cost.terms("essa")[0] == weight_bytes(shape, cfg, quantized=True) / 3.35e12
+    cfg.model.quantize = "none"
+    cfg.fgrpo.batch_prompts = 4096  # a rollout asking more rows than the engine holds
+    rollout = fgrpo_plan(shape, cfg, 16).phase("rollout").parts[-2][0]
+    assert cost.terms("grpo")[1] == int(rollout.split(": ")[2].split(" slots")[0])
+    assert cost.terms("grpo")[0] == weight_bytes(shape, cfg) / 3.35e12
+    if quantize != "none":  # fewer weight bytes leave the engine more room
+        assert cost.terms("essa")[1] > paper_costs(decoding=planned_decoding(
+            build_parser().parse_args([]), 256)).terms("essa")[1]
+
+
+def test_kv_reference_keeps_one_bf16_concurrency():
+    args = build_parser().parse_args(["--concurrency", "kv"])
+    assert planned_decoding(args, 256) == {}
+    cost = paper_costs()
+    assert cost.terms("essa") == cost.terms("grpo") == (cost.step_fixed, cost.max_batch)
 
 
 def test_ring_allgather_and_sharded_step_by_hand():

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import yaml
 
+from hpc.analysis.plan_terms import (QUANTIZE, essa_decoding, grpo_decoding, model_shape,
+                                     plan_config)
 from hpc.analysis.report import open_run, phase_kinds, step_timings
 from hpc.runtime.cli import EXIT_CODES_HELP
 from hpc.runtime.errors import UserError, user_errors_exit
@@ -182,8 +184,11 @@ class Roofline:
     def __init__(self, model: Model, gpu: GPU, prompt: int, completion: int, max_new: int,
                  full: bool, decode_mfu: float = 0.5, train_mfu: float = 0.4,
                  mem_util: float = 0.9, gen_tps: float | None = None, gen_batch: int = 64,
-                 train_tps: float | None = None):
+                 train_tps: float | None = None, decoding: dict | None = None):
         self.model, self.gpu, self.full = model, gpu, full
+        # {"essa" | "grpo": hpc.analysis.plan_terms.Decoding}: the memory plan's weight bytes
+        # and concurrency of that method's decoding (else this model's own bf16 KV arithmetic)
+        self.decoding = decoding or {}
         self.prompt, self.completion, self.max_new = prompt, completion, max_new
         weights = model.params * model.weight_bytes
         self.step_fixed = weights / gpu.hbm
@@ -209,17 +214,31 @@ class Roofline:
         self.decode_mfu, self.train_mfu = decode_mfu, train_mfu
         self.trainable = model.params if full else model.lora_params
 
-    def tokens_per_s(self, batch: int) -> float:
-        return batch / (self.step_fixed + batch * self.per_seq)
+    def terms(self, method: str | None = None) -> tuple:
+        """(seconds of a decode step's weight read, most concurrent sequences) of ``method``'s
+        decoding: the memory plan's (:attr:`decoding`), else this model's own."""
+        d = self.decoding.get(method)
+        if d is None:
+            return self.step_fixed, self.max_batch
+        most = max(d.concurrency, self.gen_batch) if self.gen_tps_given else d.concurrency
+        return d.weight_bytes / self.gpu.hbm, most
 
-    def generate(self, n: int) -> float:
-        """Seconds for one GPU to complete ``n`` sequences: throughput at min(n, KV limit),
+    def tokens_per_s(self, batch: int, method: str | None = None) -> float:
+        return batch / (self.terms(method)[0] + batch * self.per_seq)
+
+    def generate(self, n: int, method: str | None = None) -> float:
+        """Seconds for one GPU to complete ``n`` sequences: throughput at min(n, concurrency),
         but never less than max_new sequential decode steps (the longest completion)."""
-        b = min(n, self.max_batch)
-        step = self.step_fixed + b * self.per_seq
-        return max(n * self.completion / self.tokens_per_s(b), self.max_new * step)
+        fixed, most = self.terms(method)
+        b = min(n, most)
+        step = fixed + b * self.per_seq
+        return max(n * self.completion / self.tokens_per_s(b, method), self.max_new * step)
 
-    essa_generate = grpo_generate = generate
+    def essa_generate(self, n: int) -> float:
+        return self.generate(n, "essa")
+
+    def grpo_generate(self, n: int) -> float:
+        return self.generate(n, "grpo")
 
     def train(self, n: int) -> float:
         return n * (self.prompt + self.completion) / self.train_tps
@@ -252,6 +271,9 @@ class Roofline:
             f"{self.prompt}+{self.max_new} tokens in what the weights leave of "
             f"{self.mem_util:.0%} of {self.gpu.memory / 1e9:.0f} GB); "
             f"{self.tokens_per_s(self.max_batch):.0f} tokens/s per GPU at that batch",
+            *[f"{d.describe()}: {self.tokens_per_s(self.terms(m)[1], m):.0f} tokens/s per GPU "
+              f"there; this replaces the line above for {d.method}" for m, d in
+              self.decoding.items()],
             f"completions: prompt {self.prompt}, mean {self.completion}, max {self.max_new} "
             f"tokens; a GPU's generation takes at least max-new sequential decode steps",
             f"training: {self.train_tps:.0f} tokens/s per GPU (" +
@@ -732,8 +754,8 @@ def common_assumptions(w: Workload, net_name: str, net: Network, steps_source: s
         f"({steps_source}); they do not change with N, so the GRPO/ESSA ratio scales with "
         f"their quotient while its growth with N does not depend on them",
         "not modelled: reward computation (CPU, small), evaluation and checkpoints, "
-        "start-up and model loading, stragglers and failures, quantised (INT8/INT4) "
-        "inference for ESSA; ESSA's per-member adapter rebuild (LoRA-sized) is taken as free",
+        "start-up and model loading, stragglers and failures; ESSA's per-member adapter "
+        "rebuild (LoRA-sized) is taken as free",
         f"GPU counts above {net.per_node} are whole nodes of {net.per_node} identical GPUs",
     ]
 
@@ -832,6 +854,16 @@ def build_parser() -> argparse.ArgumentParser:
                                 ("kv-dim", m.kv_dim, int), ("lora-rank", m.lora_rank, int)):
         p.add_argument(f"--{name}", type=kind, default=default,
                        help=f"model (default Qwen2.5-32B: {default:g})")
+    p.add_argument("--essa-quantize", choices=list(QUANTIZE), default=None,
+                   help="ESSA's weight-only quantised inference (default: model.quantize of "
+                        "--config, else the package's default, none)")
+    p.add_argument("--config", metavar="CONFIG.yaml",
+                   help="the job config whose memory plan gives each method's weight bytes "
+                        "and concurrency (hpc-plan's; the workload flags override it)")
+    p.add_argument("--concurrency", choices=["plan", "kv"], default="plan",
+                   help="plan: weight bytes and concurrent sequences from the memory plan "
+                        "(hpc-plan's engine budget); kv: the reference, bf16 weights and a "
+                        "KV cache in what they leave of the GPU, one figure for both methods")
     p.add_argument("--full-finetune", action="store_true", help="GRPO trains every weight")
     p.add_argument("--sharded", action="store_true",
                    help="full-parameter GRPO sharded over all GPUs (FSDP2): weight "
@@ -893,23 +925,27 @@ def setup(args) -> tuple:
     if (args.runs or args.gpu_check) and (args.gen_tps or args.train_tps):
         raise UserError("--gen-tps and --train-tps calibrate the roofline; with --runs or "
                         "--gpu-check the costs are measured ones")
+    if (args.runs or args.gpu_check) and args.essa_quantize:
+        raise UserError("--essa-quantize sets the roofline's ESSA decoding; with --runs or "
+                        "--gpu-check the costs are measured ones")
     measured = Measured(args.runs) if args.runs else None
     notes = []
     if args.gpu_check:
         cost = GpuCheck(args.gpu_check, args.gpu_check_model)
     elif measured:
         cost = measured
-    else:
+    defaults = measured.workload_defaults() if measured else PAPER_WORKLOAD
+    values = {k: getattr(args, k) if getattr(args, k) is not None else v
+              for k, v in defaults.items()}
+    if not (args.gpu_check or measured):
         model = Model(args.params, args.layers, args.hidden, args.intermediate, args.kv_dim,
                       args.lora_rank)
         cost = Roofline(model, GPUS[args.gpu], args.prompt_tokens, args.completion_tokens,
                         args.max_new_tokens, args.full_finetune or args.sharded,
                         args.decode_mfu,
                         args.train_mfu, gen_tps=args.gen_tps, gen_batch=args.gen_batch,
-                        train_tps=args.train_tps)
-    defaults = measured.workload_defaults() if measured else PAPER_WORKLOAD
-    values = {k: getattr(args, k) if getattr(args, k) is not None else v
-              for k, v in defaults.items()}
+                        train_tps=args.train_tps,
+                        decoding=planned_decoding(args, values["minibatch"]))
     if measured:
         essa_steps, grpo_steps, _, notes = measured.steps_to_target(args.target)
         source = "median over each method's runs, listed above"
@@ -955,7 +991,64 @@ def setup(args) -> tuple:
     return w, cost, net, source, notes, sharding
 
 
-def host_offload(args, w: "Workload") -> tuple:
+def planned_decoding(args, minibatch: int) -> dict:
+    """{"essa", "grpo": Decoding} from the memory plan (:mod:`hpc.analysis.plan_terms`) for
+    ``--concurrency plan`` (at the smallest of ``--gpus``: FSDP2's shards shrink with more),
+    {} for the reference ``kv``."""
+    if args.concurrency == "kv":
+        if args.essa_quantize not in (None, "none"):
+            raise UserError("--essa-quantize needs --concurrency plan (the kv reference "
+                            "decodes bf16 weights)")
+        return {}
+    shape = model_shape(args.layers, args.hidden, args.intermediate, args.kv_dim)
+    cfg = plan_config(args.config, lora_rank=args.lora_rank, prompt=args.prompt_tokens,
+                      max_new=args.max_new_tokens, gpu_gb=GPUS[args.gpu].memory / 1e9,
+                      minibatch=minibatch, essa_quantize=args.essa_quantize,
+                      full=args.full_finetune, sharded=args.sharded,
+                      micro_batch=args.micro_batch)
+    gpus = min(args.gpus)
+    terms = {"essa": essa_decoding(shape, cfg, gpus), "grpo": grpo_decoding(shape, cfg, gpus)}
+    for d in terms.values():
+        if d.concurrency < 1:
+            raise UserError(f"{d.method}: the memory plan's engine holds no sequence of "
+                            f"{args.prompt_tokens}+{args.max_new_tokens} tokens on a "
+                            f"{GPUS[args.gpu].memory / 1e9:.0f} GB GPU (hpc-plan says why)")
+    return terms
+
+
+def quantize_comparison(args) -> list:
+    """Lines: the prediction with ESSA decoding bf16 and INT8 weights side by side, each
+    row's ESSA terms (weight read a decode step, the plan's concurrency, generation seconds)
+    and the GRPO/ESSA ratio."""
+    if args.concurrency != "plan" or args.runs or args.gpu_check:
+        return []
+    results = {}
+    for q in ("none", "int8"):
+        w, cost, net, _, _, sharding = setup(argparse.Namespace(**dict(
+            vars(args), essa_quantize=q)))
+        results[q] = (cost, predict(sorted(args.gpus), w, cost, net, sharding))
+    head = ["GPUs"] + [f"{label} {what}" for label in ("bf16", "INT8")
+                       for what in ("ESSA gen s", "ESSA step s", "GRPO/ESSA")]
+    table = [head]
+    for i, n in enumerate(sorted(args.gpus)):
+        row = [str(n)]
+        for q in ("none", "int8"):
+            r = results[q][1][i]
+            row += [_sec(r["essa"]["generate"]), _sec(r["essa_step"]), f"{r['ratio']:.2f}x"]
+        table.append(row)
+    widths = [max(len(line[i]) for line in table) for i in range(len(head))]
+    lines = ["ESSA's inference in bf16 and INT8 (--essa-quantize), everything else alike:"]
+    lines += ["  ".join(c.rjust(wd) for c, wd in zip(line, widths)) for line in table]
+    for q, label in (("none", "bf16"), ("int8", "INT8")):
+        cost = results[q][0]
+        fixed, most = cost.terms("essa")
+        lines.append(f"- {label}: {cost.decoding['essa'].describe()}; a decode step's weight "
+                     f"read {1e3 * fixed:.1f} ms, {cost.tokens_per_s(most, 'essa'):.0f} "
+                     f"tokens/s per GPU at {most} sequences")
+    lines.append("- INT8 decode steps read the int8 weights once (a fused weight-only kernel); "
+                 "the package's eager torchao path also writes and reads each linear's "
+                 "dequantised copy, which this model does not charge")
+    return lines
     """((GPUs, bytes), ...) a GPU moves to host memory and back around each rollout of sharded
     full-parameter GRPO, as the job's memory plan decides it (fgrpo.offload=auto: the first of
     none, optimizer, state that fits :data:`GPUS`' memory), and a note saying so. Computed for
@@ -1009,6 +1102,10 @@ def main(argv=None):
     if args.paper:
         print()
         print("\n".join(paper_comparison(rows, w, cost, net, sharding)))
+        side = quantize_comparison(args)
+        if side:
+            print()
+            print("\n".join(side))
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from hpc.models.generation import configure as configure_generation
-from hpc.models.memory_plan import check_job_memory
+from hpc.models.generation import configure as configure_generation, set_planned_budget
+from hpc.models.memory_plan import check_job_memory, planned_engine_budget
 from hpc.models.quantize import check_quantize
 from hpc.runtime.atomic import open_plain
 from hpc.runtime.config import config_to_yaml, load_config
@@ -217,6 +217,8 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
     on_all_ranks(world, lambda: check_quantize(cfg.model.quantize, cfg.model.dtype, device))
     on_all_ranks(world, lambda: check_cached(cfg.model.path))
     on_all_ranks(world, lambda: check_job_memory(cfg, method, world.size, device.type))
+    set_planned_budget(on_all_ranks(world, lambda: planned_engine_budget(
+        cfg, method, world.size, device.type)))
     job_id = _job_id(world)
     out_dir = run_folder(cfg.run.out, method, job_id)
 

@@ -88,6 +88,7 @@ class Method(abc.ABC):
     metrics: tuple = ()          # names of step()'s metrics, in order
     sharded: bool = False        # part of the state is per rank (shard_state_dict)
     collective_export: bool = False  # export() runs on every rank (it gathers), writes on 0
+    final_evaluation: bool = False  # set by run_loop before the final evaluation
 
     def __init__(self, job: Job):
         stop_if_preempted(job, "the job's start (world, run folder)")
@@ -112,6 +113,16 @@ class Method(abc.ABC):
     def target_reached(self, heldout: dict) -> bool:
         """True to stop after this held-out evaluation (a target accuracy)."""
         return False
+
+    def step_decode(self) -> tuple:
+        """(rows, members) a step's decoding asks the engine for at once ((0, 1): none)."""
+        return (0, 1)
+
+    def next_decode(self) -> tuple:
+        """(rows, members) of the decoding after an evaluation, whose engine the evaluation
+        may keep (:func:`hpc.models.engine.end_phase`): a step's, or none after the final
+        evaluation (the export decodes nothing)."""
+        return (0, 1) if self.final_evaluation else self.step_decode()
 
     @abc.abstractmethod
     def evaluate(self, sampled: bool) -> EvalResult:
@@ -299,6 +310,7 @@ def run_loop(job: Job, method: Method) -> dict:
     wall = time.perf_counter() - t0
     if preempted:
         return preempted_exit(world, store, step, wall)
+    method.final_evaluation = True  # its engine goes at its end: the export decodes nothing
     final = method.evaluate(sampled=True)
     log_eval(store, step, final)
     if not graphs_off:

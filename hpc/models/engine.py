@@ -158,17 +158,27 @@ _DERIVED_BUDGET: dict = {}  # device -> bytes, derived once per process
 
 
 def memory_budget(device: torch.device, gib: float) -> int:
-    """The engine's budget in bytes: ``gib`` GiB when > 0; else on CUDA ENGINE_MEMORY_SHARE of
-    the device's free memory at the first call of the process (rounded down to whole GiB, so
-    ranks with a few MiB more or less agree), on CPU CPU_ENGINE_MEMORY_GIB."""
+    """The engine's budget in bytes: ``gib`` GiB when > 0; else on CUDA :func:`budget_left` of
+    the device's memory with what is not free at the first call of the process as resident
+    (whole GiB, so ranks with a few MiB more or less agree), on CPU CPU_ENGINE_MEMORY_GIB. A job
+    with a memory plan takes the plan's budget instead
+    (:func:`hpc.models.generation.set_planned_budget`)."""
     if gib > 0:
         return int(gib * GIB)
     if device.type != "cuda":
         return int(CPU_ENGINE_MEMORY_GIB * GIB)
     if str(device) not in _DERIVED_BUDGET:
-        free, _ = torch.cuda.mem_get_info(device)
-        _DERIVED_BUDGET[str(device)] = int(ENGINE_MEMORY_SHARE * free) // GIB * GIB
+        free, total = torch.cuda.mem_get_info(device)
+        _DERIVED_BUDGET[str(device)] = budget_left(total, total - free)
     return _DERIVED_BUDGET[str(device)]
+
+
+def budget_left(capacity_bytes: int, resident_bytes: int) -> int:
+    """The one formula of an engine's derived budget, the job's and the plan's
+    (:func:`hpc.models.memory_plan.engine_budget`): ENGINE_MEMORY_SHARE of what everything
+    resident (``resident_bytes``: weights, adapters, optimizer state, and on a device the CUDA
+    context and other processes) leaves of ``capacity_bytes``, rounded down to whole GiB."""
+    return int(ENGINE_MEMORY_SHARE * max(0, capacity_bytes - resident_bytes)) // GIB * GIB
 
 
 @dataclass
@@ -685,12 +695,34 @@ def engine_for(model, slots: int, max_len: int, k: int, replay=None, *, most: in
             and want <= engine.slots <= top and engine.cache.max_len >= max_len
             and engine.replay == replay)
     if not fits:
-        release_engine(model)  # free the old cache first
+        engine = None  # no reference to the old engine may outlive its release
+        release_engine(model)  # the old cache, members and graphs go before the new ones come
         engine = DecodeEngine(model, want, length, k, ranks, replay)
         model.__dict__["_decode_engine"] = engine
     return engine
 
 
-def release_engine(model) -> None:
-    """Drop the model's engine (its KV cache, members and CUDA graphs) if it has one."""
-    model.__dict__.pop("_decode_engine", None)
+def release_engine(model, above: int = 0) -> bool:
+    """Drop the model's engine (its KV cache, stacked members, buffers and CUDA graphs with
+    their memory pool) if it has one of more than ``above`` slots; True when one went. The
+    graphs refer back to the engine, so that cycle is broken here: the memory goes back to
+    the allocator now, not at the next garbage collection. Callers must hold no reference to
+    the engine (:func:`engine_for` drops its own before building the next one)."""
+    engine = model.__dict__.get("_decode_engine")
+    if engine is None or engine.slots <= above:
+        return False
+    del model.__dict__["_decode_engine"]
+    engine.graphs = engine.replay = None
+    engine.cache = engine.logits = None
+    engine.layers = []
+    return True
+
+
+def end_phase(model, next_rows: int = 0, next_k: int = 1) -> bool:
+    """After a phase that decoded (an evaluation): release the model's engine unless the next
+    phase, which decodes ``next_rows`` rows at once with ``next_k`` members (0 rows: none, as
+    the export), could reuse it (:func:`engine_for` reuses an engine of the same members and
+    at most ``bucket(next_rows)`` slots). True when it went."""
+    engine = model.__dict__.get("_decode_engine")
+    keep = engine is not None and next_rows and engine.k == next_k
+    return release_engine(model, above=bucket(next_rows, 1 << 30) if keep else 0)

@@ -36,7 +36,7 @@ from hpc.runtime.config import ModelConfig
 PATHS = ("engine", "hf")
 SETTINGS = {"engine": ModelConfig.engine, "cuda_graphs": ModelConfig.cuda_graphs,
             "engine_memory_gib": ModelConfig.engine_memory_gib,
-            "engine_slots": ModelConfig.engine_slots, "replay": None}
+            "engine_slots": ModelConfig.engine_slots, "replay": None, "planned_budget": 0}
 """This process's generation path, CUDA-graph switch and engine budget (:func:`configure`);
 ``replay``: a :class:`hpc.models.engine.GraphedDecode` subclass every engine uses on any
 device instead (:func:`replaying_with`), None for the default."""
@@ -59,8 +59,14 @@ def configure(model_cfg) -> None:
     job in this process is forgotten)."""
     SETTINGS.update(engine=model_cfg.engine, cuda_graphs=model_cfg.cuda_graphs,
                     engine_memory_gib=model_cfg.engine_memory_gib,
-                    engine_slots=model_cfg.engine_slots)
+                    engine_slots=model_cfg.engine_slots, planned_budget=0)
     reset_graph_check()
+
+
+def set_planned_budget(nbytes: int) -> None:
+    """Engines of this process are sized within ``nbytes`` (the memory plan's budget,
+    :func:`hpc.models.memory_plan.planned_engine_budget`; 0: derived from the device)."""
+    SETTINGS["planned_budget"] = nbytes
 
 
 @contextlib.contextmanager
@@ -77,9 +83,10 @@ def replaying_with(replay):
 
 
 def engine_budget(device) -> int:
-    """This process's engine budget in bytes (``model.engine_memory_gib``, see
-    :func:`hpc.models.engine.memory_budget`)."""
-    return memory_budget(device, SETTINGS["engine_memory_gib"])
+    """This process's engine budget in bytes: the memory plan's (:func:`set_planned_budget`),
+    else ``model.engine_memory_gib`` or derived from the device
+    (:func:`hpc.models.engine.memory_budget`)."""
+    return SETTINGS["planned_budget"] or memory_budget(device, SETTINGS["engine_memory_gib"])
 
 
 @contextlib.contextmanager

@@ -16,12 +16,17 @@ context, NCCL buffers, allocator fragmentation) and every engine holds a row in 
 * the decoding engine (:func:`hpc.models.engine.engine_memory`: KV cache, stacked members,
   per-slot buffers, a step's transient), sized per phase as the job sizes it: the phase's rows
   bucketed, capped by ``model.engine_slots`` and by its budget (``model.engine_memory_gib``, or
-  half of what the resident state leaves, whole GiB); larger phases decode in waves, and a
-  phase's engine is replaced by the next phase's, so the evaluation's engine does not outlive
-  it. The rollout's engine stays on the model through F-GRPO's training under DDP; FSDP2's
-  gathered copy and its engine are freed after the rollout.
+  :func:`hpc.models.engine.budget_left`: half of what everything resident leaves, whole GiB;
+  the job decodes within this same figure, :func:`planned_engine_budget`); larger phases
+  decode in waves. Hand-overs: an engine is released before the next is built and an
+  evaluation's at its end (unless the next phase reuses it), so no two engines are alive at
+  once and no transition peaks above the phases. Under DDP the rollout's engine stays on the
+  model through F-GRPO's training where the plan fits so, else it is released after each
+  rollout (:func:`rollout_engine_kept`; the plan's notes say which); FSDP2's gathered copy and
+  its engine are freed after the rollout.
 * ESSA: weights (decoder linears at ``model.quantize``'s bytes with torchao's scales), the
-  rank's members' LoRA factors (fp32), and the scoring engine of k members x
+  job's own adapter (fp32), the rank's members' LoRA factors (fp32), and the scoring engine
+  of k members x
   ``min(eval.batch_size, essa.minibatch)`` rows; the evaluation phase instead holds the
   evaluation engine (``eval.batch_size x eval.n_samples`` rows asked).
 * F-GRPO state (:mod:`hpc.models.parallelize`): DDP LoRA: weights + 16 bytes per LoRA
@@ -38,16 +43,23 @@ context, NCCL buffers, allocator fragmentation) and every engine holds a row in 
 * F-GRPO training, one micro-batch of ``fgrpo.micro_batch`` sequences: without activation
   checkpointing every layer keeps (6h + 2ad + 3I) values a token in 16 bits ((5h + ...) in
   fp32; K and V at all a heads, as transformers' padded path saves them) plus the inputs of
-  the LoRA targets in fp32 (not under FSDP2, which gathers the factors in 16 bits), or
-  (4h + I) values more with full fine-tuning; with it
+  the LoRA targets in fp32 (not under FSDP2, which gathers the factors in 16 bits; there a
+  LoRA layer keeps h values more, measured), or (4h + I) values more with full fine-tuning;
+  with it
   (``model.activation_checkpointing``) each layer keeps its input (h values) and one layer is
   recomputed at a time. Log-probs: full-vocabulary logits cost 16 V bytes a position at the
   backward's peak; in chunks (``model.logprob_chunk`` = c) the final norm's input and the
   flattened hidden states stay, and one chunk's 16 c V bytes come and go.
+  ``model.activation_checkpointing=auto`` turns checkpointing off only when the plan without
+  it fits with a stated margin to spare for what a tensor tracker cannot see
+  (:func:`unseen_parts`: CUDA context, cuBLAS workspaces, the fp32 log-softmax scratch, 10% of
+  the activations for fragmentation).
 
 These terms were checked against torch's memory tracker running the package's own engine and
 F-GRPO step on fake tensors, DDP and FSDP2 (benchmarks/memory_tracker.py,
-tests/test_memory_plan.py: within 15% for Qwen2.5-1.5B, 7B and 32B). When a plan does not fit, the advice is the first of a list
+tests/test_memory_plan.py: within 15% for Qwen2.5-1.5B, 7B and 32B), and over whole jobs in
+the package's order (start evaluation, steps, a periodic and the final evaluation, export;
+ESSA bf16 and INT8, F-GRPO DDP and FSDP2: within 5%). When a plan does not fit, the advice is the first of a list
 of changes (checkpointing, chunked log-probs, smaller micro-batches, FSDP2 over more ranks,
 optimizer offload, a smaller engine budget, int8 weights) under which it does.
 
@@ -93,6 +105,11 @@ QWEN25 = {
                 tie_word_embeddings=False),
 }
 USABLE_SHARE = 0.9
+# what a tensor tracker cannot see on a GPU, kept free by model.activation_checkpointing=auto
+# before it turns checkpointing off (unseen_parts)
+CUDA_CONTEXT_BYTES = 3 * GIB // 4  # CUDA context, loaded kernels, NCCL communicators
+CUBLAS_WORKSPACE_BYTES = GIB // 4  # cuBLAS / cuBLASLt workspaces of the streams in use
+FRAGMENTATION_SHARE = 0.10  # of the activations: the caching allocator's rounding and splits
 ESSA_MEMBER_SHARE = 0.5  # essa.batched.MEMORY_SHARE: the share of free memory k may fill
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LORA_BYTES_PER_PARAM = 4  # peft keeps adapter weights in fp32
@@ -240,13 +257,13 @@ def _max_len(cfg) -> int:
 
 
 def engine_budget(cfg, resident: int) -> int:
-    """The engine's budget (hpc.models.engine.memory_budget): ``model.engine_memory_gib``, or
-    ENGINE_MEMORY_SHARE of the memory ``resident`` bytes leave of ``plan.gpu_memory_gib`` at the
-    first generation, whole GiB."""
+    """The engine's budget: ``model.engine_memory_gib``, or :func:`hpc.models.engine.budget_left`
+    of ``plan.gpu_memory_gib`` with ``resident`` bytes (everything the method holds while it
+    decodes) resident. A job with a plan decodes within this budget
+    (:func:`planned_engine_budget`), so its engines are the plan's."""
     if cfg.model.engine_memory_gib > 0:
         return int(cfg.model.engine_memory_gib * GIB)
-    free = max(0, cfg.plan.gpu_memory_gib * GIB - resident)
-    return int(_engine().ENGINE_MEMORY_SHARE * free) // GIB * GIB
+    return _engine().budget_left(int(cfg.plan.gpu_memory_gib * GIB), resident)
 
 
 def engine_slots(shape: ModelShape, cfg, rows: int, k: int, budget: int) -> int:
@@ -298,6 +315,7 @@ class MethodPlan:
     usable: int
     notes: list
     advice: str = ""
+    engine_budget: int = 0  # bytes every engine of the job is sized within
 
     @property
     def peak(self) -> int:
@@ -356,9 +374,17 @@ def evaluation_phase(shape: ModelShape, cfg, resident: list, k: int, budget: int
 
 
 def essa_resident(shape: ModelShape, cfg) -> list:
+    """ESSA's weights and the job's own LoRA adapter (fp32, peft's), held all job long."""
+    n_lora = shape.lora_parameters(cfg.lora.rank, cfg.lora.targets)
     return [(f"weights ({cfg.model.dtype}" + (f", decoder linears {cfg.model.quantize}"
                                               if cfg.model.quantize != "none" else "") + ")",
-             weight_bytes(shape, cfg, quantized=True))]
+             weight_bytes(shape, cfg, quantized=True)),
+            (f"the job's own LoRA adapter ({n_lora:,} parameters, fp32)",
+             n_lora * LORA_BYTES_PER_PARAM)]
+
+
+def _total(parts: list) -> int:
+    return sum(b for _, b in parts)
 
 
 def essa_scoring_phase(shape: ModelShape, cfg, ranks: int, k: int) -> Phase:
@@ -369,7 +395,7 @@ def essa_scoring_phase(shape: ModelShape, cfg, ranks: int, k: int) -> Phase:
     return Phase("ESSA scoring", resident + [
         (f"LoRA factors of this rank's {members} members (fp32)", members * lora),
         *engine_parts(shape, cfg, f"{k} member(s) x {rows // k} rows", rows, k,
-                      engine_budget(cfg, resident[0][1]))])
+                      engine_budget(cfg, _total(resident)))])
 
 
 def essa_members_that_fit(shape: ModelShape, cfg, ranks: int) -> int:
@@ -379,7 +405,7 @@ def essa_members_that_fit(shape: ModelShape, cfg, ranks: int) -> int:
     rows = min(cfg.eval.batch_size, cfg.essa.minibatch)
     while k < most:
         phase = essa_scoring_phase(shape, cfg, ranks, k + 1)
-        if phase.peak > _usable(cfg) or "in waves" in phase.parts[2][0]:
+        if phase.peak > _usable(cfg) or "in waves" in phase.parts[-2][0]:
             break
         k += 1
     return k if k or rows else 0
@@ -390,17 +416,18 @@ def essa_plan(shape: ModelShape, cfg, ranks: int, advise: bool = True) -> Method
     held-out evaluation (its engine is given back before the next scoring pass)."""
     k = essa_members_per_pass(cfg, ranks)
     resident = essa_resident(shape, cfg)
-    budget = engine_budget(cfg, resident[0][1])
+    budget = engine_budget(cfg, _total(resident))
     phases = [essa_scoring_phase(shape, cfg, ranks, k),
               evaluation_phase(shape, cfg, resident, 1, budget)]
     fit = essa_members_that_fit(shape, cfg, ranks)
     notes = [f"engine budget {gib(budget)} (model.engine_memory_gib="
              f"{cfg.model.engine_memory_gib:g}: 0 = {_engine().ENGINE_MEMORY_SHARE:.0%} of the "
-             f"memory the weights leave, whole GiB)",
+             f"memory the weights and the adapter leave, whole GiB)",
              f"members per pass that fit in one wave: {fit} of this rank's "
              f"{math.ceil(cfg.essa.population / ranks)} (essa.members_per_pass="
              f"{cfg.essa.members_per_pass})"]
-    plan = MethodPlan("ESSA", phases, _usable(cfg), notes)
+    plan = MethodPlan("ESSA", phases, _usable(cfg), notes + [HANDOVER_NOTE],
+                      engine_budget=budget)
     if advise and not plan.fits:
         plan.advice = _smallest_fix(essa_plan, shape, cfg, ranks, [
             *[(f"essa.members_per_pass={k2}", {"essa__members_per_pass": k2}, None)
@@ -429,6 +456,8 @@ def training_activation_parts(shape: ModelShape, cfg, ranks: int) -> list:
     # under FSDP2 the factors are gathered in model.dtype like every other weight
     targets = () if f.full_finetune or _sharded(cfg) else cfg.lora.targets
     layer = shape.training_layer_bytes(e, targets, f.full_finetune)
+    if _sharded(cfg) and not f.full_finetune:  # measured: one h-wide 16-bit copy a token more
+        layer += shape.hidden * e  # (a sharded LoRA layer's input cast to the compute dtype)
     chunk = cfg.model.logprob_chunk
     upcast = 4 if e < 4 else 0
     if chunk:  # the final norm's input (+ fp32 upcast), the flattened hidden, one head chunk
@@ -559,9 +588,12 @@ def fgrpo_rollout_rows(cfg, ranks: int) -> int:
         cfg.fgrpo.num_generations
 
 
-def fgrpo_plan(shape: ModelShape, cfg, ranks: int, advise: bool = True) -> MethodPlan:
+def fgrpo_plan(shape: ModelShape, cfg, ranks: int, advise: bool = True,
+               keep_engine: bool | None = None) -> MethodPlan:
     """F-GRPO on one GPU: rollout, training (micro-batch forward/backward), the gradient
-    reduction and AdamW step, and the held-out evaluation."""
+    reduction and AdamW step, and the held-out evaluation. ``keep_engine``: whether the
+    rollout's engine stays on the model through training under DDP (None: as
+    :func:`rollout_engine_kept` resolves it)."""
     f, n = cfg.fgrpo, shape.parameters()
     held = fgrpo_state(shape, cfg, ranks)
     state = [(label, b) for label, b, kind in held if kind != "gradients"]
@@ -579,7 +611,9 @@ def fgrpo_plan(shape: ModelShape, cfg, ranks: int, advise: bool = True) -> Metho
     rollout_engine = engine_parts(shape, cfg, f"{rows // f.num_generations} prompts x G="
                                   f"{f.num_generations}", rows, k, budget)
     rollout = Phase("rollout", decoding + rollout_engine)
-    kept = [] if _sharded(cfg) else [("rollout engine, kept on the model", rollout_engine[0][1])]
+    if keep_engine is None:
+        keep_engine = _engine_kept(shape, cfg, ranks)
+    kept = [("rollout engine, kept on the model", rollout_engine[0][1])] if keep_engine else []
     train = Phase(f"training (micro_batch {f.micro_batch})", state + gradients + kept
                   + (gathered_parts(shape, cfg) if _sharded(cfg) else [])
                   + training_activation_parts(shape, cfg, ranks))
@@ -599,7 +633,9 @@ def fgrpo_plan(shape: ModelShape, cfg, ranks: int, advise: bool = True) -> Metho
         + (f"log-probs in chunks of {chunk} positions" if chunk else
            "full-vocabulary logits (model.logprob_chunk=0)")
         + f"; engine budget {gib(budget)}",
-        offload_note(cfg, offload, moved)])
+        offload_note(cfg, offload, moved), kept_engine_note(cfg, keep_engine),
+        HANDOVER_NOTE] + (checkpointing_notes(shape, cfg, ranks) if advise else []),
+        engine_budget=budget)
     if advise and not plan.fits:
         ckpt, chunked = {"model__activation_checkpointing": "on"}, {"model__logprob_chunk": 1024}
         both = dict(ckpt, **chunked)
@@ -622,6 +658,42 @@ def fgrpo_plan(shape: ModelShape, cfg, ranks: int, advise: bool = True) -> Metho
                + ("train a LoRA (fgrpo.full_finetune=false)" if f.full_finetune else
                   "use GPUs with more memory"))
     return plan
+
+
+def _engine_kept(shape: ModelShape, cfg, ranks: int) -> bool:
+    """DDP: the rollout's engine stays on the model through training (no rebuild, its CUDA
+    graphs kept) when the plan fits so; else it is released after each rollout, which the
+    training's peak then does without. FSDP2 frees it with the gathered copy, always."""
+    if _sharded(cfg):
+        return False
+    return fgrpo_plan(shape, cfg, ranks, advise=False, keep_engine=True).fits
+
+
+def rollout_engine_kept(cfg, ranks: int, device_type: str) -> bool:
+    """For an F-GRPO job: :func:`_engine_kept` on CUDA with a local model folder and
+    ``plan.gpu_memory_gib`` > 0; else (no plan) kept under DDP, as before any plan."""
+    if not _job_has_plan(cfg, device_type):
+        return not _sharded(cfg)
+    return _engine_kept(ModelShape.from_folder(cfg.model.path), cfg, ranks)
+
+
+def _job_has_plan(cfg, device_type: str) -> bool:
+    """A job is planned on CUDA with a local model folder and ``plan.gpu_memory_gib`` > 0."""
+    return (device_type == "cuda" and cfg.plan.gpu_memory_gib > 0
+            and os.path.isfile(os.path.join(cfg.model.path, "config.json")))
+
+
+def kept_engine_note(cfg, kept: bool) -> str:
+    if _sharded(cfg):
+        return "rollout engine: freed with the gathered copy after each rollout (FSDP2)"
+    if kept:
+        return "rollout engine: kept on the model through training (it fits)"
+    return "rollout engine: released after each rollout (the training needs its room)"
+
+
+HANDOVER_NOTE = ("engine hand-overs: each engine is released before the next is built and an "
+                 "evaluation's at its end, so no two are alive at once (no peak beyond the "
+                 "phases')")
 
 
 def offload_note(cfg, offload: str, moved: int) -> str:
@@ -671,6 +743,17 @@ def check_job_memory(cfg, method: str, ranks: int, device_type: str) -> None:
                         f"with the same config)")
 
 
+def planned_engine_budget(cfg, method: str, ranks: int, device_type: str) -> int:
+    """The engine budget of ``method``'s plan (:attr:`MethodPlan.engine_budget`) for a job on
+    CUDA with a local model folder and ``plan.gpu_memory_gib`` > 0 (0 otherwise: the job
+    derives it from the device, :func:`hpc.models.engine.memory_budget`). The job's engines
+    are so sized within the very figure the plan's phases were checked with."""
+    if method not in PLANS or not _job_has_plan(cfg, device_type):
+        return 0
+    return PLANS[method](ModelShape.from_folder(cfg.model.path), cfg, ranks,
+                         advise=False).engine_budget
+
+
 def activation_checkpointing(cfg, method: str, ranks: int, device_type: str,
                              planned: bool = False) -> bool:
     """``model.activation_checkpointing`` resolved for a job of ``method`` (sft or fgrpo) on
@@ -688,15 +771,57 @@ def activation_checkpointing(cfg, method: str, ranks: int, device_type: str,
         return False
     shape = ModelShape.from_folder(path)
     if method == "fgrpo":
-        plan = fgrpo_plan(shape, _with(cfg, model__activation_checkpointing="off"), ranks,
-                          advise=False)
-        return not plan.fits
+        return not _fits_unchecked(shape, cfg, ranks)
     elem = DTYPE_BYTES[cfg.model.dtype]
     state = (shape.parameters() * elem + LORA_TRAIN_BYTES_PER_PARAM
              * shape.lora_parameters(cfg.lora.rank, cfg.lora.targets))
-    train = math.ceil(cfg.sft.batch_size / ranks) * _seq(cfg) * \
-        shape.training_token_bytes(elem, cfg.lora.targets)
-    return state + train > _usable(cfg)
+    tokens = math.ceil(cfg.sft.batch_size / ranks) * _seq(cfg)
+    train = tokens * shape.training_token_bytes(elem, cfg.lora.targets)
+    return state + train + _total(unseen_parts(shape, tokens, 0, train)) > _usable(cfg)
+
+
+def unseen_parts(shape: ModelShape, tokens: int, chunk: int, activations: int) -> list:
+    """(label, bytes) of what torch's tensor trackers cannot see on a GPU, which
+    ``model.activation_checkpointing=auto`` keeps free before it turns checkpointing off: the
+    CUDA context, cuBLAS workspaces, the fp32 log-softmax scratch of the LM head's positions
+    (``chunk`` of the micro-batch's ``tokens``, all of them for 0) and FRAGMENTATION_SHARE of
+    the ``activations`` bytes (the caching allocator's rounding and split blocks)."""
+    positions = min(chunk, tokens) if chunk else tokens
+    return [("CUDA context, kernels, NCCL", CUDA_CONTEXT_BYTES),
+            ("cuBLAS workspaces", CUBLAS_WORKSPACE_BYTES),
+            (f"fp32 log-softmax scratch of {positions} positions", 4 * positions * shape.vocab),
+            (f"fragmentation ({FRAGMENTATION_SHARE:.0%} of the activations)",
+             int(FRAGMENTATION_SHARE * activations))]
+
+
+def _unchecked(cfg):
+    return _with(cfg, model__activation_checkpointing="off")
+
+
+def fgrpo_unseen(shape: ModelShape, cfg, ranks: int) -> list:
+    """:func:`unseen_parts` of an F-GRPO micro-batch trained without checkpointing."""
+    tokens = cfg.fgrpo.micro_batch * _seq(cfg)
+    activations = _total(training_activation_parts(shape, _unchecked(cfg), ranks))
+    return unseen_parts(shape, tokens, cfg.model.logprob_chunk, activations)
+
+
+def _fits_unchecked(shape: ModelShape, cfg, ranks: int) -> bool:
+    """F-GRPO without checkpointing fits with :func:`fgrpo_unseen`'s margin to spare."""
+    plan = fgrpo_plan(shape, _unchecked(cfg), ranks, advise=False)
+    return plan.fits and plan.peak + _total(fgrpo_unseen(shape, cfg, ranks)) <= plan.usable
+
+
+def checkpointing_notes(shape: ModelShape, cfg, ranks: int) -> list:
+    """What ``model.activation_checkpointing=auto`` weighed (no line for on or off)."""
+    if cfg.model.activation_checkpointing != "auto":
+        return []
+    plan = fgrpo_plan(shape, _unchecked(cfg), ranks, advise=False)
+    unseen = fgrpo_unseen(shape, cfg, ranks)
+    terms = ", ".join(f"{label} {gib(b)}" for label, b in unseen)
+    verdict = "on" if not _fits_unchecked(shape, cfg, ranks) else "off"
+    return [f"checkpointing auto -> {verdict}: without it the peak is {gib(plan.peak)}, plus a "
+            f"margin of {gib(_total(unseen))} for what trackers cannot see ({terms}), of "
+            f"{gib(plan.usable)} usable"]
 
 
 def plan_text(cfg, ranks: int) -> str:

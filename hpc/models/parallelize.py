@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from hpc.models.engine import release_engine
 from hpc.models.loading import DTYPES
 from hpc.models.offload import HostCopy
 from hpc.runtime.atomic import replaced_dir
@@ -118,7 +119,7 @@ def gathered(model, to_host: bool = False):
                 moved[unit] = HostCopy(_local(p) for p in owned[unit])
         yield model
     finally:
-        model.__dict__.pop("_decode_engine", None)
+        release_engine(model)
         for unit in units:  # each unit's gathered copy freed before its shards come back
             unit.reshard()
             unit.set_reshard_after_forward(unit is not root, recurse=False)

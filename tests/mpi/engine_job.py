@@ -4,16 +4,20 @@
 ``OUT_PREFIX.<rank>.json``:
 
 * ``memory``: the start evaluation, then the first generation, as :func:`run_loop` runs them;
-  after each, the engine's slots, max_len, k, KV-cache bytes and :func:`engine_memory`.
+  the engine's slots, max_len, k, KV-cache bytes and :func:`engine_memory` at the end of the
+  evaluation (before :func:`hpc.models.engine.end_phase`), after it ({} once released) and
+  after the generation.
 * ``perturb-<R>``: the whole job with every engine's decode steps "replayed" by
   :class:`CheckedStep` on any device (so the self-check runs on CPU), rank R's replay perturbed;
   at the end, this rank's :func:`graph_check_failure` and whether its engine still replays.
 """
+import contextlib
 import json
 import sys
 
 from essa.config import ESSAJobConfig
 from essa.trainer import ESSA
+from hpc.models import engine
 from hpc.models.engine import GraphedDecode, graph_check_failure
 from hpc.models.generation import replaying_with
 from hpc.job.lifecycle import finish, start_job
@@ -43,10 +47,30 @@ class PerturbedStep(CheckedStep):
 
 
 def engine_state(model) -> dict:
-    engine = model.__dict__["_decode_engine"]
+    """The model's engine ({} when it has none)."""
+    engine = model.__dict__.get("_decode_engine")
+    if engine is None:
+        return {}
     return {"slots": engine.slots, "max_len": engine.cache.max_len, "k": engine.k,
             "kv_bytes": engine.cache.nbytes, "memory": engine.memory(),
             "replays": engine.graphs is not None}
+
+
+@contextlib.contextmanager
+def ends_of_evaluations():
+    """Within the block, :func:`engine_state` at the end of each evaluation, before
+    :func:`hpc.models.engine.end_phase` releases its engine, appended to the list yielded."""
+    seen, end_phase = [], engine.end_phase
+
+    def watched(model, *args):
+        seen.append(engine_state(model))
+        return end_phase(model, *args)
+
+    engine.end_phase = watched
+    try:
+        yield seen
+    finally:
+        engine.end_phase = end_phase
 
 
 def main():
@@ -57,17 +81,20 @@ def main():
     if mode == "memory":
         method.store = RunStore(f"{job.out_dir}/essa.h5", job.world.is_root, {})
         method.timer = PhaseTimer(list(method.phases))
-        method.evaluate(sampled=True)
+        with ends_of_evaluations() as seen:
+            method.evaluate(sampled=True)
+        report["end_of_start_eval"] = seen[0]
         report["after_start_eval"] = engine_state(method.model)
         method.step(0)
         report["after_generation"] = engine_state(method.model)
         method.store.close()
     else:
         bad_rank = int(mode.split("-")[1])
-        with replaying_with(PerturbedStep if job.world.rank == bad_rank else CheckedStep):
+        with replaying_with(PerturbedStep if job.world.rank == bad_rank else CheckedStep), \
+                ends_of_evaluations() as seen:
             summary = run_loop(job, method)
         finish(job, summary, "sft start", "essa mean")
-        report.update(failure=graph_check_failure(), end=engine_state(method.model))
+        report.update(failure=graph_check_failure(), end=seen[-1])
     with open(f"{prefix}.{job.world.rank}.json", "w") as fh:
         json.dump(report, fh)
 

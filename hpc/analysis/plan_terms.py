@@ -1,0 +1,99 @@
+"""The scaling model's memory terms, from the memory plan's own functions
+(:mod:`hpc.models.memory_plan`), so ``hpc-scaling`` and ``hpc-plan`` never disagree on what
+fits: the weight bytes a decode step reads and the sequences a GPU decodes at once, per method.
+
+The configuration is the plan's (:func:`hpc.commands.plan_job_class`): ``--config`` (default:
+the package's defaults) with the scaling model's workload on top: the model shape, LoRA rank on
+all seven linears, prompt and completion lengths, the GPU's memory (``plan.gpu_memory_gib`` =
+the GPU's GB, as ``hpc-plan`` is given it for 80 GB GPUs), ESSA's ``model.quantize``, one
+member a pass with all its ``minibatch`` prompts asked at once (``eval.batch_size``), and for
+GRPO ``fgrpo.full_finetune`` / ``fgrpo.parallelism`` as the scaling model's flags say.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hpc.models.memory_plan import (GIB, QWEN25, ModelShape, engine_slots, essa_plan,
+                                    fgrpo_plan, weight_bytes)
+from hpc.runtime.errors import UserError
+
+PLENTY = 1 << 20  # rows asked: the concurrency is what the plan's engine budget holds
+HEAD_DIM = 128  # of a shape given by its widths alone (Qwen2.5's)
+VOCAB = 152064  # Qwen2.5's (7B and larger)
+QUANTIZE = ("none", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """One method's decoding on one GPU: ``weight_bytes`` read per decode step (at
+    ``quantize``), at most ``concurrency`` sequences at once (the slots of the plan's engine
+    within its ``budget`` bytes)."""
+
+    method: str
+    quantize: str
+    weight_bytes: int
+    concurrency: int
+    budget: int
+
+    def describe(self) -> str:
+        weights = "bf16" if self.quantize == "none" else f"{self.quantize} decoder linears"
+        return (f"{self.method}: {self.weight_bytes / 1e9:.1f} GB of weights a decode step "
+                f"({weights}), at most {self.concurrency} concurrent sequences (hpc-plan's "
+                f"engine in its {self.budget / GIB:.0f} GiB budget)")
+
+
+def model_shape(layers: int, hidden: int, intermediate: int, kv_dim: int) -> ModelShape:
+    """Qwen2.5-32B's own shape when the widths are its; else a Qwen2.5-like shape of these
+    widths (head_dim HEAD_DIM, vocabulary VOCAB, q/k/v biases, untied embeddings)."""
+    q = QWEN25["32B"]
+    if (layers, hidden, intermediate, kv_dim) == (
+            q["num_hidden_layers"], q["hidden_size"], q["intermediate_size"],
+            q["num_key_value_heads"] * q["hidden_size"] // q["num_attention_heads"]):
+        return ModelShape.from_config(dict(q, model_type="qwen2"))
+    return ModelShape(hidden=hidden, layers=layers, heads=hidden // HEAD_DIM,
+                      kv_heads=max(1, kv_dim // HEAD_DIM), head_dim=HEAD_DIM,
+                      intermediate=intermediate, vocab=VOCAB, tied=False, qkv_bias=True)
+
+
+def plan_config(config: str | None, *, lora_rank: int, prompt: int, max_new: int,
+                gpu_gb: float, minibatch: int, essa_quantize: str | None, full: bool,
+                sharded: bool, micro_batch: int):
+    """The plan's job config of the scaling model's setting (module docstring);
+    ``essa_quantize`` None: the config's ``model.quantize``."""
+    from hpc.commands import plan_job_class
+    from hpc.runtime.config import load_config
+
+    cfg = load_config(plan_job_class(), config, [
+        "model.dtype=bfloat16", f"lora.rank={lora_rank}",
+        "lora.targets=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]",
+        f"plan.max_prompt_tokens={prompt}", f"task.max_new_tokens={max_new}",
+        f"plan.gpu_memory_gib={gpu_gb:g}", f"essa.minibatch={minibatch}",
+        "essa.members_per_pass=1", f"eval.batch_size={minibatch}",
+        f"fgrpo.full_finetune={str(full or sharded).lower()}",
+        f"fgrpo.parallelism={'fsdp2' if sharded else 'ddp'}", f"fgrpo.micro_batch={micro_batch}"]
+        + ([f"model.quantize={essa_quantize}"] if essa_quantize else []))
+    if cfg.model.quantize not in QUANTIZE:
+        raise UserError(f"model.quantize={cfg.model.quantize} is not one of {QUANTIZE}")
+    return cfg
+
+
+def essa_decoding(shape: ModelShape, cfg, gpus: int) -> Decoding:
+    """ESSA's scoring: weights at ``model.quantize`` (:func:`weight_bytes`), the slots of its
+    engine (k = 1 member) within the plan's budget (:func:`engine_slots`)."""
+    budget = essa_plan(shape, cfg, gpus, advise=False).engine_budget
+    return Decoding("ESSA", cfg.model.quantize, weight_bytes(shape, cfg, quantized=True),
+                    engine_slots(shape, cfg, PLENTY, 1, budget), budget)
+
+
+def grpo_decoding(shape: ModelShape, cfg, gpus: int) -> Decoding:
+    """F-GRPO's rollout: bf16 weights (the gathered model under FSDP2), the slots of its
+    engine (its own adapter, or none when every weight trains) within the plan's budget."""
+    plain = cfg.model.quantize
+    cfg.model.quantize = "none"  # the scaling model's GRPO decodes its bf16 weights
+    try:
+        budget = fgrpo_plan(shape, cfg, gpus, advise=False).engine_budget
+        k = 0 if cfg.fgrpo.full_finetune else 1
+        return Decoding("F-GRPO", "none", weight_bytes(shape, cfg),
+                        engine_slots(shape, cfg, PLENTY, k, budget), budget)
+    finally:
+        cfg.model.quantize = plain
