@@ -53,6 +53,7 @@ class World:
     hostname: str
     bytes_by_tag: dict = field(default_factory=lambda: defaultdict(int))
     timeout_s: float = 600.0  # deadline of every collective (run.collective_timeout_s)
+    rendezvous: object = None  # hpc.runtime.rendezvous.Rendezvous, once the ranks agreed on it
 
     @property
     def is_root(self) -> bool:
