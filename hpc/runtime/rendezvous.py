@@ -194,6 +194,7 @@ def agree(world, backend: str) -> Rendezvous:
         raise UserError(f"rank {r} on {reports[r]['host']}{others} cannot connect to rank 0 at "
                         f"{addr}:{port} on {host0} ({how}): {failures[r]['why']}; "
                         f"{_fix_hint(how, host0, backend)}")
+    world.hosts = [r["host"] for r in reports]
     ifname = "lo" if ipaddress.ip_address(addr).is_loopback else _interface_toward(addr, port)
     for var in _IFNAME_VARS.values():
         if ifname and not os.environ.get(var):

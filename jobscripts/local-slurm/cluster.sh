@@ -9,6 +9,8 @@
 #   cluster.sh up            start it (a running cluster in $HPC_CLUSTER_DIR is torn down first)
 #   cluster.sh down          stop every daemon, unmount, delete namespaces, bridge and veths
 #   cluster.sh exec NODE CMD run CMD on NODE (inside its namespaces, as a login there would)
+#   cluster.sh rsh NODE LINE run the shell command line LINE on NODE: an ssh stand-in, e.g.
+#                            mpirun --host node1:2,node2:2 --mca plm_rsh_agent "cluster.sh rsh"
 #   cluster.sh check         exit 0 when nothing of a cluster is left (daemons, netns, links)
 #
 #   HPC_CLUSTER_DIR=/tmp/hpc-cluster  config, state, logs, per-node /tmp and /etc/hosts; shared
@@ -19,6 +21,7 @@
 #   HPC_CLUSTER_NET=10.221.0          the /24 of the bridge (.1, the login node) and nodes (.11+)
 #   HPC_CLUSTER_PORT=6917             slurmctld's port; slurmd listens on the next one (the
 #                                     one-node test Slurm of start.sh keeps 6817/6818)
+#   HPC_CLUSTER_PREFIX=hpcsim         names of its namespaces and links (two clusters at once)
 #   HPC_CLUSTER_SHARE="DIR ..."       more folders under /tmp every node must see (the rest of
 #                                     /tmp is private to each node)
 #
@@ -35,7 +38,8 @@ GPUS=${HPC_CLUSTER_GPUS:-2}
 NET=${HPC_CLUSTER_NET:-10.221.0}
 PORT=${HPC_CLUSTER_PORT:-6917}
 SHARE=${HPC_CLUSTER_SHARE:-}
-PREFIX=hpcsim  # names of the namespaces (hpcsim-node1) and links (hpcsim-br, hpcsim-v1)
+# names of the namespaces (hpcsim-node1) and links (hpcsim-br, hpcsim-v1); at most 8 characters
+PREFIX=${HPC_CLUSTER_PREFIX:-hpcsim}
 BRIDGE=$PREFIX-br
 LOGIN=$(hostname -s)
 export SLURM_CONF=$DIR/slurm.conf
@@ -52,7 +56,7 @@ on_node() {
   shift
   pid=$(holder "$node") && kill -0 "$pid" 2>/dev/null || die "$node is not up"
   nsenter --net="/run/netns/$PREFIX-$node" --uts=/proc/"$pid"/ns/uts \
-    --mount=/proc/"$pid"/ns/mnt -- "$@"
+    --mount=/proc/"$pid"/ns/mnt --wd="$PWD" -- "$@"
 }
 
 # Stop the daemon whose pid is in $1 (TERM, then KILL after 5 s) and forget the pid file.
@@ -178,21 +182,26 @@ start_munge() {
   die "munged does not answer (see $DIR/munge/munged.log)"
 }
 
-# Node $1 with address $2: namespace, veth to the bridge, and a holder process that owns the
-# node's UTS and mount namespaces (host name, /etc/hosts, private /tmp with the shared folders
-# bound back in at their own paths).
-start_node() {
-  local node=$1 addr=$2 k=${1#node} path
-  mkdir -p "$DIR/$node/tmp" "$DIR/$node/spool"
-  chmod 1777 "$DIR/$node/tmp"
-  touch $(seq -f "$DIR/$node/gpu%g" 0 $((GPUS - 1)))
-  write_hosts "$node"
+# Node $1's network namespace with address $2 on eth0, a veth to the bridge.
+start_net() {
+  local node=$1 addr=$2 k=${1#node}
   ip netns add "$PREFIX-$node"
   ip link add "$PREFIX-v$k" type veth peer name eth0 netns "$PREFIX-$node"
   ip link set "$PREFIX-v$k" master "$BRIDGE" up
   ip -n "$PREFIX-$node" addr add "$addr/24" dev eth0
   ip -n "$PREFIX-$node" link set eth0 up
   ip -n "$PREFIX-$node" link set lo up
+}
+
+# Node $1's holder process, which owns the node's UTS and mount namespaces (host name,
+# /etc/hosts, private /tmp with the shared folders bound back in at their own paths). Started
+# once every node's network namespace exists, so that each mount namespace sees them all.
+start_node() {
+  local node=$1 path
+  mkdir -p "$DIR/$node/tmp" "$DIR/$node/spool"
+  chmod 1777 "$DIR/$node/tmp"
+  touch $(seq -f "$DIR/$node/gpu%g" 0 $((GPUS - 1)))
+  write_hosts "$node"
   local binds=""
   for path in $DIR $SHARE; do
     [[ $path == /tmp/* ]] || continue
@@ -229,7 +238,10 @@ up() {
   local node i=0
   for node in $(nodes); do
     i=$((i + 1))
-    start_node "$node" "$NET.$((10 + i))"
+    start_net "$node" "$NET.$((10 + i))"
+  done
+  for node in $(nodes); do
+    start_node "$node"
   done
   slurmctld
   for node in $(nodes); do
@@ -258,6 +270,7 @@ case ${1:-} in
   up) up ;;
   down) down; echo "simulated cluster down" ;;
   exec) shift; node=${1:?node}; shift; on_node "$node" "$@" ;;
+  rsh) shift; node=${1:?node}; shift; on_node "$node" bash -c "$*" ;;
   check) check ;;
-  *) echo "usage: $0 up|down|exec NODE CMD...|check" >&2; exit 2 ;;
+  *) echo "usage: $0 up|down|exec NODE CMD...|rsh NODE LINE|check" >&2; exit 2 ;;
 esac
