@@ -47,12 +47,16 @@ def all_reduce_mean_(tensors: list[torch.Tensor], world: World, tag: str = "allr
     """Average ``tensors`` in place across ranks (one flat all-reduce) and count its bytes.
 
     Every rank first arrives by name (:meth:`World.arrive`, label ``tag``), so a rank that
-    never gets here is named instead of the all-reduce timing out anonymously."""
+    never gets here is named instead of the all-reduce timing out anonymously; one lost while
+    it runs is named too (:meth:`World.abort_failed`)."""
     if world.size == 1 or not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
     world.arrive(tag, world.timeout_s)
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    try:
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    except (RuntimeError, dist.DistError) as err:  # its timeout, or a peer lost while it ran
+        world.abort_failed(tag, err)
     flat /= world.size
     world.count(tag, flat.numel() * flat.element_size())
     offset = 0

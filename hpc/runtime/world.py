@@ -152,9 +152,9 @@ class World:
             time.sleep(poll_s)
         silent = [r for r, req in zip(range(1, self.size), pongs) if not req.Test()]
         if silent:
-            return (f"rank(s) {silent}{self._on_hosts(silent)} did not finish '{label}' within "
-                    f"{self.timeout_s:.0f} s nor answer within {probe_s:.0f} s (hung, stopped "
-                    f"or dead); aborting the job", silent)
+            return (f"rank(s) {silent} did not finish '{label}' within {self.timeout_s:.0f} s "
+                    f"nor answer within {probe_s:.0f} s (hung, stopped or dead"
+                    f"{self._on_hosts(silent)}); aborting the job", silent)
         return (f"collective '{label}' did not complete within {self.timeout_s:.0f} s though "
                 f"every rank answers: MPI itself is stuck; aborting the job", [])
 
@@ -178,9 +178,9 @@ class World:
             while not MPI.Request.Testall(reqs):
                 if time.monotonic() > deadline:
                     missing = [r for r, req in zip(range(1, self.size), reqs) if not req.Test()]
-                    self._abort(f"rank(s) {missing}{self._on_hosts(missing)} did not reach "
-                                f"'{label}' within {timeout_s:.0f} s (hung, stopped or dead); "
-                                f"aborting the job", missing)
+                    self._abort(f"rank(s) {missing} did not reach '{label}' within "
+                                f"{timeout_s:.0f} s (hung, stopped or dead"
+                                f"{self._on_hosts(missing)}); aborting the job", missing)
                 time.sleep(poll_s)
             releases = [self.comm.Isend(token, dest=r, tag=_RELEASE_TAG)
                         for r in range(1, self.size)]
@@ -195,10 +195,19 @@ class World:
                 time.sleep(poll_s)
         self.count("control", self.size - 1 if self.is_root else 1)
 
+    def abort_failed(self, label: str, err: Exception) -> None:
+        """A torch.distributed collective ``label`` failed (its timeout, or a peer gone while it
+        ran): rank 0 names the ranks that no longer answer and every rank aborts the job."""
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if self.is_root:
+            message, silent = self._unanswered(label)
+            self._abort(f"'{label}' failed ({first}); {message}", silent)
+        self._abort(f"'{label}' failed ({first}); aborting the job", [])
+
     def _on_hosts(self, ranks: list) -> str:
-        """' on node2' (the hosts of ``ranks``, where known), else ''."""
+        """'; on node2' (the hosts of ``ranks``, where known), else ''."""
         hosts = sorted({self.hosts[r] for r in ranks if r < len(self.hosts)})
-        return f" on {', '.join(hosts)}" if hosts else ""
+        return f"; on {', '.join(hosts)}" if hosts else ""
 
     def _abort(self, message: str, lost: list) -> None:
         """Print ``message``, run the abort hooks with the ranks ``lost``, abort the job."""

@@ -31,7 +31,7 @@
 #     run.collective_timeout_s; the job is requeued and resumes from its last checkpoint.
 # A launcher can hang when a node is gone (srun waits for the lost node's tasks until its link
 # returns): once the run file says lost, the launcher has LAUNCHER_GRACE_S (default 10) seconds
-# to exit before it is killed; the run file is polled every RUN_FILE_POLL_S (default 10) s.
+# to exit before it is killed; the run file is polled every RUN_FILE_POLL_S (default 5) s.
 # Before the time limit Slurm sends SIGUSR1 to this batch shell only (#SBATCH --signal=B:USR1@T);
 # it is forwarded to the launcher, which forwards it to every rank (srun and mpirun both pass
 # SIGUSR1 on). SIGTERM to this shell is passed on as SIGUSR1 too, never as SIGTERM: Open MPI 5's
@@ -59,12 +59,19 @@ with h5py.File(sys.argv[1], "r", locking=False) as f:
     print(status)' "$2" 2>/dev/null || echo unreadable
 }
 
-# Watch launcher $1: when run file $3 (read with $2) says lost, give the launcher
-# LAUNCHER_GRACE_S to exit, then kill it (srun can wait for a lost node for minutes).
+# Modification time and size of file $1 (empty when absent).
+run_file_stamp() {
+  stat -c '%Y.%s' "$1" 2>/dev/null || true
+}
+
+# Watch launcher $1: when run file $3 (read with $2) says lost and has changed since stamp $4,
+# give the launcher LAUNCHER_GRACE_S to exit, then kill it (srun can wait for a lost node for
+# minutes).
 kill_hung_launcher() {
-  local pid=$1 python=$2 file=$3 grace=${LAUNCHER_GRACE_S:-10}
+  local pid=$1 python=$2 file=$3 before=$4 grace=${LAUNCHER_GRACE_S:-10}
   while kill -0 "$pid" 2>/dev/null; do
-    sleep "${RUN_FILE_POLL_S:-10}"
+    sleep "${RUN_FILE_POLL_S:-5}"
+    [[ $(run_file_stamp "$file") != "$before" ]] || continue
     [[ $(run_status "$python" "$file") == lost* ]] || continue
     sleep "$grace"
     if kill -0 "$pid" 2>/dev/null; then
@@ -129,10 +136,13 @@ run_job() {
   # The launcher runs in the background so that the traps below run while it does (bash
   # defers traps until a foreground command ends); `wait` returns early on each trapped
   # signal, hence the loop until the launcher is really gone.
-  local pid rc r cancelled=0 signalled watcher
+  # A run file marked lost counts only when marked by this attempt: one left by the attempt
+  # before (whose launch may fail before any rank starts) is not a new lost rank.
+  local pid rc r cancelled=0 signalled watcher before
+  before=$(run_file_stamp "$out/$method.h5")
   "${launch[@]}" "$python" -m "$module" "${args[@]}" &
   pid=$!
-  kill_hung_launcher "$pid" "$python" "$out/$method.h5" &
+  kill_hung_launcher "$pid" "$python" "$out/$method.h5" "$before" &
   watcher=$!
   trap 'signalled=1; echo "SIGUSR1: asking the ranks to checkpoint and stop"
         kill -USR1 $pid 2>/dev/null' USR1
@@ -161,7 +171,7 @@ run_job() {
   # refused a requeued job's credential): a run file that is not complete is then a failure.
   local status
   status=$(run_status "$python" "$out/$method.h5")
-  if [[ $status == lost* ]]; then
+  if [[ $status == lost* && $(run_file_stamp "$out/$method.h5") != "$before" ]]; then
     echo "a rank was lost (${status#lost }): the run file is resumable" >&2
     rc=$EXIT_PREEMPTED
   elif ((rc == 0)) && [[ -f $out/$method.h5 ]]; then
