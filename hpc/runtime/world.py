@@ -202,7 +202,21 @@ class World:
         if self.is_root:
             message, silent = self._unanswered(label)
             self._abort(f"'{label}' failed ({first}); {message}", silent)
-        self._abort(f"'{label}' failed ({first}); aborting the job", [])
+        # Leaving first would end rank 0 before it names the lost ranks: answer its probe,
+        # then go (rank 0's abort usually ends this rank before that).
+        self._answer_pings(min(_PROBE_S, self.timeout_s) + 5.0)
+        self._abort(f"'{label}' failed ({first}); rank 0 did not abort the job", [0])
+
+    def _answer_pings(self, seconds: float, poll_s: float = 0.001) -> None:
+        """A rank other than 0: answer rank 0's probe pings for ``seconds``."""
+        buf = np.zeros(1, dtype=np.uint8)
+        ping = self.comm.Irecv(buf, source=0, tag=_PING_TAG)
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            if ping.Test():
+                self.comm.Isend(buf, dest=0, tag=_PONG_TAG).Wait()
+                ping = self.comm.Irecv(buf, source=0, tag=_PING_TAG)
+            time.sleep(poll_s)
 
     def _on_hosts(self, ranks: list) -> str:
         """'; on node2' (the hosts of ``ranks``, where known), else ''."""
