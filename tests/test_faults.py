@@ -2,6 +2,7 @@
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -307,6 +308,11 @@ def test_hung_rank_is_named_and_the_job_aborted(toy_adapter, tmp_path):
     # Every collective waits for named arrival first, so rank 0 names rank 1 whichever one it
     # misses (almost always the fitness exchange, as it is stopped while generating).
     assert "rank(s) [1] did not " in err and "within 5 s" in err, err[-2000:]
+    # ... and marks the run file before the abort, so that the job script requeues it
+    run = RunFile(h5)
+    assert run.attrs["status"] == "lost", err[-2000:]
+    assert run.attrs["lost_ranks"].tolist() == [1]
+    assert list(run.attrs["lost_hosts"]) == [socket.gethostname()]
 
 
 def test_hung_rank_is_named_in_fgrpo(toy_adapter, tmp_path):

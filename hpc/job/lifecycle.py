@@ -29,6 +29,7 @@ from hpc.runtime.atomic import open_plain
 from hpc.runtime.config import config_to_yaml, load_config
 from hpc.runtime.errors import EXIT_USER_ERROR, UserError
 from hpc.runtime.preempt import EXIT_PREEMPTED, any_rank_signalled, startup_delay, stop_signals
+from hpc.runtime.rendezvous import agree
 from hpc.runtime.results import format_table
 from hpc.runtime.runstore import RunStore, environment_attrs, readable
 from hpc.runtime.world import World, get_world, select_device
@@ -214,6 +215,8 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
     world.timeout_s = cfg.run.collective_timeout_s
     cfg.validate_world(world)
     device = on_all_ranks(world, lambda: select_device(world, cfg.model.device))
+    if world.size > 1:  # before any GPU work: a bootstrap that cannot connect ends here
+        world.rendezvous = agree(world, "nccl" if device.type == "cuda" else "gloo")
     on_all_ranks(world, lambda: check_quantize(cfg.model.quantize, cfg.model.dtype, device))
     on_all_ranks(world, lambda: check_cached(cfg.model.path))
     on_all_ranks(world, lambda: check_job_memory(cfg, method, world.size, device.type))

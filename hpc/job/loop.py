@@ -249,6 +249,8 @@ def run_loop(job: Job, method: Method) -> dict:
         f"{job.out_dir}/{method.name}.h5", world.is_root, attrs, resume=job.resume,
         backup=resumed["run_file"]))
     store.truncate_after(start if start else None)
+    # A lost rank (a node gone mid-run): rank 0 names it in the run file before the abort.
+    world.abort_hooks.append(lambda message, lost: store.mark_lost(world.hosts, lost, message))
     sync = torch.cuda.synchronize if job.device.type == "cuda" else None
     method.store, method.timer = store, PhaseTimer(list(method.phases) + list(LOOP_PHASES), sync)
     timer = method.timer

@@ -1,58 +1,40 @@
 """torch.distributed bootstrapped from the MPI world, with byte-counted all-reduce.
 
-Rank 0 picks MASTER_ADDR (its host name, or MASTER_ADDR if the job script set one) and a free
-MASTER_PORT, broadcasts both over MPI, and every rank joins the default process group: NCCL when
-the rank's device is CUDA, gloo otherwise. This works the same under ``mpirun`` and ``srun``
-because the rendezvous goes through MPI, not through launcher-specific variables.
+The ranks agree over MPI on an address of rank 0 that every rank reaches and on the store's
+port (:func:`hpc.runtime.rendezvous.agree`: addresses, never host names, cross ranks), then join
+the default process group: NCCL when the rank's device is CUDA, gloo otherwise. This works the
+same under ``mpirun`` and ``srun`` because the rendezvous goes through MPI, not through
+launcher-specific variables.
 """
 from __future__ import annotations
 
 import atexit
 import datetime
 import gc
-import os
-import socket
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from hpc.runtime.rendezvous import agree
 from hpc.runtime.world import World
-
-_ADDR_BYTES = 256
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def init_process_group(world: World, device: torch.device) -> str:
     """Join (or create) the default process group for ``world``; returns the backend name.
 
-    Its collectives time out after ``world.timeout_s`` (``run.collective_timeout_s``)."""
+    The rendezvous agreed at start-up (``world.rendezvous``, see :func:`hpc.job.lifecycle.
+    start_job`) is used, else agreed here. Its collectives time out after ``world.timeout_s``
+    (``run.collective_timeout_s``)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if dist.is_initialized():
         return dist.get_backend()
-    buf = np.zeros(_ADDR_BYTES + 4, dtype=np.uint8)
-    if world.is_root:
-        addr = os.environ.get("MASTER_ADDR") or socket.gethostname()
-        port = int(os.environ.get("MASTER_PORT") or _free_port())
-        enc = addr.encode()[:_ADDR_BYTES]
-        buf[: len(enc)] = np.frombuffer(enc, dtype=np.uint8)
-        buf[_ADDR_BYTES:] = np.frombuffer(np.array([port], dtype="<i4").tobytes(), np.uint8)
-    world.bcast(buf, tag="bootstrap")
-    addr = bytes(buf[:_ADDR_BYTES]).rstrip(b"\0").decode()
-    port = int(np.frombuffer(buf[_ADDR_BYTES:].tobytes(), dtype="<i4")[0])
-    if world.size > 1 and addr == world.hostname and world.local_size == world.size:
-        addr = "127.0.0.1"  # one node: loopback works even where the host name does not resolve
+    meet = world.rendezvous = world.rendezvous or agree(world, backend)
     # Tear the group down before interpreter shutdown: a gloo worker thread still holding a
     # tensor then aborts the process ("terminate called without an active exception").
     atexit.register(destroy_process_group)
     dist.init_process_group(
         backend=backend,
-        init_method=f"tcp://{addr}:{port}",
+        init_method=f"tcp://{meet.addr}:{meet.port}",
         rank=world.rank,
         world_size=world.size,
         timeout=datetime.timedelta(seconds=world.timeout_s),
@@ -65,12 +47,16 @@ def all_reduce_mean_(tensors: list[torch.Tensor], world: World, tag: str = "allr
     """Average ``tensors`` in place across ranks (one flat all-reduce) and count its bytes.
 
     Every rank first arrives by name (:meth:`World.arrive`, label ``tag``), so a rank that
-    never gets here is named instead of the all-reduce timing out anonymously."""
+    never gets here is named instead of the all-reduce timing out anonymously; one lost while
+    it runs is named too (:meth:`World.abort_failed`)."""
     if world.size == 1 or not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
     world.arrive(tag, world.timeout_s)
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    try:
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    except (RuntimeError, dist.DistError) as err:  # its timeout, or a peer lost while it ran
+        world.abort_failed(tag, err)
     flat /= world.size
     world.count(tag, flat.numel() * flat.element_size())
     offset = 0

@@ -5,7 +5,7 @@ Schema (documented in the README):
 * root attributes: ``method``, ``config`` (effective config, YAML text), ``package_version``,
   ``git_commit``, ``world_size``, ``hosts`` (JSON list, one per rank), ``device_model``,
   ``torch_version``, ``cuda_version``, ``mpi_version``, ``start_time`` (ISO 8601, UTC),
-  ``status`` (``running``, ``complete``, ``preempted``, ``failed``) and method-specific ones.
+  ``status`` (``running``, ``complete``, ``preempted``, ``failed``, ``lost``: a rank was lost) and method-specific ones.
 * step-indexed groups: each group holds ``step`` (int64, (n,)) and any number of datasets whose
   first axis is the row. Standard groups:
   ``metrics/<name>`` float64 (n,); ``timings/<phase>`` float64 (n, world_size) seconds, one
@@ -274,6 +274,17 @@ class RunStore:
         with self._writing():
             self.file.visititems(visit)
             self.file.flush()
+
+    def mark_lost(self, hosts: list, lost: list, message: str) -> None:
+        """The job is aborting because ranks ``lost`` (of ``hosts``, the host of each rank) are
+        gone: close the file with status ``lost`` and name them (attributes ``lost_ranks``,
+        ``lost_hosts``, ``lost_reason``). The run resumes from its last checkpoint."""
+        if self.file is None:
+            return
+        self.set_attrs(lost_ranks=np.array(lost, dtype=np.int64),
+                       lost_hosts=sorted({hosts[r] for r in lost if r < len(hosts)}),
+                       lost_reason=message)
+        self.close("lost")
 
     def close(self, status: str = "complete") -> None:
         if self.file is None:

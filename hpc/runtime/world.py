@@ -53,6 +53,11 @@ class World:
     hostname: str
     bytes_by_tag: dict = field(default_factory=lambda: defaultdict(int))
     timeout_s: float = 600.0  # deadline of every collective (run.collective_timeout_s)
+    rendezvous: object = None  # hpc.runtime.rendezvous.Rendezvous, once the ranks agreed on it
+    hosts: list = field(default_factory=list)  # host name of each rank, once known (rendezvous)
+    # Called as hook(message, lost_ranks) just before this rank aborts the job (a rank lost):
+    # rank 0 marks its run file there (hpc.job.loop).
+    abort_hooks: list = field(default_factory=list)
 
     @property
     def is_root(self) -> bool:
@@ -115,7 +120,7 @@ class World:
         if self.size == 1 or self.is_root:
             while not request.Test():
                 if time.monotonic() > deadline:
-                    self._abort(self._unanswered(label))
+                    self._abort(*self._unanswered(label))
                 time.sleep(poll_s)
             return
         ping_buf = np.zeros(1, dtype=np.uint8)
@@ -127,13 +132,13 @@ class World:
             if time.monotonic() > deadline + self.timeout_s:
                 self._abort(f"collective '{label}' did not complete within "
                             f"{2 * self.timeout_s:.0f} s and rank 0 did not probe the ranks: "
-                            f"rank 0 is hung, stopped or dead; aborting the job")
+                            f"rank 0 is hung, stopped or dead; aborting the job", [0])
             time.sleep(poll_s)
         ping.Cancel()
         ping.Wait()
 
-    def _unanswered(self, label: str, poll_s: float = 0.001) -> str:
-        """Rank 0, at a collective's deadline: ping every rank, name those that stay silent."""
+    def _unanswered(self, label: str, poll_s: float = 0.001) -> tuple[str, list]:
+        """Rank 0, at a collective's deadline: ping every rank; (message, silent ranks)."""
         MPI = _mpi()
         token = np.zeros(1, dtype=np.uint8)
         bufs = [np.zeros(1, dtype=np.uint8) for _ in range(1, self.size)]
@@ -148,10 +153,10 @@ class World:
         silent = [r for r, req in zip(range(1, self.size), pongs) if not req.Test()]
         if silent:
             return (f"rank(s) {silent} did not finish '{label}' within {self.timeout_s:.0f} s "
-                    f"nor answer within {probe_s:.0f} s (hung, stopped or dead); aborting "
-                    f"the job")
+                    f"nor answer within {probe_s:.0f} s (hung, stopped or dead"
+                    f"{self._on_hosts(silent)}); aborting the job", silent)
         return (f"collective '{label}' did not complete within {self.timeout_s:.0f} s though "
-                f"every rank answers: MPI itself is stuck; aborting the job")
+                f"every rank answers: MPI itself is stuck; aborting the job", [])
 
     def arrive(self, label: str, timeout_s: float, poll_s: float = 0.001) -> None:
         """A barrier with a deadline that names the ranks that did not arrive.
@@ -174,7 +179,8 @@ class World:
                 if time.monotonic() > deadline:
                     missing = [r for r, req in zip(range(1, self.size), reqs) if not req.Test()]
                     self._abort(f"rank(s) {missing} did not reach '{label}' within "
-                                f"{timeout_s:.0f} s (hung, stopped or dead); aborting the job")
+                                f"{timeout_s:.0f} s (hung, stopped or dead"
+                                f"{self._on_hosts(missing)}); aborting the job", missing)
                 time.sleep(poll_s)
             releases = [self.comm.Isend(token, dest=r, tag=_RELEASE_TAG)
                         for r in range(1, self.size)]
@@ -185,12 +191,47 @@ class World:
             while not req.Test():
                 if time.monotonic() > deadline + timeout_s:
                     self._abort(f"rank 0 did not release '{label}' within {2 * timeout_s:.0f} "
-                                f"s (hung, stopped or dead); aborting the job")
+                                f"s (hung, stopped or dead); aborting the job", [0])
                 time.sleep(poll_s)
         self.count("control", self.size - 1 if self.is_root else 1)
 
-    def _abort(self, message: str) -> None:
+    def abort_failed(self, label: str, err: Exception) -> None:
+        """A torch.distributed collective ``label`` failed (its timeout, or a peer gone while it
+        ran): rank 0 names the ranks that no longer answer and every rank aborts the job."""
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if self.is_root:
+            message, silent = self._unanswered(label)
+            self._abort(f"'{label}' failed ({first}); {message}", silent)
+        # Leaving first would end rank 0 before it names the lost ranks: answer its probe,
+        # then go (rank 0's abort usually ends this rank before that).
+        self._answer_pings(min(_PROBE_S, self.timeout_s) + 5.0)
+        self._abort(f"'{label}' failed ({first}); rank 0 did not abort the job", [0])
+
+    def _answer_pings(self, seconds: float, poll_s: float = 0.001) -> None:
+        """A rank other than 0: answer rank 0's probe pings for ``seconds``."""
+        buf = np.zeros(1, dtype=np.uint8)
+        ping = self.comm.Irecv(buf, source=0, tag=_PING_TAG)
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            if ping.Test():
+                self.comm.Isend(buf, dest=0, tag=_PONG_TAG).Wait()
+                ping = self.comm.Irecv(buf, source=0, tag=_PING_TAG)
+            time.sleep(poll_s)
+
+    def _on_hosts(self, ranks: list) -> str:
+        """'; on node2' (the hosts of ``ranks``, where known), else ''."""
+        hosts = sorted({self.hosts[r] for r in ranks if r < len(self.hosts)})
+        return f"; on {', '.join(hosts)}" if hosts else ""
+
+    def _abort(self, message: str, lost: list) -> None:
+        """Print ``message``, run the abort hooks with the ranks ``lost``, abort the job."""
         print(f"error (rank {self.rank}): {message}", file=sys.stderr, flush=True)
+        for hook in self.abort_hooks:
+            try:
+                hook(message, list(lost))
+            except Exception as err:  # the abort must happen whatever a hook meets
+                print(f"error (rank {self.rank}): while aborting: {err}", file=sys.stderr,
+                      flush=True)
         self.comm.Abort(1)
 
 

@@ -25,7 +25,13 @@
 #   0 done (the run file must then say complete, else the job fails with exit 1);
 #   2 user error (bad config, path, data): the job fails and is never requeued;
 #   3 preempted: every rank checkpointed and stopped; this script requeues the job and the
-#     requeued run (same job id, same run folder) continues with --resume.
+#     requeued run (same job id, same run folder) continues with --resume. Also this script's
+#     exit when a rank was lost (a node's link or slurmd gone mid-run): the surviving rank 0
+#     names it in the run file (status lost, lost_ranks, lost_hosts) and aborts after
+#     run.collective_timeout_s; the job is requeued and resumes from its last checkpoint.
+# A launcher can hang when a node is gone (srun waits for the lost node's tasks until its link
+# returns): once the run file says lost, the launcher has LAUNCHER_GRACE_S (default 10) seconds
+# to exit before it is killed; the run file is polled every RUN_FILE_POLL_S (default 5) s.
 # Before the time limit Slurm sends SIGUSR1 to this batch shell only (#SBATCH --signal=B:USR1@T);
 # it is forwarded to the launcher, which forwards it to every rank (srun and mpirun both pass
 # SIGUSR1 on). SIGTERM to this shell is passed on as SIGUSR1 too, never as SIGTERM: Open MPI 5's
@@ -39,6 +45,43 @@
 
 EXIT_USER_ERROR=2
 EXIT_PREEMPTED=3
+
+# The status attribute of run file $2 read with interpreter $1 ("lost RANKS on HOSTS" for a
+# lost rank; "absent", "unreadable").
+run_status() {
+  [[ -f $2 ]] || { echo absent; return; }
+  "$1" -c 'import sys, h5py
+with h5py.File(sys.argv[1], "r", locking=False) as f:
+    status = f.attrs.get("status", "unknown")
+    if status == "lost":
+        status += " ranks %s on %s" % (f.attrs["lost_ranks"].tolist(),
+                                       ", ".join(f.attrs["lost_hosts"]))
+    print(status)' "$2" 2>/dev/null || echo unreadable
+}
+
+# Modification time and size of file $1 (empty when absent).
+run_file_stamp() {
+  stat -c '%Y.%s' "$1" 2>/dev/null || true
+}
+
+# Watch launcher $1: when run file $3 (read with $2) says lost and has changed since stamp $4,
+# give the launcher LAUNCHER_GRACE_S to exit, then kill it (srun can wait for a lost node for
+# minutes).
+kill_hung_launcher() {
+  local pid=$1 python=$2 file=$3 before=$4 grace=${LAUNCHER_GRACE_S:-10}
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep "${RUN_FILE_POLL_S:-5}"
+    [[ $(run_file_stamp "$file") != "$before" ]] || continue
+    [[ $(run_status "$python" "$file") == lost* ]] || continue
+    sleep "$grace"
+    if kill -0 "$pid" 2>/dev/null; then
+      echo "the run file says a rank was lost and the launcher is still running ${grace} s" \
+           "later: killing it" >&2
+      kill -9 "$pid" 2>/dev/null
+    fi
+    return
+  done
+}
 
 run_job() {
   local method=$1 module=$2
@@ -93,9 +136,14 @@ run_job() {
   # The launcher runs in the background so that the traps below run while it does (bash
   # defers traps until a foreground command ends); `wait` returns early on each trapped
   # signal, hence the loop until the launcher is really gone.
-  local pid rc r cancelled=0 signalled
+  # A run file marked lost counts only when marked by this attempt: one left by the attempt
+  # before (whose launch may fail before any rank starts) is not a new lost rank.
+  local pid rc r cancelled=0 signalled watcher before
+  before=$(run_file_stamp "$out/$method.h5")
   "${launch[@]}" "$python" -m "$module" "${args[@]}" &
   pid=$!
+  kill_hung_launcher "$pid" "$python" "$out/$method.h5" "$before" &
+  watcher=$!
   trap 'signalled=1; echo "SIGUSR1: asking the ranks to checkpoint and stop"
         kill -USR1 $pid 2>/dev/null' USR1
   trap 'signalled=1; cancelled=1
@@ -116,14 +164,17 @@ run_job() {
     break
   done
   trap - USR1 TERM
+  kill "$watcher" 2>/dev/null
+  wait "$watcher" 2>/dev/null
 
   # A launcher can exit 0 without the ranks having run to the end (srun once did, when slurmd
   # refused a requeued job's credential): a run file that is not complete is then a failure.
   local status
-  if ((rc == 0)) && [[ -f $out/$method.h5 ]]; then
-    status=$("$python" -c 'import sys, h5py
-with h5py.File(sys.argv[1], "r", locking=False) as f:
-    print(f.attrs.get("status", "unknown"))' "$out/$method.h5" 2>/dev/null) || status=unreadable
+  status=$(run_status "$python" "$out/$method.h5")
+  if [[ $status == lost* && $(run_file_stamp "$out/$method.h5") != "$before" ]]; then
+    echo "a rank was lost (${status#lost }): the run file is resumable" >&2
+    rc=$EXIT_PREEMPTED
+  elif ((rc == 0)) && [[ -f $out/$method.h5 ]]; then
     if [[ $status != complete ]]; then
       echo "error: the launcher exited 0 but $out/$method.h5 says '$status': the ranks did" \
            "not finish (a failed launch?); to resume it: scontrol requeue $SLURM_JOB_ID" >&2

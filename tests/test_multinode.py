@@ -1,0 +1,366 @@
+"""Across nodes, for real: a simulated Slurm cluster of 2 nodes (jobscripts/local-slurm/
+cluster.sh: one network + UTS + mount namespace per node, its own host name, /etc/hosts and
+/tmp, a slurmd each), the job scripts run on 2 nodes x 2 ranks and on 1 node x 4 ranks, the
+name traps of real clusters, local ranks per node, and a node's link taken down mid-run.
+
+Needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN) and Debian's slurmctld, slurmd, slurm-client, munge
+and libpmix-dev: skipped where absent, failed under HPC_TEST_STRICT=1 (CI). The cluster lives
+in this module's fixture and is torn down (and checked gone) even when a test fails.
+"""
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from conftest import MPI_ENV, REPO, our_lines, require
+from test_slurm import ENDED, job_info, job_log, wait_for
+
+CLUSTER = os.path.join(REPO, "jobscripts", "local-slurm", "cluster.sh")
+CHECK = os.path.join(REPO, "tests", "mpi", "rendezvous_check.py")
+NET = "10.221.7"  # the test cluster's subnet, ports and names: apart from a user's own cluster
+SETTINGS = dict(HPC_CLUSTER_NODES="2", HPC_CLUSTER_CPUS="4", HPC_CLUSTER_GPUS="4",
+                HPC_CLUSTER_NET=NET, HPC_CLUSTER_PORT="6927", HPC_CLUSTER_PREFIX="hpct")
+EVAL = ["task.n_eval=16", "eval.n_samples=2", "run.progress=false", "model.path=toy"]
+SFT = ["sft.steps=2", "task.n_train=64", *EVAL]
+FGRPO = ["fgrpo.steps=2", "fgrpo.batch_prompts=8", "fgrpo.num_generations=4",
+         "task.n_train=64", "eval.every=0", *EVAL]
+ESSA = ["essa.population=4", "essa.minibatch=8", "essa.generations=2", "essa.sigma0=0.5",
+        "task.n_train=64", "eval.every=0", *EVAL]
+LAYOUTS = {"1x4": (1, 4), "2x2": (2, 2)}
+TIME_KEYS = ("_s", "seconds")  # measured durations: the only values that may differ
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Environment for sbatch/srun on the simulated cluster, up for this module only."""
+    sbin = os.environ.get("PATH", "") + os.pathsep + "/usr/sbin:/sbin"
+    missing = [c for c in ("sbatch", "srun", "slurmctld", "slurmd", "munged", "nsenter", "ip")
+               if shutil.which(c, path=sbin) is None]
+    require(not missing, f"Slurm and iproute2 ({', '.join(missing)})")
+    require(os.geteuid() == 0, "root (to create namespaces and start slurmd)")
+    # Not under pytest's base temp folder: a pytest started meanwhile may delete old ones.
+    root = pathlib.Path(tempfile.mkdtemp(prefix="hpc-cluster-test-", dir="/tmp"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_"))}
+    env.update(MPI_ENV, **SETTINGS, HPC_CLUSTER_DIR=str(root), SLURM_CONF=f"{root}/slurm.conf",
+               PYTHON=sys.executable, PMIX_MCA_psec="native",
+               PATH=os.path.dirname(sys.executable) + os.pathsep + sbin)
+    env["runs"] = str(root / "runs")
+    (root / "runs").mkdir()
+    try:
+        up = subprocess.run(["bash", CLUSTER, "up"], env=env, capture_output=True, text=True,
+                            timeout=120)
+        assert up.returncode == 0, up.stdout + up.stderr
+        yield env
+    finally:
+        subprocess.run(["bash", CLUSTER, "down"], env=env, capture_output=True, timeout=120)
+        left = subprocess.run(["bash", CLUSTER, "check"], env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert left.returncode == 0, left.stderr
+        if os.environ.get("HPC_KEEP_CLUSTER_DIR") != "1":  # the logs, for a failed test
+            shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def toy_model(cluster):
+    """Build the cached toy model if absent (2-3 minutes) before any job, not inside one."""
+    proc = subprocess.run([sys.executable, "-m", "hpc.toys.toy"], env=cluster, cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def submit(env, method, args, layout, gpus=True, **variables) -> str:
+    """sbatch jobscripts/slurm/METHOD.sbatch on ``layout`` (nodes x ranks per node), with a
+    stand-in GPU per rank unless ``gpus`` is false."""
+    nodes, per_node = LAYOUTS[layout]
+    cmd = ["sbatch", "--parsable", f"--chdir={REPO}", f"--output={env['runs']}/slurm-%x-%j.out",
+           f"--nodes={nodes}", f"--ntasks-per-node={per_node}",
+           f"--gpus-per-node={per_node if gpus else 0}", "--export=ALL",
+           f"jobscripts/slurm/{method}.sbatch", *args]
+    proc = subprocess.run(cmd, env=dict(env, RUN_ROOT=env["runs"], **variables), cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"sbatch failed: {proc.stderr}"
+    return proc.stdout.split(";")[0].strip()
+
+
+def wait_ended(env, jobids, timeout=900) -> None:
+    wait_for(lambda: all(job_info(env, j)["JobState"] in ENDED for j in jobids), timeout,
+             f"jobs {jobids} to end")
+
+
+def completed(env, method, jobid) -> str:
+    """The run folder of a job that must have completed (else its log in the failure)."""
+    info = job_info(env, jobid)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), \
+        job_log(env["runs"], method, jobid)[-4000:]
+    return os.path.join(env["runs"], f"{method}-{jobid}")
+
+
+def assert_same_run(a: str, b: str, method: str) -> None:
+    """Two run folders hold the same result bitwise: every group's values (measured durations
+    aside) and the bytes of every exported adapter."""
+    with h5py.File(f"{a}/{method}.h5", "r") as fa, h5py.File(f"{b}/{method}.h5", "r") as fb:
+        assert fa.attrs["status"] == fb.attrs["status"] == "complete"
+        groups = [g for g in fa if g not in ("timings", "bytes")]
+        assert groups == [g for g in fb if g not in ("timings", "bytes")]
+        for group in groups:
+            keys = [k for k in fa[group] if not k.endswith(TIME_KEYS)]
+            assert keys and keys == [k for k in fb[group] if not k.endswith(TIME_KEYS)]
+            for key in keys:
+                assert np.array_equal(fa[group][key][:], fb[group][key][:]), f"{group}/{key}"
+    # SFT and F-GRPO export adapter/, ESSA adapter-best/ and adapter-mean/
+    names = sorted(p.parent.name for p in pathlib.Path(a).glob("adapter*/adapter_model.*"))
+    assert names and names == sorted(p.parent.name for p in
+                                     pathlib.Path(b).glob("adapter*/adapter_model.*"))
+    for name in names:
+        assert (pathlib.Path(a, name, "adapter_model.safetensors").read_bytes() ==
+                pathlib.Path(b, name, "adapter_model.safetensors").read_bytes()), name
+
+
+@pytest.fixture(scope="module")
+def matrix(cluster, toy_model):
+    """Every method on one node x 4 ranks (mpirun) and on 2 nodes x 2 ranks under srun and
+    under mpirun, all submitted at once (Slurm packs them); ESSA starts from the 1x4 SFT
+    adapter. {(method, layout, launcher): run folder}."""
+    methods = {"sft": ("sft", SFT), "fgrpo-ddp": ("fgrpo", FGRPO),
+               "fgrpo-fsdp2": ("fgrpo", FGRPO + ["fgrpo.parallelism=fsdp2"])}
+    cases = [("1x4", "mpirun"), ("2x2", "srun"), ("2x2", "mpirun")]
+
+    def run(selected):
+        jobs = {(name, layout, launcher): submit(cluster, script, args, layout,
+                                                 LAUNCHER=launcher)
+                for name, (script, args) in selected.items() for layout, launcher in cases}
+        wait_ended(cluster, list(jobs.values()))
+        return {key: completed(cluster, selected[key[0]][0], j) for key, j in jobs.items()}
+
+    runs = run(methods)
+    adapter = os.path.join(runs[("sft", "1x4", "mpirun")], "adapter")
+    runs.update(run({"essa": ("essa", ESSA + [f"lora.adapter={adapter}"])}))
+    return runs
+
+
+@pytest.mark.parametrize("launcher", ["srun", "mpirun"])
+@pytest.mark.parametrize("name", ["sft", "essa", "fgrpo-ddp", "fgrpo-fsdp2"])
+def test_two_nodes_equal_one_node_bitwise(matrix, name, launcher):
+    method = name.split("-")[0]
+    one, two = matrix[(name, "1x4", "mpirun")], matrix[(name, "2x2", launcher)]
+    assert_same_run(one, two, method)
+    with h5py.File(f"{two}/{method}.h5", "r") as f:
+        assert json.loads(f.attrs["hosts"]) == ["node1", "node1", "node2", "node2"]
+
+
+def srun_check(env, timeout=120, **variables):
+    """tests/mpi/rendezvous_check.py on 2 nodes x 2 ranks under srun: (process, reports)."""
+    out = os.path.join(env["runs"], f"check-{time.monotonic_ns()}")
+    os.makedirs(out)
+    cmd = ["srun", "--mpi=pmix", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks-per-node=2",
+           sys.executable, CHECK, out]
+    proc = subprocess.run(cmd, env=dict(env, **variables), cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+    return proc, _reports(out)
+
+
+def _reports(out) -> list:
+    reports = []
+    for name in sorted(os.listdir(out)):
+        with open(os.path.join(out, name)) as fh:
+            reports.append(json.load(fh))
+    return sorted(reports, key=lambda r: r["rank"])
+
+
+def assert_local_ranks(reports, addr=f"{NET}.11") -> None:
+    assert [r["rank"] for r in reports] == [0, 1, 2, 3]
+    for node in ("node1", "node2"):
+        mine = [r for r in reports if r["host"] == node]
+        assert sorted(r["local_rank"] for r in mine) == [0, 1], mine
+        for r in mine:
+            assert (r["local_size"], r["size"], r["mean"]) == (2, 4, 1.5), r
+            assert r["local_rank"] == int(r["launcher_local_rank"]), r
+            assert r["local_size"] == int(r["launcher_local_size"]), r
+            assert (r["addr"], r["gloo_ifname"]) == (addr, "eth0"), r
+
+
+def test_local_rank_and_size_under_srun(cluster):
+    proc, reports = srun_check(cluster)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_local_ranks(reports)
+
+
+def test_local_rank_and_size_under_mpirun_in_an_allocation(cluster):
+    out = os.path.join(cluster["runs"], "check-alloc")
+    os.makedirs(out)
+    wrap = f"mpirun --bind-to none -x PYTHONPATH {sys.executable} {CHECK} {out}"
+    proc = subprocess.run(["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=2",
+                           f"--chdir={REPO}", f"--output={out}.log", "--export=ALL",
+                           f"--wrap={wrap}"], env=cluster, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    jobid = proc.stdout.strip()
+    wait_ended(cluster, [jobid], 300)
+    with open(f"{out}.log") as fh:
+        assert job_info(cluster, jobid)["JobState"] == "COMPLETED", fh.read()[-3000:]
+    assert_local_ranks(_reports(out))
+
+
+def test_local_rank_and_size_under_mpirun_with_a_host_list(cluster):
+    """mpirun on node1 with --host, its daemon started on node2 through cluster.sh rsh (the
+    stand-in for ssh), outside any allocation."""
+    out = os.path.join(cluster["runs"], "check-hosts")
+    os.makedirs(out)
+    mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    proc = subprocess.run(
+        ["bash", CLUSTER, "exec", "node1", mpirun, "--host", "node1:2,node2:2", "--bind-to",
+         "none", "--mca", "plm_rsh_agent", f"{CLUSTER} rsh", "-x", "PYTHONPATH", "-x", "PATH",
+         sys.executable, CHECK, out],
+        env=cluster, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_local_ranks(_reports(out))
+
+
+@pytest.fixture
+def hosts(cluster):
+    """Edit a node's /etc/hosts in place (its bind mount keeps the inode); restored after."""
+    saved = {}
+
+    def edit(node, keep_lines, *extra):
+        path = os.path.join(cluster["HPC_CLUSTER_DIR"], node, "hosts")
+        with open(path) as fh:
+            text = saved.setdefault(path, fh.read())
+        lines = [line for line in text.splitlines() if keep_lines(line)]
+        with open(path, "w") as fh:  # "w" truncates: the same inode
+            fh.write("\n".join([*extra, *lines]) + "\n")
+
+    yield edit
+    for path, text in saved.items():
+        with open(path, "w") as fh:
+            fh.write(text)
+
+
+def unresolvable(hosts):
+    """Trap 1: rank 0's host name (node1) does not resolve on node2."""
+    hosts("node2", lambda line: "node1" not in line)
+
+
+def loopback(hosts):
+    """Trap 2: on node1 its own name resolves to 127.0.1.1 (Debian's default line)."""
+    hosts("node1", lambda line: "node1" not in line, "127.0.1.1 node1")
+
+
+@pytest.mark.parametrize("trap, setting", [
+    (unresolvable, {}), (loopback, {}),
+    (unresolvable, {"MASTER_ADDR": "node1"}),  # a name: resolved on rank 0 only
+])
+def test_name_trap_with_a_reachable_address_succeeds(cluster, hosts, trap, setting):
+    trap(hosts)
+    proc, reports = srun_check(cluster, **setting)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_local_ranks(reports)
+
+
+@pytest.mark.parametrize("trap, setting, words", [
+    (loopback, {"MASTER_ADDR": "node1"}, ["127.0.1.1", "MASTER_ADDR"]),
+    (unresolvable, {"GLOO_SOCKET_IFNAME": "lo"}, ["127.0.0.1", "GLOO_SOCKET_IFNAME"]),
+])
+def test_name_trap_without_a_reachable_address_ends_with_one_line(cluster, hosts, trap, setting,
+                                                                  words):
+    """Every rank exits 2 within 10 s of starting the bootstrap; one line names the host that
+    cannot connect, the address tried and the variable that fixes it."""
+    trap(hosts)
+    proc, reports = srun_check(cluster, **setting)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in our_lines(proc.stderr)
+             if not line.startswith(("srun:", "slurmstepd", "[W"))]  # Slurm's, c10d's lines
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, lines
+    assert lines[0].startswith("error: rank 2 on node2") and "cannot connect" in lines[0]
+    for word in words:
+        assert word in lines[0], lines[0]
+    # each rank records when its bootstrap began and when it exited
+    assert [r["rank"] for r in reports] == [0, 1, 2, 3]
+    assert all(r["exit_code"] == 2 and r["bootstrap_s"] < 10 for r in reports), reports
+
+
+LOST_TIMEOUT_S = 10
+LOST = ["fgrpo.steps=8", "fgrpo.batch_prompts=8", "fgrpo.num_generations=4",
+        "task.n_train=64", "eval.every=0", "run.checkpoint_every=1",
+        f"run.collective_timeout_s={LOST_TIMEOUT_S}", *EVAL]
+
+
+def _steps(path) -> int:
+    try:
+        with h5py.File(path, "r", locking=False) as f:
+            return len(f["metrics/step"])
+    except (OSError, KeyError):
+        return 0
+
+
+def _state(env, node) -> str:
+    return subprocess.run(["sinfo", "-h", "-n", node, "-o", "%t"], env=env, capture_output=True,
+                          text=True, timeout=60).stdout.strip()
+
+
+def _steps_left(env, node) -> list:
+    """Job step daemons (slurmstepd) still running on ``node``."""
+    ns = f"{SETTINGS['HPC_CLUSTER_PREFIX']}-{node}"
+    pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True,
+                          timeout=60).stdout.split()
+    names = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/comm") as fh:
+                names.append(fh.read().strip())
+        except OSError:  # ended meanwhile
+            pass
+    return [n for n in names if n == "slurmstepd"]
+
+
+def test_lost_node_requeues_and_resumes_to_the_uninterrupted_result(cluster, toy_model):
+    """Without GPUs: Slurm 22.05 cannot create a step of a job requeued after losing a node
+    while the job holds GRES ("Invalid generic resource (gres) specification"; slurmctld:
+    "_step_get_gres_cnt ... node offset invalid")."""
+    reference = submit(cluster, "fgrpo", LOST, "2x2", gpus=False, LAUNCHER="srun")
+    wait_ended(cluster, [reference])
+    full = completed(cluster, "fgrpo", reference)
+
+    jobid = submit(cluster, "fgrpo", LOST, "2x2", gpus=False, LAUNCHER="srun")
+    run = os.path.join(cluster["runs"], f"fgrpo-{jobid}")
+    wait_for(lambda: _steps(f"{run}/fgrpo.h5") >= 2, 600, "2 F-GRPO steps")
+    veth = f"{SETTINGS['HPC_CLUSTER_PREFIX']}-v2"  # node2's end in the root namespace
+    subprocess.run(["ip", "link", "set", veth, "down"], check=True)
+    lost_at = time.monotonic()
+    try:
+        def requeued():
+            info = job_info(cluster, jobid)
+            assert info["JobState"] not in ENDED, job_log(cluster["runs"], "fgrpo", jobid)
+            return info["Restarts"] == "1"
+
+        wait_for(requeued, LOST_TIMEOUT_S + 30, "the requeue within the collective timeout + 30 s")
+        ended_s = time.monotonic() - lost_at
+        first = job_log(cluster["runs"], "fgrpo", jobid)
+        assert "a rank was lost (ranks [2, 3] on node2)" in first, first[-4000:]
+        with h5py.File(f"{run}/fgrpo.h5", "r", locking=False) as f:
+            assert f.attrs["status"] == "lost"
+            assert f.attrs["lost_ranks"].tolist() == [2, 3]
+            assert list(f.attrs["lost_hosts"]) == ["node2"]
+        assert ended_s < LOST_TIMEOUT_S + 30
+        # As on a real cluster, Slurm marks the silent node DOWN (SlurmdTimeout, 30 s here);
+        # when it answers again, Slurm ends what the first attempt left on it.
+        wait_for(lambda: _state(cluster, "node2").startswith("down"), 120, "node2 DOWN")
+    finally:
+        subprocess.run(["ip", "link", "set", veth, "up"], check=True)
+    wait_for(lambda: _state(cluster, "node1") == _state(cluster, "node2") == "idle", 180,
+             "both nodes to be idle")
+    wait_for(lambda: not _steps_left(cluster, "node2"), 120, "node2's old job step to end")
+    time.sleep(5)  # slurmd's one-second credential resolution (see test_slurm.py)
+    subprocess.run(["scontrol", "update", f"JobId={jobid}", "StartTime=now"], env=cluster,
+                   check=True)
+    wait_ended(cluster, [jobid])
+    resumed = completed(cluster, "fgrpo", jobid)
+    assert "--resume" in job_log(cluster["runs"], "fgrpo", jobid).split("(restart 1)")[1]
+    assert_same_run(full, resumed, "fgrpo")
