@@ -143,9 +143,13 @@ def _reason(err: BaseException) -> str:
     """The first line of why DCP failed (a CheckpointException wraps each rank's error)."""
     failures = getattr(err, "failures", None)
     if failures:
-        rank, cause = sorted(failures.items())[0]
+        rank, cause = sorted(failures.items(), key=lambda item: item[0])[0]
+        if isinstance(cause, tuple):  # (exception, its traceback summary)
+            cause = cause[0]
         return f"rank {rank}: {_reason(cause)}"
     text = getattr(err, "strerror", None) or str(err) or type(err).__name__
+    if getattr(err, "filename", None):
+        text = f"{text}: {os.path.basename(err.filename)}"
     return text.strip().splitlines()[0][:300]
 
 
@@ -218,8 +222,17 @@ class CheckedReader(FileSystemReader):
     def __init__(self, path: str, allowed: set):
         super().__init__(path)
         self.allowed = set(allowed)
+        self.refused: str | None = None  # why the metadata was refused (DCP rewraps it)
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
+        try:
+            return self._checked_metadata()
+        except (pickle.UnpicklingError, OSError, UserError, EOFError, AttributeError,
+                ValueError, TypeError) as err:
+            self.refused = self.refused or _reason(err)
+            raise
+
+    def _checked_metadata(self) -> Metadata:
         with os.fdopen(open_plain(os.path.join(self.path, METADATA)), "rb") as fh:
             metadata = _MetadataUnpickler(io.BytesIO(fh.read())).load()
         if not isinstance(metadata, Metadata):
@@ -252,13 +265,15 @@ def load_sharded(ckpt_dir: str, manifest: dict, state: dict, step: int) -> None:
     resharding from its rank count to this job's. A checkpoint that does not fit (another
     model, crafted metadata) is one UserError line on every rank."""
     folder = os.path.join(sharded_root(ckpt_dir), manifest["folder"])
+    reader = CheckedReader(folder, set(manifest["files"]))
     try:
         with _quiet():
-            dcp.load(state, storage_reader=CheckedReader(folder, set(manifest["files"])))
+            dcp.load(state, storage_reader=reader)
     except (CheckpointException, pickle.UnpicklingError, OSError, ValueError, RuntimeError,
             KeyError, TypeError) as err:
+        why = f"its metadata: {reader.refused}" if reader.refused else _reason(err)
         raise UserError(f"the sharded checkpoint of step {step} ({folder}, written by "
-                        f"{manifest['ranks']} ranks) does not fit this job: {_reason(err)}; "
+                        f"{manifest['ranks']} ranks) does not fit this job: {why}; "
                         f"resume with the model and trained parameters that wrote it") from None
 
 
