@@ -169,3 +169,30 @@ def test_essa_resumes_on_another_rank_count_bitwise(toy_adapter, tmp_path):
         assert np.array_equal(run.group(group)[name], base.group(group)[name]), (group, name)
     assert (out / "adapter-mean" / "adapter_model.safetensors").read_bytes() == \
         (whole / "adapter-mean" / "adapter_model.safetensors").read_bytes()
+
+
+def test_per_rank_timings_follow_the_rank_count_of_each_segment(tmp_path):
+    """In one process: a run file whose segments have 2, 4 then 3 ranks; the per-rank timings
+    widen (a dataset created fixed at 2 columns is rebuilt) and pad with NaN, and the report
+    reads the last segment's steps on its ranks."""
+    from hpc.analysis.report import step_timings
+    from hpc.runtime.runstore import RunStore
+
+    path = str(tmp_path / "run.h5")
+    store = RunStore(path, True, {"method": "sft", "phases": '{"train": "train"}'})
+    step = 0
+    for ranks in (2, 4, 3):
+        store.write_row("segments", step, world_size=ranks)
+        for _ in range(2):
+            step += 1
+            store.log_step(step, metrics={"loss": 1.0 / step},
+                           timings={"train": np.arange(ranks, dtype=float) + step})
+    store.close()
+    run = RunFile(path)
+    train = run.group("timings")["train"]
+    assert train.shape == (6, 4)
+    assert np.isnan(train[:2, 2:]).all() and np.isnan(train[4:, 3]).all()
+    assert train[3].tolist() == [4.0, 5.0, 6.0, 7.0] and train[5, :3].tolist() == [6.0, 7.0, 8.0]
+    assert run.group("segments")["world_size"].tolist() == [2, 4, 3]
+    last = step_timings(run)["train"]
+    assert last.tolist() == [[5.0, 6.0, 7.0], [6.0, 7.0, 8.0]]
