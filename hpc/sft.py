@@ -4,9 +4,9 @@ Data parallel over torch.distributed when there are several ranks: every rank dr
 global batch of indices from the shared seed, keeps its contiguous share, and LoRA gradients are
 averaged with one flat all-reduce per step. The loss is the mean over every rank's labelled
 tokens (each rank's mean weighted by its share of them), so the run does not depend on the rank
-count up to the order of floating-point sums, and resumes on any count. The job lifecycle (resume, preemption, evaluations,
-checkpoints of the LoRA weights, optimizer and data position) is
-:func:`hpc.job.loop.run_loop`'s. Writes ``<run.out>/adapter`` (peft format),
+count up to the order of floating-point sums, and resumes on any count. The job lifecycle
+(resume, preemption, evaluations, checkpoints of the LoRA weights, optimizer and data
+position) is :func:`hpc.job.loop.run_loop`'s. Writes ``<run.out>/adapter`` (peft format),
 ``<run.out>/sft.h5`` and ``checkpoints/``. Command: ``hpc-sft [CONFIG.yaml] [key=value ...]
 [--resume]``.
 """

@@ -11,7 +11,8 @@ Schema (documented in the README):
   ``metrics/<name>`` float64 (n,); ``timings/<phase>`` float64 (n, world_size) seconds, one
   column per rank (a run resumed on another rank count: as many columns as its largest
   segment, NaN for ranks a step did not have); ``segments/world_size`` int64, one row per
-  start or resume at the step it started from; ``bytes/<tag>`` int64 (n,) payload bytes per rank in that step;
+  start or resume at the step it started from; ``bytes/<tag>`` int64 (n,) payload bytes per
+  rank in that step;
   ``eval/*`` at evaluation steps; methods add their own (``essa/fitness`` (n, P) ...).
   A key missing from a row is NaN (floats) or 0 (integers).
 
