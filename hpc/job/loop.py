@@ -226,6 +226,11 @@ def _check_parallelism(ckpt_dir: str, method: Method, fields: dict) -> None:
                         f"{written} state; resume with the parallelism that wrote it")
 
 
+class _NoFallback(Exception):
+    """Carries the UserError of a checkpoint whose predecessors cannot help either (another
+    parallelism wrote the run) past :func:`load_latest`, which tries the previous one."""
+
+
 def resume(job: Job, method: Method, ckpt_dir: str) -> dict:
     """Collective: the loop's fields of the newest usable checkpoint (step 0 ones without
     any), its method state restored. A checkpoint whose sharded folder fails verification is
@@ -240,14 +245,16 @@ def resume(job: Job, method: Method, ckpt_dir: str) -> dict:
         if fields["step"] in damaged:
             raise UserError(f"checkpoint {path}: its sharded state is unusable: "
                             f"{damaged[fields['step']]}")
-        _check_parallelism(ckpt_dir, method, fields)
+        try:
+            _check_parallelism(ckpt_dir, method, fields)
+        except UserError as err:
+            raise _NoFallback(err) from None
         method.load_state_dict(state["method"])
         resumed.update(fields)
 
     if not job.resume:
         return resumed
-    while load_latest(ckpt_dir, warn=world.is_root, accept=accept) is not None \
-            and resumed["sharded"] is not None:
+    while _latest(ckpt_dir, world, accept) is not None and resumed["sharded"] is not None:
         reason = verify_sharded(ckpt_dir, world, resumed["sharded"])
         if reason is None:
             template = method.sharded_state_dict()
@@ -257,6 +264,13 @@ def resume(job: Job, method: Method, ckpt_dir: str) -> dict:
             break
         damaged[resumed["step"]] = reason  # the next pass warns and tries the previous
     return resumed
+
+
+def _latest(ckpt_dir: str, world, accept) -> dict | None:
+    try:
+        return load_latest(ckpt_dir, warn=world.is_root, accept=accept)
+    except _NoFallback as stop:
+        raise stop.args[0] from None
 
 
 def save(job: Job, method: Method, ckpt_dir: str, step: int, fields: dict) -> None:
