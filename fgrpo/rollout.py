@@ -47,14 +47,17 @@ def pack(tokenizer, prompt_ids: list, completion_ids: list, device) -> tuple:
 
 
 def sample_rollouts(model, tokenizer, task, prompts: list, answers: list, cfg, max_new_tokens,
-                    batch_size: int, seed: int, timer) -> Rollouts:
-    """Sample ``cfg.num_generations`` completions per prompt and score them."""
+                    batch_size: int, seed: int, timer, first_index: int = 0) -> Rollouts:
+    """Sample ``cfg.num_generations`` completions per prompt and score them; prompt ``i``'s
+    draws are keyed by (``seed``, ``first_index + i``, sample index), its position in the
+    step's global batch (the same on any rank count)."""
     G = cfg.num_generations
     device = next(model.parameters()).device
     with timer.phase("generate"):
         completions = generate_tokens(model, tokenizer, prompts, max_new_tokens, do_sample=True,
                                       temperature=cfg.temperature, top_p=cfg.top_p,
-                                      num_return_sequences=G, batch_size=batch_size, seed=seed)
+                                      num_return_sequences=G, batch_size=batch_size, seed=seed,
+                                      first_index=first_index)
     with timer.phase("reward"):
         texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
         rewards = task.rewards(texts, [a for a in answers for _ in range(G)])

@@ -2,7 +2,10 @@
 
 Data parallel: every rank draws the same global batch of prompts from the shared seed and keeps
 its contiguous share, samples G completions per prompt, and computes its groups' advantages
-locally (a group never spans ranks). The loss follows the normaliser contract of
+locally (a group never spans ranks). Completions are keyed by (step, the prompt's position in
+the global batch, sample index) (:mod:`hpc.models.sampling`), so the rollouts, and with them
+the run, do not depend on the rank count up to the order of floating-point sums: a run resumed
+on another number of ranks goes on as it would have. The loss follows the normaliser contract of
 :mod:`fgrpo.loss`, so the all-reduced gradient equals the single-process gradient on the union
 of all ranks' rollouts. ``fgrpo.parallelism`` holds the model replicated (DDP) or sharded
 (FSDP2), and the trained weights with fp32 masters (:mod:`hpc.models.parallelize`); under FSDP2
@@ -25,12 +28,13 @@ from fgrpo.metrics import METRICS, local_sums, step_metrics
 from fgrpo.policy import build_model, frozen_logprobs, reference_model
 from fgrpo.rollout import sample_rollouts
 from hpc.data.tasks import load_task
-from hpc.gradient_method import GradientMethod, step_seed
+from hpc.gradient_method import GradientMethod, shared_step_seed
 from hpc.models.adapter_space import SingularValueSpace
 from hpc.models.engine import release_engine
 from hpc.models.memory_plan import fgrpo_rollout_rows, rollout_engine_kept, rollout_offload
-from hpc.models.parallelize import (TrainedWeights, decoding, save_full_model,
-                                     save_gathered_adapter, shard_model)
+from hpc.models.parallelize import (TrainedWeights, decoding, load_sharded_state,
+                                    save_full_model, save_gathered_adapter, shard_model,
+                                    sharded_state)
 from hpc.runtime.dist import init_process_group
 from hpc.runtime.errors import UserError, user_errors_exit
 from hpc.job.lifecycle import finish, on_all_ranks, start_job, stop_if_preempted
@@ -89,14 +93,16 @@ class FGRPO(GradientMethod):
         cfg, f, world, task, timer = self.job.cfg, self.f, self.job.world, self.task, self.timer
         batch = np.random.default_rng([cfg.run.seed, i]).choice(
             len(task.train), size=min(f.batch_prompts, len(task.train)), replace=False)
-        mine = batch[my_slice(len(batch), world)]
+        share = my_slice(len(batch), world)
+        mine = batch[share]
         self.model.eval()
         with self.decoding():
             rollouts = sample_rollouts(self.model, self.tok, task,
                                        [task.train.prompts[j] for j in mine],
                                        [task.train.answers[j] for j in mine], f,
                                        cfg.task.max_new_tokens, cfg.eval.batch_size,
-                                       step_seed(cfg.run.seed, i, world.rank), timer)
+                                       shared_step_seed(cfg.run.seed, i), timer,
+                                       first_index=share.start)
         if not self.keep_engine:  # the plan needs its room for the training
             release_engine(self.model)
         batch_std = None
@@ -185,12 +191,12 @@ class FGRPO(GradientMethod):
             self.weights.load_state_dict(state)
         self.skipped = skipped
 
-    def shard_state_dict(self) -> dict:
-        """FSDP2: this rank's shards of the fp32 masters and AdamW moments."""
-        return self.weights.state_dict()
+    def sharded_state_dict(self) -> dict:
+        """FSDP2: the sharded fp32 masters and AdamW moments (saved and resharded by DCP)."""
+        return sharded_state(self.model, self.weights)
 
-    def load_shard_state_dict(self, state: dict) -> None:
-        self.weights.load_state_dict(state)
+    def load_sharded_state_dict(self, state: dict) -> None:
+        load_sharded_state(self.model, self.weights, state)
 
 
 @user_errors_exit

@@ -2,9 +2,11 @@
 
 Data parallel over torch.distributed when there are several ranks: every rank draws the same
 global batch of indices from the shared seed, keeps its contiguous share, and LoRA gradients are
-averaged with one flat all-reduce per step. The job lifecycle (resume, preemption, evaluations,
-checkpoints of the LoRA weights, optimizer and data position) is
-:func:`hpc.job.loop.run_loop`'s. Writes ``<run.out>/adapter`` (peft format),
+averaged with one flat all-reduce per step. The loss is the mean over every rank's labelled
+tokens (each rank's mean weighted by its share of them), so the run does not depend on the rank
+count up to the order of floating-point sums, and resumes on any count. The job lifecycle
+(resume, preemption, evaluations, checkpoints of the LoRA weights, optimizer and data
+position) is :func:`hpc.job.loop.run_loop`'s. Writes ``<run.out>/adapter`` (peft format),
 ``<run.out>/sft.h5`` and ``checkpoints/``. Command: ``hpc-sft [CONFIG.yaml] [key=value ...]
 [--resume]``.
 """
@@ -67,7 +69,14 @@ class SFT(GradientMethod):
             ids, mask, labels = completion_batch(self.tok, [train.prompts[j] for j in mine],
                                                  [train.solutions[j] for j in mine],
                                                  self.job.device, chat=self.task.chat)
-            loss = completion_loss(self.model, ids, mask, labels, cfg.model.logprob_chunk)
+            mean = completion_loss(self.model, ids, mask, labels, cfg.model.logprob_chunk)
+            # this rank's share of the mean over every rank's labelled tokens: after the MEAN
+            # all-reduce the gradient is the whole batch's, whatever the rank count (1 rank:
+            # a factor of exactly 1)
+            tokens = int((labels[:, 1:] != -100).sum())
+            share = tokens * world.size / max(int(world.allgather(
+                np.array([tokens]), tag="metrics").sum()), 1)
+            loss = mean * share
             self.opt.zero_grad(set_to_none=False)
             loss.backward()
         with timer.phase("allreduce"):

@@ -458,3 +458,210 @@ def test_cli_link_at_the_lock_is_one_line(sft_run, tmp_path, outside):
     proc = run_cli(sft_args(out, 3, "--resume"))
     assert_one_error_line(proc, ".lock", "symbolic link")
     assert RunFile(str(out / "sft.h5")).attrs["status"] == "complete"
+
+
+# Sharded (DCP) checkpoints, in one process: a damaged, missing or linked file is a reason
+# to fall back (verify_sharded), a crafted manifest or metadata one line (never code run).
+
+def one_process_world():
+    from mpi4py import MPI
+
+    from hpc.runtime.world import World
+    return World(comm=MPI.COMM_SELF, rank=0, size=1, local_rank=0, local_size=1,
+                 hostname="here")
+
+
+def sharded_template():
+    import torch
+    return {"model": {"w": torch.arange(12.0).reshape(4, 3)},
+            "optimizer": {"state": {"w": {"step": torch.tensor(2.0),
+                                          "exp_avg": torch.full((4, 3), 0.5)}},
+                          "param_groups": [{"lr": 1e-3, "params": ["w"]}]}}
+
+
+@pytest.fixture
+def sharded(tmp_path):
+    """(checkpoint folder, manifest) of a sharded checkpoint of step 3 written by 1 rank."""
+    import warnings
+
+    from hpc.runtime.distckpt import save_sharded
+    ckpt = str(tmp_path / "checkpoints")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: "assuming the intent is ... a single process"
+        manifest = save_sharded(ckpt, one_process_world(), 3, sharded_template())
+    return ckpt, manifest
+
+
+def _folder(ckpt, manifest):
+    return os.path.join(ckpt, "sharded", manifest["folder"])
+
+
+def _flip_byte(path):
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+
+
+def _sharded_crafts():
+    def damaged(folder, outside):
+        _flip_byte(os.path.join(folder, "__0_0.distcp"))
+
+    def truncated(folder, outside):
+        path = os.path.join(folder, "__0_0.distcp")
+        os.truncate(path, os.path.getsize(path) // 2)
+
+    def missing(folder, outside):
+        os.remove(os.path.join(folder, ".metadata"))
+
+    def linked(folder, outside):
+        path = os.path.join(folder, "__0_0.distcp")
+        shutil.copy(path, outside.parent / "copy.distcp")
+        os.remove(path)
+        os.symlink(outside.parent / "copy.distcp", path)
+
+    def folder_gone(folder, outside):
+        shutil.rmtree(folder)
+
+    return {"damaged": (damaged, "checksum mismatch"),
+            "truncated": (truncated, "checksum mismatch"),
+            "missing file": (missing, ".metadata"),
+            "file is a link": (linked, "symbolic link"),
+            "folder missing": (folder_gone, "no folder")}
+
+
+SHARDED_CRAFTS = _sharded_crafts()
+
+
+@pytest.mark.parametrize("name", list(SHARDED_CRAFTS))
+def test_a_damaged_sharded_checkpoint_is_a_reason_to_fall_back(name, sharded, outside):
+    from hpc.runtime.distckpt import verify_sharded
+    ckpt, manifest = sharded
+    assert verify_sharded(ckpt, one_process_world(), manifest) is None
+    craft, words = SHARDED_CRAFTS[name]
+    craft(_folder(ckpt, manifest), outside)
+    reason = verify_sharded(ckpt, one_process_world(), manifest)
+    assert reason is not None and words in reason and "\n" not in reason, reason
+
+
+def _rehash(ckpt, manifest, name):
+    """The manifest a crafter who rewrote ``name`` would also write (its new sha256)."""
+    path = os.path.join(_folder(ckpt, manifest), name)
+    files = dict(manifest["files"], **{name: hashlib.sha256(open(path, "rb").read()
+                                                             ).hexdigest()})
+    return dict(manifest, files=files)
+
+
+class _RunsCode:
+    """Unpickled, it would create the file ``marker`` (proof that a pickle ran code)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _metadata_running_code(ckpt, manifest, outside):
+    import pickle
+    with open(os.path.join(_folder(ckpt, manifest), ".metadata"), "wb") as fh:
+        pickle.dump(_RunsCode(str(outside / "ran")), fh)
+    return "io.open"
+
+
+def _metadata_pointing_outside(ckpt, manifest, outside):
+    import pickle
+    path = os.path.join(_folder(ckpt, manifest), ".metadata")
+    with open(path, "rb") as fh:
+        metadata = pickle.load(fh)
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../../outside/raw.bin"
+    with open(path, "wb") as fh:
+        pickle.dump(metadata, fh)
+    return "points at"
+
+
+@pytest.mark.parametrize("craft", [_metadata_running_code, _metadata_pointing_outside],
+                         ids=["code", "outside path"])
+def test_crafted_sharded_metadata_is_one_line_and_runs_nothing(craft, sharded, outside):
+    from hpc.runtime.distckpt import load_sharded
+    ckpt, manifest = sharded
+    words = craft(ckpt, manifest, outside)
+    manifest = _rehash(ckpt, manifest, ".metadata")
+    with pytest.raises(UserError) as caught:
+        load_sharded(ckpt, manifest, sharded_template(), 3)
+    one_line(caught.value, words, "does not fit")
+    assert not (outside / "ran").exists()
+
+
+def test_a_sharded_checkpoint_of_other_shapes_is_one_line(sharded):
+    import torch
+
+    from hpc.runtime.distckpt import load_sharded
+    ckpt, manifest = sharded
+    template = sharded_template()
+    template["model"]["w"] = torch.zeros(5, 3)
+    with pytest.raises(UserError) as caught:
+        load_sharded(ckpt, manifest, template, 3)
+    one_line(caught.value, "does not fit", "written by 1 ranks")
+
+
+def test_an_untouched_sharded_checkpoint_loads_exactly(sharded):
+    import torch
+
+    from hpc.runtime.distckpt import load_sharded
+    ckpt, manifest = sharded
+    template = sharded_template()
+    template["model"]["w"].zero_()
+    template["optimizer"]["state"]["w"]["exp_avg"].zero_()
+    load_sharded(ckpt, manifest, template, 3)
+    want = sharded_template()
+    assert torch.equal(template["model"]["w"], want["model"]["w"])
+    assert torch.equal(template["optimizer"]["state"]["w"]["exp_avg"],
+                       want["optimizer"]["state"]["w"]["exp_avg"])
+
+
+MANIFEST_CRAFTS = {
+    "not a dict": ([1, 2], "'sharded'"),
+    "extra key": ({"folder": "step-00000003", "ranks": 1, "files": {".metadata": "0" * 64},
+                   "code": "x"}, "'sharded'"),
+    "other step": ({"folder": "step-00000002", "ranks": 1, "files": {".metadata": "0" * 64}},
+                   "'sharded.folder'"),
+    "path in folder": ({"folder": "../../x", "ranks": 1, "files": {".metadata": "0" * 64}},
+                       "'sharded.folder'"),
+    "negative ranks": ({"folder": "step-00000003", "ranks": -1,
+                        "files": {".metadata": "0" * 64}}, "'sharded.ranks'"),
+    "file outside": ({"folder": "step-00000003", "ranks": 1,
+                      "files": {".metadata": "0" * 64, "../raw.bin": "0" * 64}},
+                     "'sharded.files'"),
+    "bad checksum": ({"folder": "step-00000003", "ranks": 1, "files": {".metadata": "zz"}},
+                     "'sharded.files'"),
+    "no metadata": ({"folder": "step-00000003", "ranks": 1,
+                     "files": {"__0_0.distcp": "0" * 64}}, "'sharded.files'"),
+}
+
+
+@pytest.mark.parametrize("name", list(MANIFEST_CRAFTS))
+def test_a_crafted_sharded_manifest_is_one_line(name):
+    from hpc.runtime.distckpt import check_manifest
+    value, words = MANIFEST_CRAFTS[name]
+    with pytest.raises(UserError) as caught:
+        check_manifest(value, "checkpoint x", 3)
+    one_line(caught.value, words)
+
+
+def test_retention_removes_unfinished_and_pruned_sharded_folders(sharded, tmp_path):
+    from hpc.runtime.distckpt import prune_sharded, save_sharded
+    ckpt, manifest = sharded
+    root = os.path.join(ckpt, "sharded")
+    os.makedirs(os.path.join(root, ".step-00000004.tmp-abc"))  # a kill while writing
+    save_checkpoint(ckpt, 3, {"step": 3, "sharded": manifest}, keep=1)
+    prune_sharded(ckpt)
+    assert os.listdir(root) == ["step-00000003"]
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        later = save_sharded(ckpt, one_process_world(), 5, sharded_template())
+    assert sorted(os.listdir(root)) == ["step-00000003", "step-00000005"]  # not committed
+    save_checkpoint(ckpt, 5, {"step": 5, "sharded": later}, keep=1)
+    prune_sharded(ckpt)
+    assert os.listdir(root) == ["step-00000005"]

@@ -1,5 +1,6 @@
 """fgrpo.parallelism=fsdp2 against ddp under the real mpirun (gloo, fp32 toy), fp32 master
-weights under bf16 compute, the full fine-tune's export, per-rank checkpoint shards."""
+weights under bf16 compute, the full fine-tune's export, sharded (DCP) checkpoints (resume on
+another rank count: tests/test_reshard.py)."""
 import os
 import shutil
 
@@ -11,6 +12,7 @@ from conftest import our_lines, run_mpi
 from hpc.toys.toy import tiny_model
 from hpc.models.parallelize import TrainedWeights
 from hpc.runtime.checkpoint import list_checkpoints, load_latest
+from hpc.runtime.distckpt import read_full
 from hpc.runtime.runstore import RunFile
 from hpc.runtime.world import World
 
@@ -38,14 +40,15 @@ def checkpoint_at(directory, step, tmp_path):
 
 
 def masters_at(out, step, ranks, tmp_path):
-    """The trained fp32 tensors after ``step``: DDP's from the checkpoint, FSDP2's rank
-    shards (dim-0 chunks) concatenated."""
+    """The trained fp32 tensors after ``step``: DDP's from the checkpoint, FSDP2's whole from
+    its sharded (DCP) folder, in the optimizer's parameter order."""
     state = checkpoint_at(out / "checkpoints", step, tmp_path)
-    if not state["shard_ranks"]:
+    if state["sharded"] is None:
         return state["method"]["params"]
-    shards = [checkpoint_at(out / "checkpoints" / f"rank-{r:05d}", step, tmp_path)["state"]
-              for r in range(ranks)]
-    return [torch.cat(parts) for parts in zip(*(s["params"] for s in shards))]
+    assert state["sharded"]["ranks"] == ranks
+    full = read_full(str(out / "checkpoints"), state["sharded"])
+    order = full["optimizer"]["param_groups"][0]["params"]
+    return [full["model"][name] for name in order]
 
 
 def relative(a, b):
@@ -108,14 +111,14 @@ def assert_one_line(stderr, words):
     assert not any("Traceback" in line for line in lines), lines
 
 
-def test_resume_on_another_rank_count_is_refused(tmp_path):
+def test_resume_with_another_parallelism_is_refused(tmp_path):
     out = tmp_path / "run"
     proc = run_mpi(2, fgrpo_args(out, "fgrpo.parallelism=fsdp2", "fgrpo.steps=1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = run_mpi(3, fgrpo_args(out, "fgrpo.parallelism=fsdp2", "fgrpo.steps=2") +
+    proc = run_mpi(2, fgrpo_args(out, "fgrpo.parallelism=ddp", "fgrpo.steps=2") +
                    ["--resume"])
     assert proc.returncode == 2
-    assert_one_line(proc.stderr, "sharded over 2 ranks")
+    assert_one_line(proc.stderr, "resume with the parallelism that wrote it")
 
 
 def test_uneven_prompts_over_ranks_exit_2(tmp_path):

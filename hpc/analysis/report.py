@@ -108,13 +108,18 @@ def step_timings(run: RunFile) -> dict:
     """{phase: float64 (n, ranks) seconds} over the steps every phase has completely written.
 
     A file being written may hold datasets one row longer than others, or a row still at its
-    NaN fill value; such rows are dropped.
+    NaN fill value; such rows are dropped. A run resumed on another rank count (more than one
+    row in ``segments``): the steps of its last segment, on that segment's ranks.
     """
     timings = run.group("timings")
     order = [p for p in phase_kinds(run) if p in timings]
     g = {k: np.atleast_2d(timings[k].T).T for k in order}
     if not g:
         return {}
+    segments = run.group("segments")
+    if len(segments.get("world_size", ())) > 1 and "step" in timings:
+        since, ranks = segments["step"][-1], int(segments["world_size"][-1])
+        g = {k: v[timings["step"][:len(v)] > since, :ranks] for k, v in g.items()}
     n = min(len(v) for v in g.values())
     complete = np.all([np.isfinite(v[:n]).all(axis=1) for v in g.values()], axis=0)
     return {k: v[:n][complete] for k, v in g.items()}

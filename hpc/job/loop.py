@@ -29,9 +29,13 @@ for every method:
    export gathers sharded weights), and the run file closed as ``complete``.
 
 Checkpoints hold ``{"step", "elapsed_s", "overhead_s", "generated_tokens", "run_file",
-"method": method.state_dict(), "shard_ranks"}``; a :attr:`Method.sharded` method's per-rank state
-goes to per-rank shards (:mod:`hpc.runtime.shards`) written before it, ``shard_ranks`` their
-count (0: none).
+"method": method.state_dict(), "sharded"}``; a :attr:`Method.sharded` method's sharded state
+(FSDP2's DTensors) goes through ``torch.distributed.checkpoint`` into a folder written by every
+rank before it (:mod:`hpc.runtime.distckpt`), ``sharded`` its manifest (None: no such state).
+The checkpoint commits that folder; on resume its files are verified (a damaged one: the
+previous checkpoint) and read resharded over this job's ranks, so every method resumes on any
+rank count. The run file's group ``segments`` has one row per start or resume: the step it
+started from and its ``world_size``.
 """
 from __future__ import annotations
 
@@ -46,6 +50,8 @@ import torch
 from hpc.models.engine import disable_cuda_graphs, graph_check_failure, reset_graph_check
 from hpc.models.generation import take_generated_tokens
 from hpc.runtime.checkpoint import load_latest, save_checkpoint
+from hpc.runtime.distckpt import (check_manifest, load_sharded, prune_sharded, save_sharded,
+                                   verify_sharded)
 from hpc.runtime.errors import UserError
 from hpc.job.lifecycle import (Job, agree_on_resume_step, on_all_ranks, progress_bar,
                              stop_if_preempted)
@@ -53,7 +59,6 @@ from hpc.runtime.preempt import preempted_exit, should_stop
 from hpc.runtime.readback import amount, count
 from hpc.runtime.results import EvalResult, log_eval
 from hpc.runtime.runstore import RunStore, check_snapshot, environment_attrs
-from hpc.runtime.shards import load_shard, save_shard
 from hpc.runtime.timing import PhaseTimer, gather_timings
 
 # What a phase's seconds are spent on, for readers of the run file (hpc-report, hpc-scaling):
@@ -86,7 +91,7 @@ class Method(abc.ABC):
     phases: dict = {}            # {phase: kind in PHASE_KINDS}, in the order of a step
     heldout_accuracy: str = "accuracy"  # the held-out column that accuracy curves follow
     metrics: tuple = ()          # names of step()'s metrics, in order
-    sharded: bool = False        # part of the state is per rank (shard_state_dict)
+    sharded: bool = False        # part of the state is sharded (sharded_state_dict)
     collective_export: bool = False  # export() runs on every rank (it gathers), writes on 0
     final_evaluation: bool = False  # set by run_loop before the final evaluation
 
@@ -141,13 +146,15 @@ class Method(abc.ABC):
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned."""
 
-    def shard_state_dict(self) -> dict:
-        """This rank's own part of the state, saved only when :attr:`sharded` (a sharded method
-        overrides it; the others have none)."""
+    def sharded_state_dict(self) -> dict:
+        """Collective, when :attr:`sharded`: the sharded part of the state as this job holds it
+        (nested dicts of DTensors, as ``torch.distributed.checkpoint.state_dict.get_state_dict``
+        returns). Saved with DCP; on resume it is the template filled in place, resharded from
+        the rank count that wrote it, then given to :meth:`load_sharded_state_dict`."""
         return {}
 
-    def load_shard_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`shard_state_dict` returned on this rank (nothing by default)."""
+    def load_sharded_state_dict(self, state: dict) -> None:
+        """Collective: restore the filled template of :meth:`sharded_state_dict`."""
 
 
 def run_attrs(job: Job, method: Method) -> dict:
@@ -174,7 +181,10 @@ def resume_fields(state: dict, path: str) -> dict:
                                         "generated_tokens", maximum=2 ** 62),
               "shard_ranks": count(state.get("shard_ranks", 0), source, "shard_ranks",
                                    maximum=2 ** 20),
+              "sharded": state.get("sharded"),
               "run_file": state.get("run_file")}
+    if fields["sharded"] is not None:
+        check_manifest(fields["sharded"], source, fields["step"])
     if fields["run_file"] is not None:
         check_snapshot(fields["run_file"], source)
     return fields
@@ -213,15 +223,80 @@ def _due(every: int, step: int, total: int) -> bool:
     return bool(every) and step % every == 0 or step == total
 
 
-def _load_shards(ckpt_dir: str, world, method: Method, state: dict) -> None:
-    """This rank's shard of checkpoint ``state``, or one line why the run cannot resume."""
-    ranks = state.get("shard_ranks", 0)
-    if bool(ranks) != method.sharded:
-        written = "sharded (fgrpo.parallelism=fsdp2)" if ranks else "replicated (ddp)"
-        raise UserError(f"the checkpoint of step {state['step']} in {ckpt_dir} holds a "
+def _check_parallelism(ckpt_dir: str, method: Method, fields: dict) -> None:
+    """One line when checkpoint ``fields`` cannot be resumed by ``method``: another parallelism
+    wrote it, or an earlier version's per-rank shards (``shard_ranks``) hold its weights."""
+    if fields["shard_ranks"]:
+        raise UserError(f"the checkpoint of step {fields['step']} in {ckpt_dir} holds per-rank "
+                        f"shards of an earlier version ({fields['shard_ranks']} ranks); resume "
+                        f"it with the version that wrote it")
+    if (fields["sharded"] is not None) != method.sharded:
+        written = "sharded (fgrpo.parallelism=fsdp2)" if fields["sharded"] else \
+            "replicated (ddp)"
+        raise UserError(f"the checkpoint of step {fields['step']} in {ckpt_dir} holds a "
                         f"{written} state; resume with the parallelism that wrote it")
-    if ranks:
-        method.load_shard_state_dict(load_shard(ckpt_dir, world, state["step"], ranks))
+
+
+class _NoFallback(Exception):
+    """Carries the UserError of a checkpoint whose predecessors cannot help either (another
+    parallelism wrote the run) past :func:`load_latest`, which tries the previous one."""
+
+
+def resume(job: Job, method: Method, ckpt_dir: str) -> dict:
+    """Collective: the loop's fields of the newest usable checkpoint (step 0 ones without
+    any), its method state restored. A checkpoint whose sharded folder fails verification is
+    skipped like a damaged one (a warning, then the previous)."""
+    world = job.world
+    resumed = dict(step=0, elapsed_s=0.0, overhead_s=0.0, generated_tokens=0, shard_ranks=0,
+                   sharded=None, run_file=None)
+    damaged = {}  # step -> why its sharded folder is unusable
+
+    def accept(state: dict, path: str) -> None:  # a UserError: load_latest tries the previous
+        fields = resume_fields(state, path)
+        if fields["step"] in damaged:
+            raise UserError(f"checkpoint {path}: its sharded state is unusable: "
+                            f"{damaged[fields['step']]}")
+        try:
+            _check_parallelism(ckpt_dir, method, fields)
+        except UserError as err:
+            raise _NoFallback(err) from None
+        method.load_state_dict(state["method"])
+        resumed.update(fields)
+
+    if not job.resume:
+        return resumed
+    while _latest(ckpt_dir, world, accept) is not None and resumed["sharded"] is not None:
+        reason = verify_sharded(ckpt_dir, world, resumed["sharded"])
+        if reason is None:
+            template = method.sharded_state_dict()
+            on_all_ranks(world, lambda: load_sharded(ckpt_dir, resumed["sharded"], template,
+                                                     resumed["step"]))
+            method.load_sharded_state_dict(template)
+            break
+        damaged[resumed["step"]] = reason  # the next pass warns and tries the previous
+    return resumed
+
+
+def _latest(ckpt_dir: str, world, accept) -> dict | None:
+    try:
+        return load_latest(ckpt_dir, warn=world.is_root, accept=accept)
+    except _NoFallback as stop:
+        raise stop.args[0] from None
+
+
+def save(job: Job, method: Method, ckpt_dir: str, step: int, fields: dict) -> None:
+    """Collective: the checkpoint of ``step``, the sharded state (every rank) before the
+    checkpoint holding ``fields`` and the method state (rank 0), which commits it; then the
+    retention of both formats."""
+    world = job.world
+    manifest = save_sharded(ckpt_dir, world, step, method.sharded_state_dict()) \
+        if method.sharded else None
+    if world.is_root:
+        save_checkpoint(ckpt_dir, step, dict(fields, method=method.state_dict(),
+                                             sharded=manifest),
+                        keep=method.keep_checkpoints)
+        if method.sharded:
+            prune_sharded(ckpt_dir)
 
 
 def run_loop(job: Job, method: Method) -> dict:
@@ -229,18 +304,7 @@ def run_loop(job: Job, method: Method) -> dict:
     ``start`` and ``final`` (EvalResult or None), ``steps``, ``wall_s``, ``preempted``."""
     cfg, world = job.cfg, job.world
     ckpt_dir = f"{job.out_dir}/checkpoints"
-    resumed = dict(step=0, elapsed_s=0.0, overhead_s=0.0, generated_tokens=0, shard_ranks=0,
-                   run_file=None)
-
-    def accept(state: dict, path: str) -> None:  # a UserError: load_latest tries the previous
-        fields = resume_fields(state, path)
-        method.load_state_dict(state["method"])
-        resumed.update(fields)
-
-    if job.resume:
-        state = load_latest(ckpt_dir, warn=world.is_root, accept=accept)
-        if state is not None:
-            on_all_ranks(world, lambda: _load_shards(ckpt_dir, world, method, resumed))
+    resumed = resume(job, method, ckpt_dir)
     start, elapsed0 = resumed["step"], resumed["elapsed_s"]
     overhead, tokens = resumed["overhead_s"], resumed["generated_tokens"]
     agree_on_resume_step(world, start)
@@ -249,6 +313,7 @@ def run_loop(job: Job, method: Method) -> dict:
         f"{job.out_dir}/{method.name}.h5", world.is_root, attrs, resume=job.resume,
         backup=resumed["run_file"]))
     store.truncate_after(start if start else None)
+    store.write_row("segments", start, world_size=world.size)
     # A lost rank (a node gone mid-run): rank 0 names it in the run file before the abort.
     world.abort_hooks.append(lambda message, lost: store.mark_lost(world.hosts, lost, message))
     sync = torch.cuda.synchronize if job.device.type == "cuda" else None
@@ -291,17 +356,10 @@ def run_loop(job: Job, method: Method) -> dict:
         if _due(cfg.run.checkpoint_every, step, total) or stop:
             begin = time.perf_counter()
             with timer.phase("checkpoint"):
-                if method.sharded:
-                    save_shard(ckpt_dir, world, step, method.shard_state_dict(),
-                               keep=method.keep_checkpoints)
-                if world.is_root:
-                    save_checkpoint(ckpt_dir, step, {
-                        "step": step, "elapsed_s": time.perf_counter() - t0,
-                        "overhead_s": overhead + time.perf_counter() - begin,
-                        "generated_tokens": tokens, "run_file": store.snapshot(),
-                        "method": method.state_dict(),
-                        "shard_ranks": world.size if method.sharded else 0},
-                        keep=method.keep_checkpoints)
+                save(job, method, ckpt_dir, step, {
+                    "step": step, "elapsed_s": time.perf_counter() - t0,
+                    "overhead_s": overhead + time.perf_counter() - begin,
+                    "generated_tokens": tokens, "run_file": store.snapshot()})
             overhead += time.perf_counter() - begin
         progress.update(1)
         progress.set_postfix({name: f"{metrics[name]:.3f}" for name in method.metrics[:1]},

@@ -25,7 +25,8 @@ import contextlib
 import copy
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_state_dict, set_state_dict)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -222,8 +223,8 @@ class TrainedWeights:
             m.grad = None
 
     def state_dict(self) -> dict:
-        """The masters and the optimizer state, as plain CPU-storable tensors: under FSDP2
-        this rank's shards (``DTensor.to_local``), which only the same rank count can load."""
+        """The masters and the optimizer state, as plain CPU-storable tensors (DDP: replicated,
+        any rank count loads them; FSDP2's go through :func:`sharded_state` instead)."""
         opt = self.opt.state_dict()
         return {"params": [_local(m).detach().cpu() for m in self.masters],
                 "optimizer": {"state": {i: {k: _local(v) for k, v in s.items()}
@@ -272,6 +273,30 @@ class TrainedWeights:
                                       master.placements, run_check=False, shape=master.shape,
                                       stride=master.stride())
         return value
+
+
+_TRAINED = StateDictOptions(ignore_frozen_params=True)  # LoRA: not the frozen base weights
+
+
+def sharded_state(model, weights: TrainedWeights) -> dict:
+    """Collective: the trained tensors of the FSDP2-sharded ``model`` and the AdamW state of
+    ``weights`` as ``torch.distributed.checkpoint`` saves and reshards them: {"model": {name:
+    DTensor}, "optimizer": {"state": {name: {exp_avg, exp_avg_sq: DTensor, step}},
+    "param_groups": [...]}}, keyed by parameter names, not by rank (an optimizer without
+    state yet gets its zero state first, as ``get_state_dict`` does)."""
+    model_state, optimizer_state = get_state_dict(model, weights.opt, options=_TRAINED)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def load_sharded_state(model, weights: TrainedWeights, state: dict) -> None:
+    """Collective: restore :func:`sharded_state`'s dict (filled by ``dcp.load``, laid out over
+    this job's ranks) into ``model``'s trained tensors (FSDP2's masters) and ``weights``'
+    optimizer."""
+    set_state_dict(model, weights.opt, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"],
+                   # the frozen weights are absent by design; dcp.load already refused a
+                   # checkpoint that lacks any trained tensor of the template
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
 
 
 def save_gathered_adapter(peft_model, out_dir: str, is_root: bool) -> None:

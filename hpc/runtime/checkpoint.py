@@ -77,6 +77,11 @@ def save_checkpoint(directory: str, step: int, state: dict, keep: int = 3) -> st
     return path
 
 
+def step_of(path: str) -> int:
+    """The step of checkpoint ``path`` (a name :func:`list_checkpoints` lists)."""
+    return int(os.path.basename(path)[len("step-"):-len(SUFFIX)])
+
+
 def list_checkpoints(directory: str) -> list:
     """Checkpoint paths in ``directory``, oldest first."""
     return sorted(glob.glob(os.path.join(directory, f"step-*{SUFFIX}")))

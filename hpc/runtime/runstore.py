@@ -9,7 +9,10 @@ Schema (documented in the README):
 * step-indexed groups: each group holds ``step`` (int64, (n,)) and any number of datasets whose
   first axis is the row. Standard groups:
   ``metrics/<name>`` float64 (n,); ``timings/<phase>`` float64 (n, world_size) seconds, one
-  column per rank; ``bytes/<tag>`` int64 (n,) payload bytes per rank in that step;
+  column per rank (a run resumed on another rank count: as many columns as its largest
+  segment, NaN for ranks a step did not have); ``segments/world_size`` int64, one row per
+  start or resume at the step it started from; ``bytes/<tag>`` int64 (n,) payload bytes per
+  rank in that step;
   ``eval/*`` at evaluation steps; methods add their own (``essa/fitness`` (n, P) ...).
   A key missing from a row is NaN (floats) or 0 (integers).
 
@@ -225,6 +228,9 @@ class RunStore:
                     name, shape=(n,) + arr.shape, maxshape=(None,) + arr.shape, dtype=dtype,
                     chunks=(rows,) + arr.shape, fillvalue=0 if dtype == np.int64 else np.nan)
             ds = datasets[name]
+            if arr.shape != ds.shape[1:]:
+                ds, arr = self._fit_row(group, name, ds, arr)
+                datasets[name] = ds
             ds.resize(n + 1, axis=0)
             ds[n] = arr
         for name, ds in datasets.items():
@@ -232,6 +238,29 @@ class RunStore:
                 ds.resize(n + 1, axis=0)  # missing key: the fill value (NaN or 0)
         if flush:
             self.file.flush()
+
+    def _fit_row(self, group: str, name: str, ds, arr: np.ndarray) -> tuple:
+        """(dataset, row) for a row whose shape differs from the dataset's rows (per-rank
+        ``timings`` after a resume on another rank count): the dataset is widened where the row
+        is wider (rebuilt extendible in every axis when it was created fixed), the row padded
+        with the fill value (NaN) where it is narrower."""
+        if arr.ndim != ds.ndim - 1:
+            raise ValueError(f"{group}/{name}: a row of shape {arr.shape} for rows of shape "
+                             f"{ds.shape[1:]}")
+        shape = tuple(max(a, b) for a, b in zip(ds.shape[1:], arr.shape))
+        if shape != ds.shape[1:]:
+            if all(m is None or m >= s for m, s in zip(ds.maxshape[1:], shape)):
+                ds.resize(ds.shape[:1] + shape)
+            else:
+                data, fill, rows = ds[()], ds.fillvalue, ds.chunks[0]
+                del self.file[group][name]
+                ds = self.file[group].create_dataset(
+                    name, shape=ds.shape[:1] + shape, maxshape=(None,) * (len(shape) + 1),
+                    dtype=data.dtype, chunks=(rows,) + shape, fillvalue=fill)
+                ds[(slice(None),) + tuple(slice(0, s) for s in data.shape[1:])] = data
+        padded = np.full(shape, ds.fillvalue, dtype=ds.dtype)
+        padded[tuple(slice(0, s) for s in arr.shape)] = arr
+        return ds, padded
 
     def _datasets(self, group: str) -> dict:
         """{name: open h5py Dataset} of ``group`` (created if new), kept open: looking them up

@@ -105,12 +105,25 @@ run_job() {
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
 
   local args=("$@" "run.out=$out")
+  # A node range (sbatch --nodes=MIN-MAX): a requeued job may get fewer (or more) nodes than
+  # the run had; it resumes on the ranks it gets (ESSA, SFT and DDP F-GRPO on any count,
+  # FSDP2 F-GRPO where fgrpo.batch_prompts splits evenly over them, else exit 2).
   # SFT, ESSA and F-GRPO write checkpoints; a requeue that came before the first one (or any
   # eval requeue) simply starts again in the same folder. Checkpoints of an earlier version
   # (step-*.pt) resume too, so that the job stops with the line saying it cannot use them.
   if compgen -G "$out/checkpoints/step-*.safetensors" >/dev/null ||
      compgen -G "$out/checkpoints/step-*.pt" >/dev/null; then
     args+=(--resume)
+    local before
+    before=$("$python" -c 'import sys, h5py
+with h5py.File(sys.argv[1], "r", locking=False) as f:
+    g = f.get("segments")
+    print(int(g["world_size"][-1]) if g is not None and len(g["world_size"]) else "")' \
+      "$out/$method.h5" 2>/dev/null) || before=
+    if [[ -n $before && $before != "${SLURM_NTASKS:-}" ]]; then
+      echo "resuming a run last on $before ranks on ${SLURM_NTASKS:-?} ranks" \
+           "($SLURM_JOB_NUM_NODES node(s))"
+    fi
   fi
 
   local launch
