@@ -10,7 +10,12 @@ data (functions, the option dict, caches keyed by tuples) are the same in the fr
 since they depend on the constructor arguments only (caches are recomputed). A ``range`` is
 kept as its three integers. An array held under two attributes (e.g.
 ``es.C`` and ``es.sm.C``) is restored as one array, as pickle would, so in-place updates still
-reach both. The only pycma object created after construction, the wall-clock timer, is
+reach both; an array that is a view into another (``es.dC``, the diagonal of ``es.sm.C``) is
+restored as the same view (offset, shape, strides, writeable flag) of the restored array:
+restored as a copy it would stop following the in-place updates of ``sm.C`` and the run would
+drift by ~1e-10 a generation after a resume. An array in Fortran order (``sm.B`` from
+``numpy.linalg.eigh``) is restored in Fortran order: BLAS sums a product in another order for
+each layout, so a C-ordered copy of ``B`` changes the last bits of every later sample. The only pycma object created after construction, the wall-clock timer, is
 rebuilt by its own constructor. Bitwise resume is tested in tests/test_essa.py.
 
 A checkpoint may be damaged or crafted, so before anything is written every path it names must
@@ -50,12 +55,17 @@ def _is_data(value) -> bool:
     return False
 
 
+def _address(array: np.ndarray) -> int:
+    return array.__array_interface__["data"][0]
+
+
 def es_state(es) -> dict:
     """{"objects": {path: class name}, "values": {path: data}, "aliases": {path: path},
-    "ranges": {path: [start, stop, step]}} of ``es``; a path is the attribute chain below
-    ``es``, e.g. ``"sm.C"``."""
-    objects, values, aliases, ranges = {}, {}, {}, {}
-    seen_objects, seen_arrays = {id(es)}, {}
+    "ranges": {path: [start, stop, step]}, "views": {path: {"of": path, "offset": bytes,
+    "shape": [...], "strides": [...], "writeable": bool}}, "layouts": {path: "F"}} of ``es``;
+    a path is the attribute chain below ``es``, e.g. ``"sm.C"``."""
+    objects, values, aliases, ranges, views, layouts = {}, {}, {}, {}, {}, {}
+    seen_objects, seen_arrays, originals = {id(es)}, {}, {}
 
     def walk(obj, prefix):
         for name, value in vars(obj).items():
@@ -72,11 +82,44 @@ def es_state(es) -> dict:
             elif _is_data(value):
                 if isinstance(value, np.ndarray):
                     seen_arrays[id(value)] = path
+                    originals[path] = value
+                    if value.flags.f_contiguous and not value.flags.c_contiguous:
+                        layouts[path] = "F"
                     value = value.copy()  # a snapshot: pycma updates its arrays in place
+                else:
+                    value = deepcopy(value)  # and arrays in its lists (e.g. ``pop``)
                 values[path] = value
 
     walk(es, "")
-    return {"objects": objects, "values": values, "aliases": aliases, "ranges": ranges}
+    owners = {path: a for path, a in originals.items() if a.base is None and a.size}
+    for path, view in originals.items():
+        owner = next((p for p, a in owners.items() if view.base is not None and
+                      view.dtype == a.dtype and np.shares_memory(view, a)), None)
+        if owner is not None:
+            del values[path]
+            views[path] = {"of": owner, "offset": _address(view) - _address(owners[owner]),
+                           "shape": list(view.shape), "strides": list(view.strides),
+                           "writeable": bool(view.flags.writeable)}
+            layouts.pop(path, None)
+    return {"objects": objects, "values": values, "aliases": aliases, "ranges": ranges,
+            "views": views, "layouts": layouts}
+
+
+def _view(owner: np.ndarray, spec: dict) -> np.ndarray:
+    """The view ``spec`` (from :func:`es_state`) into ``owner``; ValueError or TypeError if it
+    does not lie inside ``owner``."""
+    if not (isinstance(spec, dict) and set(spec) == {"of", "offset", "shape", "strides",
+                                                      "writeable"} and
+            type(spec["offset"]) is int and type(spec["writeable"]) is bool and
+            all(isinstance(spec[k], list) and all(type(n) is int for n in spec[k])
+                for k in ("shape", "strides"))):
+        raise ValueError("not an offset, a shape, strides and a writeable flag")
+    if not owner.flags.c_contiguous:
+        raise ValueError("the array it views is not contiguous")
+    view = np.ndarray(tuple(spec["shape"]), owner.dtype, buffer=owner, offset=spec["offset"],
+                      strides=tuple(spec["strides"]))
+    view.flags.writeable = spec["writeable"]
+    return view
 
 
 def _references(es) -> list:
@@ -140,7 +183,9 @@ def _check(es, state, references: list) -> None:
         return UserError(f"CMA-ES checkpoint {what}; it was damaged or written by another "
                          f"version of pycma; refusing to restore it")
 
-    parts = ("objects", "values", "aliases", "ranges")
+    parts = ("objects", "values", "aliases", "ranges", "views", "layouts")
+    if isinstance(state, dict):  # checkpoints of earlier versions have neither
+        state = {"views": {}, "layouts": {}, **state}
     if not (isinstance(state, dict) and set(state) == set(parts) and
             all(isinstance(state[p], dict) for p in parts)):
         raise refuse(f"is not a dict of {', '.join(parts)}")
@@ -152,7 +197,9 @@ def _check(es, state, references: list) -> None:
     known, objects, ranges = {}, {}, set()  # path -> [values like it], class names, ranges
     for ref in references:
         for path, value in list(ref["values"].items()) + [
-                (path, ref["values"][target]) for path, target in ref["aliases"].items()]:
+                (path, ref["values"][target]) for path, target in ref["aliases"].items()] + [
+                (path, _view(ref["values"][spec["of"]], spec))
+                for path, spec in ref["views"].items()]:
             known.setdefault(path, []).append(value)
         objects.update(ref["objects"])
         ranges.update(ref["ranges"])
@@ -175,6 +222,20 @@ def _check(es, state, references: list) -> None:
                 isinstance(like, np.ndarray) and like.shape == source.shape
                 for like in known.get(path, []))):
             raise refuse(f"aliases {path!r} to {target!r}, which is not an array of its shape")
+    for path, spec in state["views"].items():
+        owner = state["values"].get(spec.get("of") if isinstance(spec, dict) else None)
+        try:
+            if not isinstance(owner, np.ndarray):
+                raise ValueError("it names no array of the checkpoint")
+            view = _view(owner, spec)
+        except (ValueError, TypeError) as err:
+            raise refuse(f"view at {path!r} is unusable ({err})") from None
+        if path in state["values"] or not _same_kind(view, known.get(path, [])):
+            raise refuse(f"view at {path!r} is {_describe(view)}, not what a fresh strategy "
+                         f"has there")
+    for path, layout in state["layouts"].items():
+        if layout != "F" or not isinstance(state["values"].get(path), np.ndarray):
+            raise refuse(f"layout at {path!r} is {layout!r}, not 'F' for an array")
     for path, bounds in state["ranges"].items():
         if path not in ranges or not (
                 isinstance(bounds, list) and len(bounds) == 3 and
@@ -235,9 +296,10 @@ def restore_es_state(es, state: dict) -> None:
         elif type(current).__name__ != cls_name:
             raise UserError(f"CMA-ES checkpoint has a {cls_name} at {path!r}, this pycma a "
                             f"{type(current).__name__}; resume with the pycma that wrote it")
+    layouts = state.get("layouts", {})
     for path, value in state["values"].items():
         parent, name = _parent(es, path)
-        setattr(parent, name, _plain(value))
+        setattr(parent, name, np.asfortranarray(value) if path in layouts else _plain(value))
     for path, bounds in state["ranges"].items():
         parent, name = _parent(es, path)
         setattr(parent, name, range(*bounds))
@@ -245,3 +307,7 @@ def restore_es_state(es, state: dict) -> None:
         parent, name = _parent(es, path)
         source, source_name = _parent(es, target)
         setattr(parent, name, getattr(source, source_name))
+    for path, spec in state.get("views", {}).items():
+        parent, name = _parent(es, path)
+        source, source_name = _parent(es, spec["of"])
+        setattr(parent, name, _view(getattr(source, source_name), spec))
