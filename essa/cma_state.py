@@ -133,7 +133,8 @@ def _references(es) -> list:
     try:
         for _ in range(2):
             population = copy.ask()
-            copy.tell(population, [float(i) for i in range(len(population))])
+            # fitness of both signs, so that what follows the fitness is of both signs too
+            copy.tell(population, [i - len(population) / 2 for i in range(len(population))])
             states.append(es_state(copy))
     finally:
         np.random.set_state(outer)
@@ -216,6 +217,11 @@ def _check(es, state, references: list) -> None:
         elif not _same_kind(value, known[path]):
             raise refuse(f"value at {path!r} is {_describe(value)}, a fresh strategy's "
                          f"{' or '.join(_describe(like) for like in known[path])}")
+    for path, value in state["values"].items():
+        if path in known:
+            why = _out_of_range(path, value, known[path])
+            if why:
+                raise refuse(f"value at {path!r} {why}")
     for path, target in state["aliases"].items():
         source = state["values"].get(target)
         if not (isinstance(source, np.ndarray) and any(
@@ -242,6 +248,67 @@ def _check(es, state, references: list) -> None:
                 all(type(b) is int for b in bounds)):
             raise refuse(f"range at {path!r} is not one of a fresh strategy or not three "
                          f"integers")
+
+
+# Set by the constructor arguments alone: must equal the fresh strategy's (``sp``: pycma's
+# CMAParameters, learning rates, weights, mu, popsize).
+_CONSTANT_PREFIXES = ("sp.", "N", "sm.dimension", "sigma_vec.dim", "sigma0", "x0", "mean0")
+
+
+def _numbers(value) -> np.ndarray:
+    """The numbers in ``value`` (a number, an array, a list or tuple of numbers) as a float64
+    array; an empty one for anything else."""
+    if isinstance(value, np.ndarray) and value.dtype.kind in "iuf":
+        return value.astype(np.float64).reshape(-1)
+    if isinstance(value, (list, tuple)):
+        parts = [_numbers(v) for v in value]
+        return np.concatenate(parts) if parts else np.zeros(0)
+    if isinstance(value, _NUMBERS) and value is not None and not isinstance(value, (bool,
+                                                                                 np.bool_)):
+        return np.array([float(value)])
+    return np.zeros(0)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _out_of_range(path: str, value, likes: list) -> str | None:
+    """Why ``value`` cannot stand at ``path`` where the references hold ``likes`` (None if it
+    can): a constant of the constructor arguments changed, a float for an integer (counts,
+    sizes), NaN or infinity where no reference has one, a negative number where every
+    reference is >= 0 (counts, sizes, step sizes, times: scalars only; arrays are of both signs
+    in a later generation, except the named ones), a step size or
+    covariance that is not positive (definite)."""
+    if path.startswith(_CONSTANT_PREFIXES) and path.split(".")[0] in ("sp", *_CONSTANT_PREFIXES):
+        fresh = likes[0]
+        same = (np.array_equal(value, fresh) if isinstance(fresh, np.ndarray) else
+                type(value) is type(fresh) and (value == fresh or value != value and
+                                                fresh != fresh))
+        if not same:
+            return "differs from what the constructor arguments give"
+    if all(_is_int(like) for like in likes if like is not None) and any(
+            like is not None for like in likes) and value is not None and not _is_int(value):
+        return f"is {value!r}, not an integer"
+    numbers = _numbers(value)
+    reference = np.concatenate([_numbers(like) for like in likes])
+    if not numbers.size or not reference.size:
+        return None
+    if not np.isfinite(numbers).all() and np.isfinite(reference).all():
+        return "holds NaN or infinite values"
+    if numbers.size == 1 and not isinstance(value, (np.ndarray, list, tuple)) and \
+            numbers.min() < 0 <= reference.min():
+        return f"holds the negative value {numbers.min()!r}; it is never negative"
+    if path == "sigma" and not numbers[0] > 0:
+        return "is not a positive step size"
+    if path in ("C", "sm.C") and isinstance(value, np.ndarray) and value.ndim == 2:
+        scale = np.abs(value).max()  # pycma's updates keep C symmetric to rounding only
+        if not (np.abs(value - value.T).max() <= 1e-10 * scale and
+                np.linalg.eigvalsh((value + value.T) / 2).min() > 0):
+            return "is not a symmetric positive definite covariance matrix"
+    if path in ("sm.D", "D", "dC", "sigma_vec.scaling") and not numbers.min() > 0:
+        return "holds a value that is not positive"
+    return None
 
 
 @functools.lru_cache(maxsize=None)

@@ -72,3 +72,69 @@ def array(value, source: str, field: str, shape: tuple, kinds: str = "iuf") -> n
         raise bad_field(source, field, f"is a {value.dtype} array of shape {value.shape}, "
                                        f"expected kind {kinds!r} and shape {shape}")
     return value
+
+
+def tensors(value, source: str, field: str, shapes: list) -> list:
+    """``value`` as a list of finite float torch tensors of ``shapes`` (tuples), one each."""
+    import torch
+
+    if not (isinstance(value, list) and len(value) == len(shapes) and all(
+            isinstance(t, torch.Tensor) and t.is_floating_point() and tuple(t.shape) == shape
+            for t, shape in zip(value, shapes))):
+        want = (f"a float tensor of shape {shapes[0]}" if len(shapes) == 1 else
+                f"{len(shapes)} float tensors of the trained parameters' shapes")
+        raise bad_field(source, field, f"is not {want}")
+    for i, t in enumerate(value):
+        if not torch.isfinite(t).all():
+            raise bad_field(source, f"{field}[{i}]", "holds NaN or infinite values")
+    return value
+
+
+MAX_LR = 10.0  # the largest learning rate the configs accept (fgrpo.learning_rate, sft.lr)
+
+
+def adam_state(value, source: str, shapes: list) -> dict:
+    """``value`` as a torch Adam/AdamW ``state_dict()`` over parameters of ``shapes``: per
+    parameter ``step`` (a finite number >= 0), ``exp_avg`` (finite, the parameter's shape) and
+    ``exp_avg_sq`` (finite, >= 0, the parameter's shape); param groups whose ``params`` are the
+    indices 0..n-1, ``lr`` in [0, MAX_LR], ``betas`` two numbers in [0, 1), ``eps`` > 0 and
+    ``weight_decay`` >= 0, all finite."""
+    import torch
+
+    if not (isinstance(value, dict) and isinstance(value.get("state"), dict) and
+            isinstance(value.get("param_groups"), list) and value["param_groups"]):
+        raise bad_field(source, "optimizer", "is not an optimizer state (state, param_groups)")
+    indices = []
+    for g, group in enumerate(value["param_groups"]):
+        where = f"optimizer.param_groups[{g}]"
+        if not isinstance(group, dict) or not isinstance(group.get("params"), list):
+            raise bad_field(source, where, "is not a parameter group with a params list")
+        indices += [count(i, source, f"{where}.params", maximum=len(shapes) - 1)
+                    for i in group["params"]]
+        lr = amount(group.get("lr"), source, f"{where}.lr")
+        if not lr <= MAX_LR:
+            raise bad_field(source, f"{where}.lr", f"is {lr}, outside [0, {MAX_LR}]")
+        betas = group.get("betas")
+        if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and
+                all(0 <= amount(b, source, f"{where}.betas") < 1 for b in betas)):
+            raise bad_field(source, f"{where}.betas", f"is {betas!r}, not two numbers in "
+                                                      f"[0, 1)")
+        if not amount(group.get("eps"), source, f"{where}.eps") > 0:
+            raise bad_field(source, f"{where}.eps", "is not positive")
+        amount(group.get("weight_decay"), source, f"{where}.weight_decay")
+    if sorted(indices) != list(range(len(shapes))):
+        raise bad_field(source, "optimizer.param_groups", f"list the parameters {indices}, "
+                                                          f"not 0..{len(shapes) - 1} once each")
+    for i, moments in value["state"].items():
+        where = f"optimizer.state[{i!r}]"
+        index = count(i, source, where, maximum=len(shapes) - 1)
+        if not isinstance(moments, dict):
+            raise bad_field(source, where, "is not a dict of moments")
+        step = moments.get("step")
+        amount(step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step,
+               source, f"{where}.step")
+        for name in ("exp_avg", "exp_avg_sq"):
+            tensors([moments.get(name)], source, f"{where}.{name}", [shapes[index]])
+        if (moments["exp_avg_sq"] < 0).any():
+            raise bad_field(source, f"{where}.exp_avg_sq", "holds negative values")
+    return value
