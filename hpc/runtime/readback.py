@@ -18,6 +18,8 @@ from hpc.runtime.errors import UserError
 
 MAX_JSON_BYTES = 256 * 2 ** 20  # a checkpoint skeleton of a 32B model's optimizer: a few MiB
 MAX_JSON_DEPTH = 64             # a checkpoint skeleton nests ~3 levels per level of its state
+MAX_JSON_ITEMS = 2 ** 22        # values in one document: a skeleton of a 32B model's optimizer
+                                # has ~10^4, CMA-ES histories ~10^5; 15M empty lists take GiBs
 MAX_STEP = 2 ** 40              # steps, generations: far beyond any run, far below int64
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 
@@ -30,7 +32,8 @@ def bad_field(source: str, field: str, why: str) -> UserError:
 
 def bounded_json(text):
     """``json.loads(text)`` (str or bytes); ValueError (with the reason) for malformed JSON, more
-    than MAX_JSON_BYTES or nesting deeper than MAX_JSON_DEPTH, never a RecursionError."""
+    than MAX_JSON_BYTES, nesting deeper than MAX_JSON_DEPTH or more than MAX_JSON_ITEMS values
+    (counted by their commas), never a RecursionError or a MemoryError."""
     data = text.encode() if isinstance(text, str) else bytes(text)
     if len(data) > MAX_JSON_BYTES:
         raise ValueError(f"{len(data)} bytes of JSON, more than {MAX_JSON_BYTES}")
@@ -40,6 +43,9 @@ def bounded_json(text):
     if depth.size and depth.max() > MAX_JSON_DEPTH:
         raise ValueError(f"JSON nested {int(depth.max())} levels deep, more than "
                          f"{MAX_JSON_DEPTH}")
+    values = int(np.count_nonzero(brackets == ord(","))) + 1
+    if values > MAX_JSON_ITEMS:
+        raise ValueError(f"{values} JSON values, more than {MAX_JSON_ITEMS}")
     return json.loads(data)
 
 
@@ -138,3 +144,42 @@ def adam_state(value, source: str, shapes: list) -> dict:
         if (moments["exp_avg_sq"] < 0).any():
             raise bad_field(source, f"{where}.exp_avg_sq", "holds negative values")
     return value
+
+
+TRAINING_METHODS = ("essa", "fgrpo", "sft")  # the jobs that keep checkpoints/ in their folder
+
+
+def run_folder_entries(out_dir: str, method: str) -> None:
+    """UserError (one line) unless the entries a job of ``method`` reads and writes in
+    ``out_dir`` are of the kind it expects: ``out_dir`` itself not a symbolic link (a link to
+    another run folder would have this job write that run's files), ``checkpoints`` a folder,
+    ``.lock`` and ``<method>.h5`` plain files, and no checkpoints of another training method
+    (``<other>.h5`` beside ``checkpoints/``: checkpoint retention would delete that run's
+    checkpoints, and ``--resume`` would read them)."""
+    import os
+    import stat
+
+    if os.path.islink(out_dir):
+        raise UserError(f"run.out {out_dir} is a symbolic link (to {os.readlink(out_dir)!r}); a "
+                        f"job writes only into its own run folder: give run.out the real path")
+    kinds = {"checkpoints": (stat.S_ISDIR, "a folder"), ".lock": (stat.S_ISREG, "a plain file"),
+             f"{method}.h5": (stat.S_ISREG, "a plain file")}
+    for name, (is_kind, kind) in kinds.items():
+        path = os.path.join(out_dir, name)
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(mode):
+            continue  # refused where it is opened, with the link's target named
+        if not is_kind(mode):
+            raise UserError(f"{path} is not {kind}; the run folder {out_dir} was damaged or "
+                            f"is not a {method} run folder: remove it or give run.out another "
+                            f"folder")
+    ckpts = os.path.join(out_dir, "checkpoints")
+    others = [m for m in TRAINING_METHODS if m != method and
+              os.path.lexists(os.path.join(out_dir, f"{m}.h5"))]
+    if method in TRAINING_METHODS and others and os.path.isdir(ckpts) and os.listdir(ckpts):
+        raise UserError(f"run folder {out_dir} holds a {others[0]} run ({others[0]}.h5 and "
+                        f"checkpoints/); a {method} job there would read or delete its "
+                        f"checkpoints: give run.out another folder")
