@@ -255,6 +255,20 @@ def _replace(name, **kwargs):
     return craft
 
 
+def _fletcher(f):
+    """The step column with a Fletcher-32 checksum, its stored bytes then changed."""
+    del f["metrics/step"]
+    ds = f["metrics"].create_dataset("step", data=np.array([1, 2]), maxshape=(None,),
+                                     chunks=(64,), fletcher32=True)
+    f.flush()
+    offset = ds.id.get_chunk_info(0).byte_offset
+    filename = f.filename
+    f.close()
+    with open(filename, "r+b") as fh:
+        fh.seek(offset)
+        fh.write(b"\xff")
+
+
 def _hard_link_cycle(f, outside):
     f["metrics/loop"] = f["metrics"]
 
@@ -275,6 +289,12 @@ RUN_FILE_CRAFTS = {
                                    maxshape=(None,), chunks=(64,)), "/metrics/loss"),
     "column of fixed length": (_replace("metrics/loss", data=np.ones(2)), "/metrics/loss"),
     "hard link cycle": (_hard_link_cycle, "nested"),
+    "huge sparse step": (_replace("metrics/step", shape=(2 ** 37,), dtype="i8",
+                                  maxshape=(None,), chunks=(64,)), "rows never written"),
+    "huge sparse column": (_replace("metrics/loss", shape=(2, 2 ** 27), dtype="f8",
+                                    maxshape=(None, 2 ** 27), chunks=(1, 2 ** 17)),
+                           "rows never written"),
+    "Fletcher checksum failure": (lambda f, outside: _fletcher(f), "damaged"),
 }
 
 
@@ -282,8 +302,11 @@ def crafted_run_file(tmp_path, outside, name) -> tuple:
     """(path, bytes) of a valid run file crafted by RUN_FILE_CRAFTS[name]."""
     path = run_dir(tmp_path) / "essa.h5"
     make_run_file(str(path))
-    with h5py.File(path, "a") as f:
+    f = h5py.File(path, "a")
+    try:
         RUN_FILE_CRAFTS[name][0](f, outside)
+    finally:
+        f.close()  # a no-op where the crafting closed it to edit the bytes
     return str(path), path.read_bytes()
 
 

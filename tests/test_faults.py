@@ -407,3 +407,54 @@ def test_cma_resume_from_every_checkpoint_of_20_generations_is_bitwise(tmp_path,
         assert resumed.optimizer.sigma == full.optimizer.sigma, step
         assert np.array_equal(es.pc, ref.pc), step
         assert np.array_equal(es.adapt_sigma.ps, ref.adapt_sigma.ps), step
+
+
+@pytest.fixture(scope="module")
+def essa_20(toy_adapter, tmp_path_factory):
+    """An uninterrupted 20-generation ESSA run on 2 ranks that keeps every checkpoint."""
+    full = tmp_path_factory.mktemp("essa-20") / "full"
+    proc = run_mpi(2, essa_args(toy_adapter, full, 20, "essa.keep_checkpoints=100"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return full
+
+
+def _same_end(full, part):
+    a, b = RunFile(str(full / "essa.h5")), RunFile(str(part / "essa.h5"))
+    assert b.attrs["status"] == "complete"
+    assert b.group("essa")["step"].tolist() == list(range(1, 21))
+    assert np.array_equal(a.group("essa")["fitness"], b.group("essa")["fitness"])
+    assert np.array_equal(a.group("final")["mean"], b.group("final")["mean"])
+    for adapter in ("adapter-mean", "adapter-best"):
+        weights = f"{adapter}/adapter_model.safetensors"
+        for name, tensor in load_file(str(full / weights)).items():
+            assert torch.equal(tensor, load_file(str(part / weights))[name]), name
+
+
+@pytest.mark.parametrize("step", [2, 7, 8, 10, 14, 16, 18])
+def test_essa_resumed_from_a_checkpoint_of_20_generations_is_bitwise(essa_20, toy_adapter,
+                                                                     tmp_path, step):
+    """The job resumed from checkpoint ``step`` (the later ones deleted, as if it had been
+    preempted there): the same fitness rows, final mean and adapter as the uninterrupted run
+    (steps 8, 10, 14 and 16 once ended ~6e-10 apart)."""
+    part = tmp_path / "part"
+    shutil.copytree(essa_20, part)
+    for path in list_checkpoints(str(part / "checkpoints")):
+        if int(os.path.basename(path)[5:13]) > step:
+            os.remove(path)
+            os.remove(path[:-len(".safetensors")] + ".sha256")
+    resumed = run_mpi(2, essa_args(toy_adapter, part, 20, "essa.keep_checkpoints=100") +
+                      ["--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _same_end(essa_20, part)
+
+
+def test_essa_sigusr1_after_generation_7_then_resume_is_bitwise(essa_20, toy_adapter,
+                                                                tmp_path):
+    part = tmp_path / "part"
+    args = essa_args(toy_adapter, part, 20, "essa.keep_checkpoints=100")
+    code, out, err = run_and_signal(args, str(part / "essa.h5"), "essa", 7, signal.SIGUSR1)
+    assert code == 3, err[-3000:]
+    assert 7 <= RunFile(str(part / "essa.h5")).group("essa")["step"][-1] < 20
+    resumed = run_mpi(2, args + ["--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _same_end(essa_20, part)
