@@ -458,3 +458,41 @@ def test_essa_sigusr1_after_generation_7_then_resume_is_bitwise(essa_20, toy_ada
     resumed = run_mpi(2, args + ["--resume"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     _same_end(essa_20, part)
+
+
+COMPLETES = """
+import sys
+from hpc.runtime.errors import user_errors_exit
+from hpc.runtime.preempt import stop_signals
+
+@user_errors_exit
+def main():
+    stop_signals()
+    import torch, h5py  # what a job has loaded: a shutdown that takes a while
+    print("run: done", flush=True)
+    sys.stdin.readline()  # the test starts signalling now
+
+main()
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
+def test_a_stop_signal_after_the_final_line_leaves_exit_0(sig):
+    """Signals sent again and again from the final ``run:`` line until the process is gone
+    (a preemption that comes as the job ends): exit 0, not 138 or 143."""
+    env = dict(os.environ, **MPI_ENV, OMPI_COMM_WORLD_RANK="0")
+    proc = subprocess.Popen([sys.executable, "-c", COMPLETES], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    assert proc.stdout.readline().startswith("run: ")
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    sent = 0
+    while proc.poll() is None:
+        try:
+            os.kill(proc.pid, sig)
+            sent += 1
+        except ProcessLookupError:
+            break
+        time.sleep(0.0005)
+    assert proc.wait(timeout=60) == 0
+    assert sent > 0
