@@ -706,3 +706,44 @@ def test_lock_as_a_folder_is_one_line(tmp_path):
     with pytest.raises(UserError) as caught:
         job_module._lock_run_folder(str(out), "1")
     one_line(caught.value, ".lock", "folder")
+
+
+def _fingerprint(folder) -> dict:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and not p.is_symlink()}
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["fresh", "resume"])
+def test_cli_run_out_a_symbolic_link_to_another_run_is_one_line(sft_run, tmp_path, resume):
+    """run.out naming a link to another run folder, on 2 ranks: one line, nothing written."""
+    other = copy_run(sft_run, tmp_path)
+    before = _fingerprint(other)
+    link = tmp_path / "link"
+    os.symlink(other, link)
+    proc = run_mpi(2, sft_args(link, 3, *(["--resume"] if resume else [])))
+    assert_one_error_line(proc, str(link), "symbolic link")
+    assert _fingerprint(other) == before
+
+
+def test_cli_essa_in_a_finished_sft_folder_is_one_line(sft_run, tmp_path):
+    """Another method's run folder: refused, not pruned (checkpoint retention used to delete
+    the other run's checkpoints and the job exited 0)."""
+    out = copy_run(sft_run, tmp_path)
+    before = _fingerprint(out)
+    proc = run_cli(["-m", "essa", "model.path=toy", f"lora.adapter={out / 'adapter'}",
+                    "task.n_train=200", "task.n_eval=16", "essa.population=4",
+                    "essa.minibatch=8", "essa.generations=2", "eval.every=0",
+                    "eval.n_samples=2", "run.progress=false", "run.checkpoint_every=1",
+                    f"run.out={out}"])
+    assert_one_error_line(proc, "holds a sft run", "another folder")
+    after = _fingerprint(out)
+    assert {k: v for k, v in after.items() if k != ".lock"} == \
+        {k: v for k, v in before.items() if k != ".lock"}
+
+
+def test_cli_checkpoints_as_a_file_on_resume_is_one_line_on_2_ranks(sft_run, tmp_path):
+    out = copy_run(sft_run, tmp_path)
+    shutil.rmtree(out / "checkpoints")
+    (out / "checkpoints").write_text("")
+    proc = run_mpi(2, sft_args(out, 3, "--resume"))
+    assert_one_error_line(proc, "checkpoints", "not a folder")
