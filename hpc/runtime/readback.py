@@ -181,5 +181,5 @@ def run_folder_entries(out_dir: str, method: str) -> None:
               os.path.lexists(os.path.join(out_dir, f"{m}.h5"))]
     if method in TRAINING_METHODS and others and os.path.isdir(ckpts) and os.listdir(ckpts):
         raise UserError(f"run folder {out_dir} holds a {others[0]} run ({others[0]}.h5 and "
-                        f"checkpoints/); a {method} job there would read or delete its "
-                        f"checkpoints: give run.out another folder")
+                        f"checkpoints/); this {method} job would read or delete its "
+                        f"checkpoints there: give run.out another folder")
