@@ -10,7 +10,12 @@ data (functions, the option dict, caches keyed by tuples) are the same in the fr
 since they depend on the constructor arguments only (caches are recomputed). A ``range`` is
 kept as its three integers. An array held under two attributes (e.g.
 ``es.C`` and ``es.sm.C``) is restored as one array, as pickle would, so in-place updates still
-reach both. The only pycma object created after construction, the wall-clock timer, is
+reach both; an array that is a view into another (``es.dC``, the diagonal of ``es.sm.C``) is
+restored as the same view (offset, shape, strides, writeable flag) of the restored array:
+restored as a copy it would stop following the in-place updates of ``sm.C`` and the run would
+drift by ~1e-10 a generation after a resume. An array in Fortran order (``sm.B`` from
+``numpy.linalg.eigh``) is restored in Fortran order: BLAS sums a product in another order for
+each layout, so a C-ordered copy of ``B`` changes the last bits of every later sample. The only pycma object created after construction, the wall-clock timer, is
 rebuilt by its own constructor. Bitwise resume is tested in tests/test_essa.py.
 
 A checkpoint may be damaged or crafted, so before anything is written every path it names must
@@ -50,12 +55,17 @@ def _is_data(value) -> bool:
     return False
 
 
+def _address(array: np.ndarray) -> int:
+    return array.__array_interface__["data"][0]
+
+
 def es_state(es) -> dict:
     """{"objects": {path: class name}, "values": {path: data}, "aliases": {path: path},
-    "ranges": {path: [start, stop, step]}} of ``es``; a path is the attribute chain below
-    ``es``, e.g. ``"sm.C"``."""
-    objects, values, aliases, ranges = {}, {}, {}, {}
-    seen_objects, seen_arrays = {id(es)}, {}
+    "ranges": {path: [start, stop, step]}, "views": {path: {"of": path, "offset": bytes,
+    "shape": [...], "strides": [...], "writeable": bool}}, "layouts": {path: "F"}} of ``es``;
+    a path is the attribute chain below ``es``, e.g. ``"sm.C"``."""
+    objects, values, aliases, ranges, views, layouts = {}, {}, {}, {}, {}, {}
+    seen_objects, seen_arrays, originals = {id(es)}, {}, {}
 
     def walk(obj, prefix):
         for name, value in vars(obj).items():
@@ -72,11 +82,44 @@ def es_state(es) -> dict:
             elif _is_data(value):
                 if isinstance(value, np.ndarray):
                     seen_arrays[id(value)] = path
+                    originals[path] = value
+                    if value.flags.f_contiguous and not value.flags.c_contiguous:
+                        layouts[path] = "F"
                     value = value.copy()  # a snapshot: pycma updates its arrays in place
+                else:
+                    value = deepcopy(value)  # and arrays in its lists (e.g. ``pop``)
                 values[path] = value
 
     walk(es, "")
-    return {"objects": objects, "values": values, "aliases": aliases, "ranges": ranges}
+    owners = {path: a for path, a in originals.items() if a.base is None and a.size}
+    for path, view in originals.items():
+        owner = next((p for p, a in owners.items() if view.base is not None and
+                      view.dtype == a.dtype and np.shares_memory(view, a)), None)
+        if owner is not None:
+            del values[path]
+            views[path] = {"of": owner, "offset": _address(view) - _address(owners[owner]),
+                           "shape": list(view.shape), "strides": list(view.strides),
+                           "writeable": bool(view.flags.writeable)}
+            layouts.pop(path, None)
+    return {"objects": objects, "values": values, "aliases": aliases, "ranges": ranges,
+            "views": views, "layouts": layouts}
+
+
+def _view(owner: np.ndarray, spec: dict) -> np.ndarray:
+    """The view ``spec`` (from :func:`es_state`) into ``owner``; ValueError or TypeError if it
+    does not lie inside ``owner``."""
+    if not (isinstance(spec, dict) and set(spec) == {"of", "offset", "shape", "strides",
+                                                      "writeable"} and
+            type(spec["offset"]) is int and type(spec["writeable"]) is bool and
+            all(isinstance(spec[k], list) and all(type(n) is int for n in spec[k])
+                for k in ("shape", "strides"))):
+        raise ValueError("not an offset, a shape, strides and a writeable flag")
+    if not owner.flags.c_contiguous:
+        raise ValueError("the array it views is not contiguous")
+    view = np.ndarray(tuple(spec["shape"]), owner.dtype, buffer=owner, offset=spec["offset"],
+                      strides=tuple(spec["strides"]))
+    view.flags.writeable = spec["writeable"]
+    return view
 
 
 def _references(es) -> list:
@@ -90,7 +133,8 @@ def _references(es) -> list:
     try:
         for _ in range(2):
             population = copy.ask()
-            copy.tell(population, [float(i) for i in range(len(population))])
+            # fitness of both signs, so that what follows the fitness is of both signs too
+            copy.tell(population, [i - len(population) / 2 for i in range(len(population))])
             states.append(es_state(copy))
     finally:
         np.random.set_state(outer)
@@ -140,7 +184,9 @@ def _check(es, state, references: list) -> None:
         return UserError(f"CMA-ES checkpoint {what}; it was damaged or written by another "
                          f"version of pycma; refusing to restore it")
 
-    parts = ("objects", "values", "aliases", "ranges")
+    parts = ("objects", "values", "aliases", "ranges", "views", "layouts")
+    if isinstance(state, dict):  # checkpoints of earlier versions have neither
+        state = {"views": {}, "layouts": {}, **state}
     if not (isinstance(state, dict) and set(state) == set(parts) and
             all(isinstance(state[p], dict) for p in parts)):
         raise refuse(f"is not a dict of {', '.join(parts)}")
@@ -152,7 +198,9 @@ def _check(es, state, references: list) -> None:
     known, objects, ranges = {}, {}, set()  # path -> [values like it], class names, ranges
     for ref in references:
         for path, value in list(ref["values"].items()) + [
-                (path, ref["values"][target]) for path, target in ref["aliases"].items()]:
+                (path, ref["values"][target]) for path, target in ref["aliases"].items()] + [
+                (path, _view(ref["values"][spec["of"]], spec))
+                for path, spec in ref["views"].items()]:
             known.setdefault(path, []).append(value)
         objects.update(ref["objects"])
         ranges.update(ref["ranges"])
@@ -169,18 +217,98 @@ def _check(es, state, references: list) -> None:
         elif not _same_kind(value, known[path]):
             raise refuse(f"value at {path!r} is {_describe(value)}, a fresh strategy's "
                          f"{' or '.join(_describe(like) for like in known[path])}")
+    for path, value in state["values"].items():
+        if path in known:
+            why = _out_of_range(path, value, known[path])
+            if why:
+                raise refuse(f"value at {path!r} {why}")
     for path, target in state["aliases"].items():
         source = state["values"].get(target)
         if not (isinstance(source, np.ndarray) and any(
                 isinstance(like, np.ndarray) and like.shape == source.shape
                 for like in known.get(path, []))):
             raise refuse(f"aliases {path!r} to {target!r}, which is not an array of its shape")
+    for path, spec in state["views"].items():
+        owner = state["values"].get(spec.get("of") if isinstance(spec, dict) else None)
+        try:
+            if not isinstance(owner, np.ndarray):
+                raise ValueError("it names no array of the checkpoint")
+            view = _view(owner, spec)
+        except (ValueError, TypeError) as err:
+            raise refuse(f"view at {path!r} is unusable ({err})") from None
+        if path in state["values"] or not _same_kind(view, known.get(path, [])):
+            raise refuse(f"view at {path!r} is {_describe(view)}, not what a fresh strategy "
+                         f"has there")
+    for path, layout in state["layouts"].items():
+        if layout != "F" or not isinstance(state["values"].get(path), np.ndarray):
+            raise refuse(f"layout at {path!r} is {layout!r}, not 'F' for an array")
     for path, bounds in state["ranges"].items():
         if path not in ranges or not (
                 isinstance(bounds, list) and len(bounds) == 3 and
                 all(type(b) is int for b in bounds)):
             raise refuse(f"range at {path!r} is not one of a fresh strategy or not three "
                          f"integers")
+
+
+# Set by the constructor arguments alone: must equal the fresh strategy's (``sp``: pycma's
+# CMAParameters, learning rates, weights, mu, popsize).
+_CONSTANT_PREFIXES = ("sp.", "N", "sm.dimension", "sigma_vec.dim", "sigma0", "x0", "mean0")
+
+
+def _numbers(value) -> np.ndarray:
+    """The numbers in ``value`` (a number, an array, a list or tuple of numbers) as a float64
+    array; an empty one for anything else."""
+    if isinstance(value, np.ndarray) and value.dtype.kind in "iuf":
+        return value.astype(np.float64).reshape(-1)
+    if isinstance(value, (list, tuple)):
+        parts = [_numbers(v) for v in value]
+        return np.concatenate(parts) if parts else np.zeros(0)
+    if isinstance(value, _NUMBERS) and value is not None and not isinstance(value, (bool,
+                                                                                 np.bool_)):
+        return np.array([float(value)])
+    return np.zeros(0)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _out_of_range(path: str, value, likes: list) -> str | None:
+    """Why ``value`` cannot stand at ``path`` where the references hold ``likes`` (None if it
+    can): a constant of the constructor arguments changed, a float for an integer (counts,
+    sizes), NaN or infinity where no reference has one, a negative number where every
+    reference is >= 0 (counts, sizes, step sizes, times: scalars only; arrays are of both signs
+    in a later generation, except the named ones), a step size or
+    covariance that is not positive (definite)."""
+    if path.startswith(_CONSTANT_PREFIXES) and path.split(".")[0] in ("sp", *_CONSTANT_PREFIXES):
+        fresh = likes[0]
+        same = (np.array_equal(value, fresh) if isinstance(fresh, np.ndarray) else
+                type(value) is type(fresh) and (value == fresh or value != value and
+                                                fresh != fresh))
+        if not same:
+            return "differs from what the constructor arguments give"
+    if all(_is_int(like) for like in likes if like is not None) and any(
+            like is not None for like in likes) and value is not None and not _is_int(value):
+        return f"is {value!r}, not an integer"
+    numbers = _numbers(value)
+    reference = np.concatenate([_numbers(like) for like in likes])
+    if not numbers.size or not reference.size:
+        return None
+    if not np.isfinite(numbers).all() and np.isfinite(reference).all():
+        return "holds NaN or infinite values"
+    if numbers.size == 1 and not isinstance(value, (np.ndarray, list, tuple)) and \
+            numbers.min() < 0 <= reference.min():
+        return f"holds the negative value {numbers.min()!r}; it is never negative"
+    if path == "sigma" and not numbers[0] > 0:
+        return "is not a positive step size"
+    if path in ("C", "sm.C") and isinstance(value, np.ndarray) and value.ndim == 2:
+        scale = np.abs(value).max()  # pycma's updates keep C symmetric to rounding only
+        if not (np.abs(value - value.T).max() <= 1e-10 * scale and
+                np.linalg.eigvalsh((value + value.T) / 2).min() > 0):
+            return "is not a symmetric positive definite covariance matrix"
+    if path in ("sm.D", "D", "dC", "sigma_vec.scaling") and not numbers.min() > 0:
+        return "holds a value that is not positive"
+    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -235,9 +363,10 @@ def restore_es_state(es, state: dict) -> None:
         elif type(current).__name__ != cls_name:
             raise UserError(f"CMA-ES checkpoint has a {cls_name} at {path!r}, this pycma a "
                             f"{type(current).__name__}; resume with the pycma that wrote it")
+    layouts = state.get("layouts", {})
     for path, value in state["values"].items():
         parent, name = _parent(es, path)
-        setattr(parent, name, _plain(value))
+        setattr(parent, name, np.asfortranarray(value) if path in layouts else _plain(value))
     for path, bounds in state["ranges"].items():
         parent, name = _parent(es, path)
         setattr(parent, name, range(*bounds))
@@ -245,3 +374,7 @@ def restore_es_state(es, state: dict) -> None:
         parent, name = _parent(es, path)
         source, source_name = _parent(es, target)
         setattr(parent, name, getattr(source, source_name))
+    for path, spec in state.get("views", {}).items():
+        parent, name = _parent(es, path)
+        source, source_name = _parent(es, spec["of"])
+        setattr(parent, name, _view(getattr(source, source_name), spec))

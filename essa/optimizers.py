@@ -156,6 +156,8 @@ class CMAES:
                      count(state["rng_has_gauss"], source, "rng_has_gauss", maximum=1),
                      amount(state["rng_cached_gaussian"], source, "rng_cached_gaussian",
                             minimum=-np.inf))
+        if not rng_state[1].any():  # MT19937 never leaves the all-zero state: a hang
+            raise bad_field(source, "rng_keys", "is all zeros, which MT19937 never reaches")
         restore_es_state(self._es, state["es"])
         self._rng_state = rng_state
         self._asked = False

@@ -10,7 +10,7 @@ from hpc.evaluate import evaluate
 from hpc.models.loading import enable_activation_checkpointing, save_adapter
 from hpc.models.memory_plan import activation_checkpointing
 from hpc.job.loop import Method
-from hpc.runtime.readback import bad_field
+from hpc.runtime.readback import adam_state, bad_field, tensors
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -69,12 +69,9 @@ class GradientMethod(Method):
         """Checked first: one tensor per trained parameter, of its shape and a float dtype; an
         optimizer state torch accepts (its ValueError, e.g. other parameter groups, is one
         line)."""
-        saved = state["params"]
-        if not (isinstance(saved, list) and len(saved) == len(self.params) and all(
-                isinstance(s, torch.Tensor) and s.shape == p.shape and s.is_floating_point()
-                for s, p in zip(saved, self.params))):
-            raise bad_field("checkpoint", "params", f"is not {len(self.params)} float tensors "
-                                                    f"of the trained parameters' shapes")
+        shapes = [tuple(p.shape) for p in self.params]
+        saved = tensors(state["params"], "checkpoint", "params", shapes)
+        adam_state(state["optimizer"], "checkpoint", shapes)
         try:
             self.opt.load_state_dict(state["optimizer"])
         except (ValueError, KeyError, TypeError) as err:

@@ -255,6 +255,20 @@ def _replace(name, **kwargs):
     return craft
 
 
+def _fletcher(f):
+    """The step column with a Fletcher-32 checksum, its stored bytes then changed."""
+    del f["metrics/step"]
+    ds = f["metrics"].create_dataset("step", data=np.array([1, 2]), maxshape=(None,),
+                                     chunks=(64,), fletcher32=True)
+    f.flush()
+    offset = ds.id.get_chunk_info(0).byte_offset
+    filename = f.filename
+    f.close()
+    with open(filename, "r+b") as fh:
+        fh.seek(offset)
+        fh.write(b"\xff")
+
+
 def _hard_link_cycle(f, outside):
     f["metrics/loop"] = f["metrics"]
 
@@ -275,6 +289,12 @@ RUN_FILE_CRAFTS = {
                                    maxshape=(None,), chunks=(64,)), "/metrics/loss"),
     "column of fixed length": (_replace("metrics/loss", data=np.ones(2)), "/metrics/loss"),
     "hard link cycle": (_hard_link_cycle, "nested"),
+    "huge sparse step": (_replace("metrics/step", shape=(2 ** 37,), dtype="i8",
+                                  maxshape=(None,), chunks=(64,)), "rows never written"),
+    "huge sparse column": (_replace("metrics/loss", shape=(2, 2 ** 27), dtype="f8",
+                                    maxshape=(None, 2 ** 27), chunks=(1, 2 ** 17)),
+                           "rows never written"),
+    "Fletcher checksum failure": (lambda f, outside: _fletcher(f), "damaged"),
 }
 
 
@@ -282,8 +302,11 @@ def crafted_run_file(tmp_path, outside, name) -> tuple:
     """(path, bytes) of a valid run file crafted by RUN_FILE_CRAFTS[name]."""
     path = run_dir(tmp_path) / "essa.h5"
     make_run_file(str(path))
-    with h5py.File(path, "a") as f:
+    f = h5py.File(path, "a")
+    try:
         RUN_FILE_CRAFTS[name][0](f, outside)
+    finally:
+        f.close()  # a no-op where the crafting closed it to edit the bytes
     return str(path), path.read_bytes()
 
 
@@ -665,3 +688,269 @@ def test_retention_removes_unfinished_and_pruned_sharded_folders(sharded, tmp_pa
     save_checkpoint(ckpt, 5, {"step": 5, "sharded": later}, keep=1)
     prune_sharded(ckpt)
     assert os.listdir(root) == ["step-00000005"]
+
+
+# --- values read back: NaN, -1, wrong kinds (issue 29) --------------------------------------
+
+def _state_values(state):
+    """(path, number or array) of every numeric CMA-ES state value."""
+    for path, value in state["optimizer"]["es"]["values"].items():
+        if isinstance(value, (bool, np.bool_, str)) or value is None:
+            continue
+        if isinstance(value, (int, float, np.integer, np.floating)) or (
+                isinstance(value, np.ndarray) and value.dtype.kind in "iuf" and value.size):
+            yield path, value
+
+
+def _poisoned(value, fill):
+    if isinstance(value, np.ndarray):
+        if fill != fill and value.dtype.kind != "f":
+            return None
+        out = value.copy()
+        out.reshape(-1)[0] = fill
+        return out
+    return fill if fill != fill else type(value)(fill)
+
+
+def test_every_cma_state_value_nan_or_minus_one_is_refused_or_runs_on(valid_method_state):
+    """NaN and -1 in each CMA-ES state value: refused as one line naming it, or (a value that
+    may be -1, e.g. a coordinate of the mean) three more generations with a finite mean and
+    step size; never an exception from pycma, never a hang (10 s alarm)."""
+    import signal
+
+    def hang(*_):
+        raise TimeoutError("hung")
+
+    old = signal.signal(signal.SIGALRM, hang)
+    outcomes, bad = {}, []
+    try:
+        for path, value in _state_values(valid_method_state):
+            for tag, fill in (("nan", float("nan")), ("-1", -1)):
+                poisoned = _poisoned(value, fill)
+                if poisoned is None:
+                    continue
+                state = copy.deepcopy(valid_method_state)
+                state["optimizer"]["es"]["values"][path] = poisoned
+                opt = fresh_optimizer()
+                signal.alarm(10)
+                try:
+                    opt.load_state_dict(state)
+                    for _ in range(3):
+                        x = opt.ask()
+                        opt.tell(x, -np.sum(x ** 2, axis=1))
+                    ok = np.isfinite(opt.mean).all() and np.isfinite(opt.sigma)
+                    outcomes[path, tag] = "ran" if ok else "ran non-finite"
+                except UserError as err:
+                    one_line(err, repr(path))
+                    outcomes[path, tag] = "refused"
+                except BaseException as err:  # noqa: B036 - what the test looks for
+                    outcomes[path, tag] = f"{type(err).__name__}: {err}"[:200]
+                finally:
+                    signal.alarm(0)
+    finally:
+        signal.signal(signal.SIGALRM, old)
+    bad = {k: v for k, v in outcomes.items() if v not in ("refused", "ran")}
+    assert not bad, bad
+    assert len(outcomes) > 200
+    for path in ("sigma", "sm.C", "sm.D", "countiter", "countevals", "sp.cc", "sp.weights.mueff",
+                 "sm.dimension", "sigma_vec.scaling", "mean", "pc"):
+        assert outcomes[path, "nan"] == "refused", path
+    for path in ("sigma", "countiter", "countevals", "sp.popsize", "sm.dimension", "sp.cc"):
+        assert outcomes[path, "-1"] == "refused", path
+
+
+def _optimizer_state():
+    """TrainedWeights (F-GRPO's AdamW over fp32 masters) after one step: (weights, state)."""
+    import torch
+
+    from hpc.models.parallelize import TrainedWeights
+
+    params = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
+    weights = TrainedWeights(params, 1e-3, 0.01)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    weights.step(1.0)
+    return weights, weights.state_dict()
+
+
+def _nan_at(tensor):
+    tensor.view(-1)[0] = float("nan")
+
+
+ADAM_CRAFTS = {
+    "exp_avg of the wrong shape": (lambda s: s["optimizer"]["state"][0].__setitem__(
+        "exp_avg", __import__("torch").zeros(4, 3)), "exp_avg"),
+    "negative step": (lambda s: s["optimizer"]["state"][0].__setitem__(
+        "step", __import__("torch").tensor(-1.0)), "step"),
+    "betas a string": (lambda s: s["optimizer"]["param_groups"][0].__setitem__("betas", "ab"),
+                       "betas"),
+    "params as ints": (lambda s: s.__setitem__("params", [1, 2]), "params"),
+    "group params as floats": (lambda s: s["optimizer"]["param_groups"][0].__setitem__(
+        "params", [0.5, 1]), "params"),
+    "NaN in exp_avg_sq": (lambda s: _nan_at(s["optimizer"]["state"][1]["exp_avg_sq"]),
+                          "exp_avg_sq"),
+    "NaN learning rate": (lambda s: s["optimizer"]["param_groups"][0].__setitem__(
+        "lr", float("nan")), "lr"),
+    "learning rate 1e30": (lambda s: s["optimizer"]["param_groups"][0].__setitem__("lr", 1e30),
+                           "lr"),
+    "NaN parameter": (lambda s: _nan_at(s["params"][0]), "params[0]"),
+    "infinite moment": (lambda s: s["optimizer"]["state"][0]["exp_avg"].view(-1).__setitem__(
+        0, float("inf")), "exp_avg"),
+}
+
+
+@pytest.mark.parametrize("name", list(ADAM_CRAFTS))
+def test_a_crafted_optimizer_state_is_one_line(name, tmp_path, capsys):
+    """F-GRPO's weights and AdamW state through a real checkpoint file: refused as one line
+    naming the field, so load_latest falls back to the previous checkpoint."""
+    weights, state = _optimizer_state()
+    craft, word = ADAM_CRAFTS[name]
+    ckpts = tmp_path / "checkpoints"
+    save_checkpoint(str(ckpts), 1, {"method": copy.deepcopy(state)})
+    bad = copy.deepcopy(state)
+    craft(bad)
+    save_checkpoint(str(ckpts), 2, {"method": bad})
+    capsys.readouterr()
+    loaded = load_latest(str(ckpts), accept=lambda s, _: weights.load_state_dict(s["method"]))
+    assert loaded is not None
+    warning = capsys.readouterr().err
+    assert "step-00000002" in warning and word in warning, warning
+    os.remove(ckpts / "step-00000001.safetensors")
+    with pytest.raises(UserError) as caught:
+        load_latest(str(ckpts), accept=lambda s, _: weights.load_state_dict(s["method"]))
+    one_line(caught.value, word)
+
+
+def _skeleton_file(skeleton: str, tensors: dict) -> bytes:
+    return save_numpy(tensors, metadata={"format": FORMAT, "skeleton": skeleton})
+
+
+SKELETON_CRAFTS = {
+    "tensor name as a list": ('{"type": "tensor", "tensor": ["t0"]}', {"t0": np.zeros(2)},
+                              "missing tensor"),
+    "list items an int": ('{"type": "list", "items": 5}', {"t0": np.zeros(2)}, "items"),
+    "dict items ints": ('{"type": "dict", "items": [1, 2]}', {"t0": np.zeros(2)},
+                        "malformed dict entry"),
+    "empty numpy scalar": ('{"type": "dict", "items": [["x", {"type": "numpy_scalar", '
+                           '"tensor": "t0"}]]}', {"t0": np.zeros(0)}, "numpy scalar"),
+    "15M-item list": ('{"type": "list", "items": [' + ",".join(["[]"] * 15_000_000) + ']}',
+                      {"t0": np.zeros(2)}, "JSON values"),
+}
+
+
+@pytest.mark.parametrize("name", list(SKELETON_CRAFTS))
+def test_a_crafted_skeleton_falls_back(name, tmp_path, capsys, valid_method_state):
+    skeleton, tensors, words = SKELETON_CRAFTS[name]
+    ckpts = run_dir(tmp_path) / "checkpoints"
+    run_bytes = make_run_file(str(tmp_path / "make.h5"))
+    save_checkpoint(str(ckpts), 1, loop_state(1, run_bytes, valid_method_state))
+    plant_raw(ckpts, 2, _skeleton_file(skeleton, tensors))
+    assert_fallback(ckpts, capsys, words)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_a_16_or_8_bit_array_in_the_essa_state_falls_back(dtype, tmp_path, capsys,
+                                                          valid_method_state):
+    """A tensor of a dtype numpy lacks where the ESSA state holds a numpy array."""
+    import torch
+    from safetensors.torch import load as load_tensors, save as save_tensors
+
+    ckpts = run_dir(tmp_path) / "checkpoints"
+    run_bytes = make_run_file(str(tmp_path / "make.h5"))
+    save_checkpoint(str(ckpts), 1, loop_state(1, run_bytes, valid_method_state))
+    good = save_checkpoint(str(ckpts), 2, loop_state(2, run_bytes, valid_method_state))
+    with open(good, "rb") as fh:
+        data = fh.read()
+    (header_len,) = struct.unpack("<Q", data[:8])
+    import json
+    metadata = json.loads(data[8:8 + header_len])["__metadata__"]
+    tensors = load_tensors(data)
+    name = next(iter(tensors))
+    tensors[name] = tensors[name].to(getattr(torch, dtype))
+    plant_raw(ckpts, 2, save_tensors(tensors, metadata=metadata))
+    assert_fallback(ckpts, capsys, dtype)
+
+
+def test_all_zero_rng_keys_are_refused_not_a_hang(tmp_path, capsys, valid_method_state):
+    ckpts = run_dir(tmp_path) / "checkpoints"
+    save_checkpoint(str(ckpts), 1, loop_state(1, None, valid_method_state))
+    bad = loop_state(2, None, valid_method_state)
+    bad["method"]["optimizer"]["rng_keys"] = np.zeros(624, np.uint32)
+    save_checkpoint(str(ckpts), 2, bad)
+    assert_fallback(ckpts, capsys, "'rng_keys'", "all zeros")
+
+
+def test_a_hard_linked_checkpoint_falls_back(tmp_path, capsys, valid_method_state):
+    ckpts = run_dir(tmp_path) / "checkpoints"
+    save_checkpoint(str(ckpts), 1, loop_state(1, None, valid_method_state))
+    path = save_checkpoint(str(ckpts), 2, loop_state(2, None, valid_method_state))
+    os.link(path, tmp_path / "elsewhere.safetensors")
+    assert_fallback(ckpts, capsys, "hard link")
+
+
+def test_checkpoints_as_a_file_is_one_line(tmp_path):
+    from hpc.runtime.readback import run_folder_entries
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoints").write_text("not a folder")
+    with pytest.raises(UserError) as caught:
+        load_latest(str(out / "checkpoints"))
+    one_line(caught.value, "checkpoints", "not a folder")
+    with pytest.raises(UserError) as caught:
+        run_folder_entries(str(out), "essa")
+    one_line(caught.value, "checkpoints", "not a folder")
+
+
+def test_lock_as_a_folder_is_one_line(tmp_path):
+    from hpc.runtime.readback import run_folder_entries
+
+    out = tmp_path / "run"
+    (out / ".lock").mkdir(parents=True)
+    with pytest.raises(UserError) as caught:
+        run_folder_entries(str(out), "sft")
+    one_line(caught.value, ".lock", "not a plain file")
+    with pytest.raises(UserError) as caught:
+        job_module._lock_run_folder(str(out), "1")
+    one_line(caught.value, ".lock", "folder")
+
+
+def _fingerprint(folder) -> dict:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and not p.is_symlink()}
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["fresh", "resume"])
+def test_cli_run_out_a_symbolic_link_to_another_run_is_one_line(sft_run, tmp_path, resume):
+    """run.out naming a link to another run folder, on 2 ranks: one line, nothing written."""
+    other = copy_run(sft_run, tmp_path)
+    before = _fingerprint(other)
+    link = tmp_path / "link"
+    os.symlink(other, link)
+    proc = run_mpi(2, sft_args(link, 3, *(["--resume"] if resume else [])))
+    assert_one_error_line(proc, str(link), "symbolic link")
+    assert _fingerprint(other) == before
+
+
+def test_cli_essa_in_a_finished_sft_folder_is_one_line(sft_run, tmp_path):
+    """Another method's run folder: refused, not pruned (checkpoint retention used to delete
+    the other run's checkpoints and the job exited 0)."""
+    out = copy_run(sft_run, tmp_path)
+    before = _fingerprint(out)
+    proc = run_cli(["-m", "essa", "model.path=toy", f"lora.adapter={out / 'adapter'}",
+                    "task.n_train=200", "task.n_eval=16", "essa.population=4",
+                    "essa.minibatch=8", "essa.generations=2", "eval.every=0",
+                    "eval.n_samples=2", "run.progress=false", "run.checkpoint_every=1",
+                    f"run.out={out}"])
+    assert_one_error_line(proc, "holds a sft run", "another folder")
+    after = _fingerprint(out)
+    assert {k: v for k, v in after.items() if k != ".lock"} == \
+        {k: v for k, v in before.items() if k != ".lock"}
+
+
+def test_cli_checkpoints_as_a_file_on_resume_is_one_line_on_2_ranks(sft_run, tmp_path):
+    out = copy_run(sft_run, tmp_path)
+    shutil.rmtree(out / "checkpoints")
+    (out / "checkpoints").write_text("")
+    proc = run_mpi(2, sft_args(out, 3, "--resume"))
+    assert_one_error_line(proc, "checkpoints", "not a folder")

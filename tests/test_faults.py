@@ -371,3 +371,134 @@ def test_disk_full_mid_run(toy_adapter, tmp_path):
         assert not list((out / "checkpoints").glob("*.tmp"))
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+@pytest.mark.parametrize("kind,dim,popsize", [("cma", 30, 4), ("cma", 12, 5), ("cma", 8, 6),
+                                              ("sep-cma", 30, 4), ("cma", 64, 8)])
+def test_cma_resume_from_every_checkpoint_of_20_generations_is_bitwise(tmp_path, kind, dim,
+                                                                       popsize):
+    """The optimizer alone, through real checkpoint files: resumed from each of the 19
+    checkpoints of a 20-generation run, CMA-ES ends with the uninterrupted run's mean, step
+    size and covariance, bit for bit (pycma's ``dC`` is a view into ``sm.C`` and ``sm.B`` is
+    Fortran-ordered: restored as a copy or in C order, each drifted by ~1e-10 a generation)."""
+    from essa.optimizers import Tracked, make_optimizer
+
+    def fitness(x, g):
+        return -np.sum((x - 0.3) ** 2, axis=1) + 0.01 * g
+
+    def run(opt, first):
+        for g in range(first, 20):
+            x = opt.ask()
+            opt.tell(x, fitness(x, g))
+            save_checkpoint(str(tmp_path / "ckpt"), g + 1, {"method": opt.state_dict()},
+                            keep=100)
+        return opt
+
+    def fresh():
+        return Tracked(make_optimizer(kind, dim, popsize, 0.5, seed=7))
+
+    full = run(fresh(), 0)
+    for step in range(1, 20):
+        one = tmp_path / f"from-{step}"
+        one.mkdir()
+        for suffix in (".safetensors", ".sha256"):
+            shutil.copy(tmp_path / "ckpt" / f"step-{step:08d}{suffix}", one)
+        resumed = fresh()
+        resumed.load_state_dict(load_latest(str(one))["method"])
+        for g in range(step, 20):
+            x = resumed.ask()
+            resumed.tell(x, fitness(x, g))
+        es, ref = resumed.optimizer._es, full.optimizer._es
+        assert np.array_equal(resumed.mean, full.mean), step
+        assert resumed.optimizer.sigma == full.optimizer.sigma, step
+        assert np.array_equal(es.pc, ref.pc), step
+        assert np.array_equal(es.adapt_sigma.ps, ref.adapt_sigma.ps), step
+
+
+@pytest.fixture(scope="module")
+def essa_20(toy_adapter, tmp_path_factory):
+    """An uninterrupted 20-generation ESSA run on 2 ranks that keeps every checkpoint."""
+    full = tmp_path_factory.mktemp("essa-20") / "full"
+    proc = run_mpi(2, essa_args(toy_adapter, full, 20, "essa.keep_checkpoints=100"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return full
+
+
+def _same_end(full, part):
+    a, b = RunFile(str(full / "essa.h5")), RunFile(str(part / "essa.h5"))
+    assert b.attrs["status"] == "complete"
+    assert b.group("essa")["step"].tolist() == list(range(1, 21))
+    assert np.array_equal(a.group("essa")["fitness"], b.group("essa")["fitness"])
+    assert np.array_equal(a.group("final")["mean"], b.group("final")["mean"])
+    for adapter in ("adapter-mean", "adapter-best"):
+        weights = f"{adapter}/adapter_model.safetensors"
+        for name, tensor in load_file(str(full / weights)).items():
+            assert torch.equal(tensor, load_file(str(part / weights))[name]), name
+
+
+@pytest.mark.parametrize("step", [2, 7, 8, 10, 14, 16, 18])
+def test_essa_resumed_from_a_checkpoint_of_20_generations_is_bitwise(essa_20, toy_adapter,
+                                                                     tmp_path, step):
+    """The job resumed from checkpoint ``step`` (the later ones deleted, as if it had been
+    preempted there): the same fitness rows, final mean and adapter as the uninterrupted run
+    (steps 8, 10, 14 and 16 once ended ~6e-10 apart)."""
+    part = tmp_path / "part"
+    shutil.copytree(essa_20, part)
+    for path in list_checkpoints(str(part / "checkpoints")):
+        if int(os.path.basename(path)[5:13]) > step:
+            os.remove(path)
+            os.remove(path[:-len(".safetensors")] + ".sha256")
+    resumed = run_mpi(2, essa_args(toy_adapter, part, 20, "essa.keep_checkpoints=100") +
+                      ["--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _same_end(essa_20, part)
+
+
+def test_essa_sigusr1_after_generation_7_then_resume_is_bitwise(essa_20, toy_adapter,
+                                                                tmp_path):
+    part = tmp_path / "part"
+    args = essa_args(toy_adapter, part, 20, "essa.keep_checkpoints=100")
+    code, out, err = run_and_signal(args, str(part / "essa.h5"), "essa", 7, signal.SIGUSR1)
+    assert code == 3, err[-3000:]
+    assert 7 <= RunFile(str(part / "essa.h5")).group("essa")["step"][-1] < 20
+    resumed = run_mpi(2, args + ["--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _same_end(essa_20, part)
+
+
+COMPLETES = """
+import sys
+from hpc.runtime.errors import user_errors_exit
+from hpc.runtime.preempt import stop_signals
+
+@user_errors_exit
+def main():
+    stop_signals()
+    import torch, h5py  # what a job has loaded: a shutdown that takes a while
+    print("run: done", flush=True)
+    sys.stdin.readline()  # the test starts signalling now
+
+main()
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
+def test_a_stop_signal_after_the_final_line_leaves_exit_0(sig):
+    """Signals sent again and again from the final ``run:`` line until the process is gone
+    (a preemption that comes as the job ends): exit 0, not 138 or 143."""
+    env = dict(os.environ, **MPI_ENV, OMPI_COMM_WORLD_RANK="0")
+    proc = subprocess.Popen([sys.executable, "-c", COMPLETES], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    assert proc.stdout.readline().startswith("run: ")
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    sent = 0
+    while proc.poll() is None:
+        try:
+            os.kill(proc.pid, sig)
+            sent += 1
+        except ProcessLookupError:
+            break
+        time.sleep(0.0005)
+    assert proc.wait(timeout=60) == 0
+    assert sent > 0

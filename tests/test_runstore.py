@@ -226,3 +226,68 @@ def test_truncate_after_stops_at_the_first_later_step(tmp_path):
     store.truncate_after(2)
     store.close()
     assert RunFile(path).group("metrics")["step"].tolist() == [1, 2]
+
+
+def test_a_row_written_but_not_committed_is_not_read(tmp_path):
+    """Readers stop at the committed length: a row whose datasets are on disk in part (here:
+    flushed before the commit, as a reader may catch the writer) is not read."""
+    path = str(tmp_path / "run.h5")
+    store = RunStore(path, active=True, attrs={"method": "essa"})
+    store.log_step(1, metrics={"reward": 0.5, "loss": 1.0})
+    store.write_row("metrics", 2, flush=False, reward=0.75)  # "loss" padded, not committed
+    store.file.flush()
+    seen = str(tmp_path / "seen.h5")  # what another process reads now (HDF5 opens a file once
+    shutil.copy(path, seen)           # a process)
+    run = RunFile(seen)
+    assert run.group("metrics")["step"].tolist() == [1]
+    assert run.group("metrics")["reward"].tolist() == [0.5]
+    store.log_step(3, metrics={"reward": 1.0})
+    shutil.copy(path, seen)
+    assert RunFile(seen).group("metrics")["step"].tolist() == [1, 2, 3]
+    store.close()
+
+
+READ_WHILE_WRITING = """
+import sys
+import numpy as np
+from hpc.runtime.runstore import RunStore
+store = RunStore(sys.argv[1], active=True, attrs={"method": "test", "world_size": 2})
+for step in range(1, 100000):
+    store.log_step(step, metrics={f"m{k}": step for k in range(12)},
+                   timings={"generate": np.full(2, step)}, nbytes={"fitness": step})
+    print(step, flush=True)
+"""
+
+
+def test_readers_during_a_run_see_whole_rows(tmp_path):
+    """h5py readers (RunFile, as hpc-report reads) while a writer appends rows as fast as it
+    can: every read that succeeds holds whole rows only (every column as long as ``step``,
+    every value of row i equal to its step); a read may fail (no SWMR), never be torn."""
+    path = str(tmp_path / "live.h5")
+    env = dict(os.environ, PYTHONPATH=REPO)
+    proc = subprocess.Popen([sys.executable, "-c", READ_WHILE_WRITING, path],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert int(proc.stdout.readline()) == 1
+        reads, torn = 0, []
+        deadline = time.time() + 120
+        while reads < 300 and time.time() < deadline:
+            try:
+                run = RunFile(path)
+            except (OSError, KeyError, RuntimeError, ValueError):
+                continue
+            reads += 1
+            for name in ("metrics", "timings", "bytes"):
+                group = run.group(name)
+                if not group:
+                    continue
+                steps = group["step"]
+                for column, values in group.items():
+                    rows = values.reshape(len(values), -1)
+                    if len(values) != len(steps) or not (rows == steps[:, None]).all():
+                        torn.append((reads, name, column, len(steps), len(values)))
+    finally:
+        proc.kill()
+        proc.wait()
+    assert reads >= 100
+    assert not torn, torn[:5]

@@ -29,6 +29,7 @@ from hpc.runtime.atomic import open_plain
 from hpc.runtime.config import config_to_yaml, load_config
 from hpc.runtime.errors import EXIT_USER_ERROR, UserError
 from hpc.runtime.preempt import EXIT_PREEMPTED, any_rank_signalled, startup_delay, stop_signals
+from hpc.runtime.readback import run_folder_entries
 from hpc.runtime.rendezvous import agree
 from hpc.runtime.results import format_table
 from hpc.runtime.runstore import RunStore, environment_attrs, readable
@@ -226,6 +227,7 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
     out_dir = run_folder(cfg.run.out, method, job_id)
 
     def claim_folder():
+        run_folder_entries(out_dir, method)  # every rank: the folder is shared
         if world.is_root:
             if resume:
                 _check_resumable(out_dir, method)

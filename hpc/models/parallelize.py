@@ -36,7 +36,7 @@ from hpc.models.offload import HostCopy
 from hpc.runtime.atomic import replaced_dir
 from hpc.runtime.dist import all_reduce_mean_
 from hpc.runtime.errors import UserError
-from hpc.runtime.readback import bad_field
+from hpc.runtime.readback import adam_state, bad_field, tensors
 
 PARALLELISMS = ("ddp", "fsdp2")
 
@@ -238,14 +238,13 @@ class TrainedWeights:
         if not isinstance(saved, list) or not all(
                 isinstance(s, torch.Tensor) and s.is_floating_point() for s in saved):
             raise bad_field("checkpoint", "params", "is not a list of float tensors")
+        shapes = [tuple(_local(m).shape) for m in self.masters]
         if len(saved) != len(self.masters) or any(
-                tuple(s.shape) != tuple(_local(m).shape) for s, m in zip(saved, self.masters)):
+                tuple(s.shape) != shape for s, shape in zip(saved, shapes)):
             raise UserError("the checkpoint's weights do not match this job's model and rank "
                             "count; resume with the model and number of ranks that wrote it")
-        opt = state["optimizer"]
-        if not (isinstance(opt, dict) and isinstance(opt.get("state"), dict)
-                and isinstance(opt.get("param_groups"), list)):
-            raise bad_field("checkpoint", "optimizer", "is not this optimizer's state")
+        tensors(saved, "checkpoint", "params", shapes)
+        opt = adam_state(state["optimizer"], "checkpoint", shapes)
         try:
             self.opt.load_state_dict({
                 "state": {i: {k: self._as_param(self.masters[int(i)], v) for k, v in s.items()}

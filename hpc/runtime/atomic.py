@@ -35,6 +35,10 @@ def open_plain(path: str, flags: int = os.O_RDONLY):
     except OSError as err:
         if err.errno == errno.ELOOP:
             refuse_link(path)
+        if err.errno == errno.EISDIR:
+            raise UserError(f"{path} is a folder, not a plain file; a job writes only plain "
+                            f"files of its run folder: remove it", same_on_all_ranks=False
+                            ) from None
         raise
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode) or (flags & os.O_CREAT and info.st_nlink > 1):

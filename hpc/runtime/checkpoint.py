@@ -115,6 +115,9 @@ def _decode(path: str, data: bytes) -> dict:
 
 def _read(path: str) -> bytes:
     with os.fdopen(open_plain(path), "rb") as fh:  # a symbolic link there: UserError
+        if os.fstat(fh.fileno()).st_nlink > 1:  # another name may be changed under it
+            raise UserError(f"checkpoint file {path} is a hard link to another name; a job "
+                            f"reads only plain files of its own")
         return fh.read()
 
 
@@ -141,6 +144,9 @@ def load_latest(directory: str, warn=True, accept=None) -> dict | None:
     earlier version (pickles, which this version never loads).
     """
     refuse_link(directory, same_on_all_ranks=True)  # every rank reads the checkpoints
+    if os.path.lexists(directory) and not os.path.isdir(directory):
+        raise UserError(f"{directory} is not a folder; the run folder was damaged: remove it "
+                        f"or give run.out another folder")
     paths = list_checkpoints(directory)
     if not paths:
         old = sorted(glob.glob(os.path.join(directory, "step-*.pt")))

@@ -119,7 +119,9 @@ def user_errors_exit(main):
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         try:
-            return main(*args, **kwargs)
+            result = main(*args, **kwargs)
+            _ignore_stop_signals()
+            return result
         except UserError as err:
             report_user_error(err)
             if err.abort_peers:
@@ -134,6 +136,18 @@ def user_errors_exit(main):
         except SystemExit as done:
             if done.code not in (None, 0):
                 _exit_through_sigterm(done.code)
+            _ignore_stop_signals()
             raise
 
     return wrapper
+
+
+def _ignore_stop_signals() -> None:
+    """After a job completed (its final ``run:`` line printed), a stop signal (SIGUSR1,
+    SIGTERM) has nothing left to stop: ignore it, where the job's own recorder
+    (:class:`hpc.runtime.preempt.StopSignals`) had it, which Python removes while the
+    interpreter shuts down, so a late signal ended the job with 138 or 143 instead of 0."""
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        handler = signal.getsignal(sig)
+        if type(getattr(handler, "__self__", None)).__name__ == "StopSignals":
+            signal.signal(sig, signal.SIG_IGN)

@@ -64,6 +64,12 @@ def flatten(state) -> tuple[dict, object]:
     return tensors, encode(state)
 
 
+# torch dtypes numpy has (bfloat16 and the float8s have none: never written as arrays)
+_NUMPY_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                 torch.float16, torch.float32, torch.float64, torch.uint16, torch.uint32,
+                 torch.uint64)
+
+
 def unflatten(tensors: dict, skeleton, source: str):
     """Inverse of :func:`flatten`; ``source`` (e.g. the file) names the checkpoint in errors."""
 
@@ -72,9 +78,22 @@ def unflatten(tensors: dict, skeleton, source: str):
                          f"refusing to load it")
 
     def tensor(node) -> torch.Tensor:
-        if node.get("tensor") not in tensors:
-            raise bad(f"missing tensor {node.get('tensor')!r}")
-        return tensors[node["tensor"]]
+        name = node.get("tensor")
+        if not isinstance(name, str) or name not in tensors:
+            raise bad(f"missing tensor {name!r}")
+        return tensors[name]
+
+    def array(node) -> np.ndarray:
+        value = tensor(node)
+        if value.dtype not in _NUMPY_DTYPES:
+            raise bad(f"a {value.dtype} tensor {node['tensor']!r} where a numpy array is stored")
+        return value.numpy()
+
+    def items(node) -> list:
+        value = node.get("items", [])
+        if not isinstance(value, list):
+            raise bad(f"{type(value).__name__} items in a {node.get('type')}")
+        return value
 
     def decode(node):
         if node is None or isinstance(node, (bool, int, float, str)):
@@ -85,18 +104,24 @@ def unflatten(tensors: dict, skeleton, source: str):
         if kind == "tensor":
             return tensor(node)
         if kind == "ndarray":
-            return tensor(node).numpy()
+            return array(node)
         if kind == "numpy_scalar":
-            return tensor(node).numpy()[0]
+            value = array(node)
+            if value.shape != (1,):
+                raise bad(f"a numpy scalar of shape {value.shape}")
+            return value[0]
         if kind == "bytes":
-            return tensor(node).numpy().tobytes()
+            value = tensor(node)
+            if value.dtype != torch.uint8 or value.dim() != 1:
+                raise bad(f"bytes stored as a {value.dtype} tensor of shape {tuple(value.shape)}")
+            return value.numpy().tobytes()
         if kind in ("list", "tuple"):
-            items = [decode(v) for v in node.get("items", [])]
-            return items if kind == "list" else tuple(items)
+            decoded = [decode(v) for v in items(node)]
+            return decoded if kind == "list" else tuple(decoded)
         if kind == "dict":
             out = CheckpointDict()
             out.source = source
-            for pair in node.get("items", []):
+            for pair in items(node):
                 if not (isinstance(pair, list) and len(pair) == 2 and
                         isinstance(pair[0], (str, int)) and not isinstance(pair[0], bool)):
                     raise bad("malformed dict entry")

@@ -18,6 +18,8 @@ from hpc.runtime.errors import UserError
 
 MAX_JSON_BYTES = 256 * 2 ** 20  # a checkpoint skeleton of a 32B model's optimizer: a few MiB
 MAX_JSON_DEPTH = 64             # a checkpoint skeleton nests ~3 levels per level of its state
+MAX_JSON_ITEMS = 2 ** 22        # values in one document: a skeleton of a 32B model's optimizer
+                                # has ~10^4, CMA-ES histories ~10^5; 15M empty lists take GiBs
 MAX_STEP = 2 ** 40              # steps, generations: far beyond any run, far below int64
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 
@@ -30,7 +32,8 @@ def bad_field(source: str, field: str, why: str) -> UserError:
 
 def bounded_json(text):
     """``json.loads(text)`` (str or bytes); ValueError (with the reason) for malformed JSON, more
-    than MAX_JSON_BYTES or nesting deeper than MAX_JSON_DEPTH, never a RecursionError."""
+    than MAX_JSON_BYTES, nesting deeper than MAX_JSON_DEPTH or more than MAX_JSON_ITEMS values
+    (counted by their commas), never a RecursionError or a MemoryError."""
     data = text.encode() if isinstance(text, str) else bytes(text)
     if len(data) > MAX_JSON_BYTES:
         raise ValueError(f"{len(data)} bytes of JSON, more than {MAX_JSON_BYTES}")
@@ -40,6 +43,9 @@ def bounded_json(text):
     if depth.size and depth.max() > MAX_JSON_DEPTH:
         raise ValueError(f"JSON nested {int(depth.max())} levels deep, more than "
                          f"{MAX_JSON_DEPTH}")
+    values = int(np.count_nonzero(brackets == ord(","))) + 1
+    if values > MAX_JSON_ITEMS:
+        raise ValueError(f"{values} JSON values, more than {MAX_JSON_ITEMS}")
     return json.loads(data)
 
 
@@ -72,3 +78,108 @@ def array(value, source: str, field: str, shape: tuple, kinds: str = "iuf") -> n
         raise bad_field(source, field, f"is a {value.dtype} array of shape {value.shape}, "
                                        f"expected kind {kinds!r} and shape {shape}")
     return value
+
+
+def tensors(value, source: str, field: str, shapes: list) -> list:
+    """``value`` as a list of finite float torch tensors of ``shapes`` (tuples), one each."""
+    import torch
+
+    if not (isinstance(value, list) and len(value) == len(shapes) and all(
+            isinstance(t, torch.Tensor) and t.is_floating_point() and tuple(t.shape) == shape
+            for t, shape in zip(value, shapes))):
+        want = (f"a float tensor of shape {shapes[0]}" if len(shapes) == 1 else
+                f"{len(shapes)} float tensors of the trained parameters' shapes")
+        raise bad_field(source, field, f"is not {want}")
+    for i, t in enumerate(value):
+        if not torch.isfinite(t).all():
+            raise bad_field(source, f"{field}[{i}]", "holds NaN or infinite values")
+    return value
+
+
+MAX_LR = 10.0  # the largest learning rate the configs accept (fgrpo.learning_rate, sft.lr)
+
+
+def adam_state(value, source: str, shapes: list) -> dict:
+    """``value`` as a torch Adam/AdamW ``state_dict()`` over parameters of ``shapes``: per
+    parameter ``step`` (a finite number >= 0), ``exp_avg`` (finite, the parameter's shape) and
+    ``exp_avg_sq`` (finite, >= 0, the parameter's shape); param groups whose ``params`` are the
+    indices 0..n-1, ``lr`` in [0, MAX_LR], ``betas`` two numbers in [0, 1), ``eps`` > 0 and
+    ``weight_decay`` >= 0, all finite."""
+    import torch
+
+    if not (isinstance(value, dict) and isinstance(value.get("state"), dict) and
+            isinstance(value.get("param_groups"), list) and value["param_groups"]):
+        raise bad_field(source, "optimizer", "is not an optimizer state (state, param_groups)")
+    indices = []
+    for g, group in enumerate(value["param_groups"]):
+        where = f"optimizer.param_groups[{g}]"
+        if not isinstance(group, dict) or not isinstance(group.get("params"), list):
+            raise bad_field(source, where, "is not a parameter group with a params list")
+        indices += [count(i, source, f"{where}.params", maximum=len(shapes) - 1)
+                    for i in group["params"]]
+        lr = amount(group.get("lr"), source, f"{where}.lr")
+        if not lr <= MAX_LR:
+            raise bad_field(source, f"{where}.lr", f"is {lr}, outside [0, {MAX_LR}]")
+        betas = group.get("betas")
+        if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and
+                all(0 <= amount(b, source, f"{where}.betas") < 1 for b in betas)):
+            raise bad_field(source, f"{where}.betas", f"is {betas!r}, not two numbers in "
+                                                      f"[0, 1)")
+        if not amount(group.get("eps"), source, f"{where}.eps") > 0:
+            raise bad_field(source, f"{where}.eps", "is not positive")
+        amount(group.get("weight_decay"), source, f"{where}.weight_decay")
+    if sorted(indices) != list(range(len(shapes))):
+        raise bad_field(source, "optimizer.param_groups", f"list the parameters {indices}, "
+                                                          f"not 0..{len(shapes) - 1} once each")
+    for i, moments in value["state"].items():
+        where = f"optimizer.state[{i!r}]"
+        index = count(i, source, where, maximum=len(shapes) - 1)
+        if not isinstance(moments, dict):
+            raise bad_field(source, where, "is not a dict of moments")
+        step = moments.get("step")
+        amount(step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step,
+               source, f"{where}.step")
+        for name in ("exp_avg", "exp_avg_sq"):
+            tensors([moments.get(name)], source, f"{where}.{name}", [shapes[index]])
+        if (moments["exp_avg_sq"] < 0).any():
+            raise bad_field(source, f"{where}.exp_avg_sq", "holds negative values")
+    return value
+
+
+TRAINING_METHODS = ("essa", "fgrpo", "sft")  # the jobs that keep checkpoints/ in their folder
+
+
+def run_folder_entries(out_dir: str, method: str) -> None:
+    """UserError (one line) unless the entries a job of ``method`` reads and writes in
+    ``out_dir`` are of the kind it expects: ``out_dir`` itself not a symbolic link (a link to
+    another run folder would have this job write that run's files), ``checkpoints`` a folder,
+    ``.lock`` and ``<method>.h5`` plain files, and no checkpoints of another training method
+    (``<other>.h5`` beside ``checkpoints/``: checkpoint retention would delete that run's
+    checkpoints, and ``--resume`` would read them)."""
+    import os
+    import stat
+
+    if os.path.islink(out_dir):
+        raise UserError(f"run.out {out_dir} is a symbolic link (to {os.readlink(out_dir)!r}); a "
+                        f"job writes only into its own run folder: give run.out the real path")
+    kinds = {"checkpoints": (stat.S_ISDIR, "a folder"), ".lock": (stat.S_ISREG, "a plain file"),
+             f"{method}.h5": (stat.S_ISREG, "a plain file")}
+    for name, (is_kind, kind) in kinds.items():
+        path = os.path.join(out_dir, name)
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(mode):
+            continue  # refused where it is opened, with the link's target named
+        if not is_kind(mode):
+            raise UserError(f"{path} is not {kind}; the run folder {out_dir} was damaged or "
+                            f"is not a {method} run folder: remove it or give run.out another "
+                            f"folder")
+    ckpts = os.path.join(out_dir, "checkpoints")
+    others = [m for m in TRAINING_METHODS if m != method and
+              os.path.lexists(os.path.join(out_dir, f"{m}.h5"))]
+    if method in TRAINING_METHODS and others and os.path.isdir(ckpts) and os.listdir(ckpts):
+        raise UserError(f"run folder {out_dir} holds a {others[0]} run ({others[0]}.h5 and "
+                        f"checkpoints/); this {method} job would read or delete its "
+                        f"checkpoints there: give run.out another folder")

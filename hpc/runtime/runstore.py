@@ -49,6 +49,9 @@ from hpc.runtime.readback import MAX_STEP
 from hpc.runtime.world import _mpi
 
 _CHUNK_ROWS = 64
+ROWS_ATTR = "rows"  # a step-indexed group's committed rows: readers read no further
+MAX_ROW_VALUES = 2 ** 28  # values in one row (ESSA's final mean over a 32B model's LoRA: ~1e8)
+SPARSE_CHECKED_BYTES = 2 ** 26  # a dataset larger than this must have its rows stored
 
 
 def _git_commit() -> str:
@@ -95,6 +98,7 @@ class RunStore:
         self.path = path
         self.file = None
         self._open: dict = {}  # group -> {name: Dataset}, see _datasets
+        self._pending: dict = {}  # group -> rows written but not yet committed (_commit)
         if not active:
             return
         refuse_link(path)
@@ -236,8 +240,20 @@ class RunStore:
         for name, ds in datasets.items():
             if name not in values and name != "step":
                 ds.resize(n + 1, axis=0)  # missing key: the fill value (NaN or 0)
+        self._pending[group] = n + 1
         if flush:
-            self.file.flush()
+            self._commit()
+
+    def _commit(self) -> None:
+        """Make the rows written since the last commit visible to readers: flush them, then
+        raise each group's ``rows`` attribute (the committed length, which :class:`RunFile`
+        honours) and flush again, so a reader never sees a row whose datasets are half
+        written, whichever of the two flushes it reads in the middle of."""
+        self.file.flush()
+        for group, rows in self._pending.items():
+            self.file[group].attrs[ROWS_ATTR] = np.int64(rows)
+        self._pending.clear()
+        self.file.flush()
 
     def _fit_row(self, group: str, name: str, ds, arr: np.ndarray) -> tuple:
         """(dataset, row) for a row whose shape differs from the dataset's rows (per-rank
@@ -282,7 +298,7 @@ class RunStore:
             self.write_row("bytes", step, flush=False, **nbytes)
         if self.file is not None:
             with self._writing():
-                self.file.flush()
+                self._commit()
 
     def truncate_after(self, step: int | None) -> None:
         """Drop the rows from the first whose step is > ``step`` on (used when resuming from a
@@ -299,6 +315,7 @@ class RunStore:
                 for name in obj:
                     if isinstance(obj[name], h5py.Dataset):
                         obj[name].resize(keep, axis=0)
+                obj.attrs[ROWS_ATTR] = np.int64(keep)
 
         with self._writing():
             self.file.visititems(visit)
@@ -322,7 +339,7 @@ class RunStore:
             self.file.attrs["status"] = status
             self.file.attrs["end_time"] = datetime.datetime.now(
                 datetime.timezone.utc).isoformat(timespec="seconds")
-            self.file.flush()  # a failure here still finds the file open to detach
+            self._commit()  # a failure here still finds the file open to detach
             self._open.clear()
             self.file.close()
         self.file = None
@@ -387,7 +404,16 @@ def _check_step_group(group: h5py.Group, prefix: str, refuse) -> None:
     if not isinstance(step, h5py.Dataset) or step.ndim != 1 or step.dtype.kind not in "iu":
         raise refuse(prefix + "step", "a step dataset that is not 1-D integer (shape "
                      f"{getattr(step, 'shape', None)}, {getattr(step, 'dtype', 'group')})")
-    steps = step[()]
+    # Every row writes its step, so a step column larger than the bytes stored for it is a
+    # crafted sparse one (reading it would allocate its whole logical size).
+    chunk = int(np.prod(step.chunks or (1,))) * step.dtype.itemsize
+    if step.shape[0] * step.dtype.itemsize > step.id.get_storage_size() + chunk:
+        raise refuse(prefix + "step", f"a step dataset of {step.shape[0]} rows with "
+                     f"{step.id.get_storage_size()} bytes stored (rows never written)")
+    try:
+        steps = step[()]
+    except OSError as err:  # e.g. a Fletcher-32 checksum that fails
+        raise refuse(prefix + "step", f"a dataset that does not read ({err})") from None
     if steps.size and not (-1 <= steps.min() and steps.max() <= MAX_STEP):
         raise refuse(prefix + "step", f"steps outside [-1, {MAX_STEP}]")
     for name in group:
@@ -397,6 +423,34 @@ def _check_step_group(group: h5py.Group, prefix: str, refuse) -> None:
                 ds.maxshape[0] is not None):
             raise refuse(prefix + name, f"a dataset of shape {ds.shape} and type {ds.dtype} "
                          f"that is not an extendible numeric column")
+        if isinstance(ds, h5py.Dataset) and (ds.shape[0] > step.shape[0] or
+                                             int(np.prod(ds.shape[1:])) > MAX_ROW_VALUES):
+            raise refuse(prefix + name, f"a dataset of shape {ds.shape}: more rows than its "
+                         f"step column ({step.shape[0]}) or more than {MAX_ROW_VALUES} values "
+                         f"a row")
+        if isinstance(ds, h5py.Dataset) and name != "step":
+            logical = ds.size * ds.dtype.itemsize
+            chunk = int(np.prod(ds.chunks or (1,))) * ds.dtype.itemsize
+            if logical > max(SPARSE_CHECKED_BYTES, ds.id.get_storage_size() + chunk):
+                raise refuse(prefix + name, f"a dataset of {logical} bytes with "
+                             f"{ds.id.get_storage_size()} stored (rows never written)")
+        if isinstance(ds, h5py.Dataset) and ds.fletcher32:
+            try:
+                ds[()]
+            except OSError as err:
+                raise refuse(prefix + name, f"a dataset that does not read ({err})") from None
+
+
+def committed_rows(group: h5py.Group) -> int:
+    """The rows of a step-indexed group a reader may use: the committed length (``rows``,
+    raised after each row's datasets are written and flushed), never more than any of its
+    datasets holds; a file without the attribute (an earlier version): its shortest dataset."""
+    lengths = [group[k].shape[0] for k in group
+               if isinstance(group[k], h5py.Dataset) and group[k].ndim >= 1]
+    rows = min(lengths) if lengths else 0
+    if ROWS_ATTR in group.attrs:
+        rows = min(rows, max(0, int(group.attrs[ROWS_ATTR])))
+    return rows
 
 
 def _errno_in(message: str) -> int | None:
@@ -426,8 +480,9 @@ class RunFile:
 
             def visit(name, obj):
                 if isinstance(obj, h5py.Group) and "step" in obj:
-                    self.groups[name] = {k: obj[k][()] for k in obj
-                                         if isinstance(obj[k], h5py.Dataset)}
+                    columns = {k: obj[k] for k in obj if isinstance(obj[k], h5py.Dataset)}
+                    rows = committed_rows(obj)
+                    self.groups[name] = {k: ds[:rows] for k, ds in columns.items()}
 
             f.visititems(visit)
 
