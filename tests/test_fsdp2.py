@@ -76,7 +76,11 @@ def test_fsdp2_equals_ddp_step_by_step(tmp_path, ranks, mode):
         a = masters_at(outs["ddp"], step, ranks, tmp_path)
         b = masters_at(outs["fsdp2"], step, ranks, tmp_path)
         assert len(a) == len(b) and all(x.shape == y.shape for x, y in zip(a, b))
-        assert max(relative(y, x) for x, y in zip(a, b)) < 1e-5, step
+        # 5e-5: measured 1.5e-5 (LoRA, 2 ranks), 2.4e-5 (LoRA, 3), 1.3e-6 (full, 2), all in
+        # one LoRA B factor of the last layer, whose gradient is a sum of nearly cancelling
+        # terms: summed in another order its last bits differ, and AdamW scales every entry's
+        # step to about lr whatever the gradient's size
+        assert max(relative(y, x) for x, y in zip(a, b)) < 5e-5, step
         if previous is not None:  # the weights moved between the compared steps
             assert any(not torch.equal(x, p) for x, p in zip(a, previous))
         previous = a
