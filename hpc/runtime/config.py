@@ -296,7 +296,7 @@ def _coerce(key: str, value, ftype, meta):
     if isinstance(out, str):
         _check_length(key, out)
     if meta.get("choices") is not None and out not in meta["choices"]:
-        raise UserError(f"config key '{key}': {out!r} is not one of {meta['choices']}")
+        raise UserError(f"config key '{key}': {out!r:.80} is not one of {meta['choices']}")
     if meta.get("min") is not None and out < meta["min"]:
         raise UserError(f"config key '{key}': {out} is below the minimum {meta['min']}")
     if meta.get("above") is not None and not out > meta["above"]:
