@@ -15,7 +15,7 @@ import numpy as np
 
 from essa.cma_state import es_state, restore_es_state
 from hpc.runtime.errors import UserError
-from hpc.runtime.readback import amount, array, bad_field, count
+from hpc.runtime.readback import amount, array, bad_field, count, finite
 
 OPTIMIZERS = ("cma", "sep-cma", "openai-es")
 
@@ -250,8 +250,10 @@ class OpenAIES:
     def load_state_dict(self, state: dict) -> None:
         _check_state(state, kind="openai-es", dim=self.dim, popsize=self.popsize)
         source = "OpenAI-ES checkpoint"
-        vectors = [array(state[key], source, key, (self.dim,), "f").astype(np.float64)
-                   for key in ("mean", "adam_m", "adam_v")]
+        vectors = [finite(array(state[key], source, key, (self.dim,), "f"), source, key
+                          ).astype(np.float64) for key in ("mean", "adam_m", "adam_v")]
+        if (vectors[2] < 0).any():
+            raise bad_field(source, "adam_v", "holds negative values (a mean of squares)")
         self.seed = count(state["seed"], source, "seed", maximum=2 ** 63 - 1)
         self.generation = count(state["generation"], source, "generation")
         self._mean, self._m, self._v = vectors
@@ -318,10 +320,11 @@ class Tracked:
                 "best_fitness": self.best_fitness}
 
     def load_state_dict(self, state: dict) -> None:
-        best_x = array(state["best_x"], "ESSA checkpoint", "best_x", (self.optimizer.dim,), "f")
+        best_x = finite(array(state["best_x"], "ESSA checkpoint", "best_x",
+                              (self.optimizer.dim,), "f"), "ESSA checkpoint", "best_x")
         best_fitness = state["best_fitness"]
-        if not isinstance(best_fitness, float) or np.isnan(best_fitness):
+        if not isinstance(best_fitness, float) or not -np.inf <= best_fitness < np.inf:
             raise bad_field("ESSA checkpoint", "best_fitness", f"is {best_fitness!r}, not a "
-                                                               f"number")
+                                                               f"number or -inf (none yet)")
         self.optimizer.load_state_dict(state["optimizer"])
         self.best_x, self.best_fitness = best_x, best_fitness

@@ -159,6 +159,8 @@ FIELD_CRAFTS = {
     "rng position out of range": (_set("method/optimizer/rng_pos", 10 ** 6), "'rng_pos'"),
     "best_x of the wrong shape": (_set("method/best_x", np.zeros(3)), "'best_x'"),
     "best fitness a string": (_set("method/best_fitness", "high"), "'best_fitness'"),
+    "best fitness +inf": (_set("method/best_fitness", float("inf")), "'best_fitness'"),
+    "best_x NaN": (_set("method/best_x", np.full(DIM, np.nan)), "'best_x'"),
     "CMA mean of the wrong shape": (_set(f"{ES}/values/mean", np.zeros(DIM + 1)), "'mean'"),
     "CMA sigma a string": (_set(f"{ES}/values/sigma", "large"), "'sigma'"),
     "CMA unknown path": (_set(f"{ES}/values/no_such_thing", 1.0), "'no_such_thing'"),
@@ -954,3 +956,16 @@ def test_cli_checkpoints_as_a_file_on_resume_is_one_line_on_2_ranks(sft_run, tmp
     (out / "checkpoints").write_text("")
     proc = run_mpi(2, sft_args(out, 3, "--resume"))
     assert_one_error_line(proc, "checkpoints", "not a folder")
+
+
+@pytest.mark.parametrize("key,value", [("mean", np.nan), ("adam_m", np.inf), ("adam_v", -1.0)])
+def test_openai_es_moments_nan_or_negative_are_one_line(key, value):
+    opt = make_optimizer("openai-es", DIM, POP, 0.1, seed=0)
+    x = opt.ask()
+    opt.tell(x, -np.sum(x ** 2, axis=1))
+    state = opt.state_dict()
+    state[key] = state[key].copy()
+    state[key][0] = value
+    with pytest.raises(UserError) as caught:
+        make_optimizer("openai-es", DIM, POP, 0.1, seed=0).load_state_dict(state)
+    one_line(caught.value, f"'{key}'")

@@ -80,6 +80,13 @@ def array(value, source: str, field: str, shape: tuple, kinds: str = "iuf") -> n
     return value
 
 
+def finite(value: np.ndarray, source: str, field: str) -> np.ndarray:
+    """``value`` (a numeric array) if it holds no NaN or infinity."""
+    if not np.isfinite(value).all():
+        raise bad_field(source, field, "holds NaN or infinite values")
+    return value
+
+
 def tensors(value, source: str, field: str, shapes: list) -> list:
     """``value`` as a list of finite float torch tensors of ``shapes`` (tuples), one each."""
     import torch
