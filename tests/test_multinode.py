@@ -343,6 +343,7 @@ def test_lost_node_requeues_and_resumes_to_the_uninterrupted_result(cluster, toy
         wait_for(requeued, LOST_TIMEOUT_S + 30, "the requeue within the collective timeout + 30 s")
         ended_s = time.monotonic() - lost_at
         first = job_log(cluster["runs"], "fgrpo", jobid)
+        # both of node2's ranks, whether they had reached the collective or not
         assert "a rank was lost (ranks [2, 3] on node2)" in first, first[-4000:]
         with h5py.File(f"{run}/fgrpo.h5", "r", locking=False) as f:
             assert f.attrs["status"] == "lost"
