@@ -113,7 +113,7 @@ class World:
         Every rank has arrived (see :meth:`arrive`), but one may stop or die right after. So
         while waiting, ranks other than 0 answer rank 0's 1-byte ping; at the deadline rank 0
         pings every rank and aborts the job naming those that do not answer within
-        ``_PROBE_S``. A rank whose rank 0 never pings gives up one ``timeout_s`` later and
+        ``_PROBE_S``. A rank whose rank 0 never pings gives up :meth:`_patience` later and
         names rank 0.
         """
         deadline = time.monotonic() + self.timeout_s
@@ -123,14 +123,15 @@ class World:
                     self._abort(*self._unanswered(label))
                 time.sleep(poll_s)
             return
+        patience = self._patience()
         ping_buf = np.zeros(1, dtype=np.uint8)
         ping = self.comm.Irecv(ping_buf, source=0, tag=_PING_TAG)
         while not request.Test():
             ping = self._answer(ping, ping_buf)
-            if time.monotonic() > deadline + self.timeout_s:
+            if time.monotonic() > deadline + patience:
                 self._abort(f"collective '{label}' did not complete within "
-                            f"{2 * self.timeout_s:.0f} s and rank 0 did not probe the ranks: "
-                            f"rank 0 is hung, stopped or dead; aborting the job", [0])
+                            f"{self.timeout_s + patience:.0f} s and rank 0 did not probe the "
+                            f"ranks: rank 0 is hung, stopped or dead; aborting the job", [0])
             time.sleep(poll_s)
         ping.Cancel()
         ping.Wait()
@@ -192,13 +193,15 @@ class World:
         else:
             self.comm.Isend(token, dest=0, tag=_ARRIVE_TAG).Wait()
             req = self.comm.Irecv(token, source=0, tag=_RELEASE_TAG)
+            patience = self._patience(timeout_s)
             ping_buf = np.zeros(1, dtype=np.uint8)
             ping = self.comm.Irecv(ping_buf, source=0, tag=_PING_TAG)
             while not req.Test():
                 ping = self._answer(ping, ping_buf)  # rank 0 probes when another is late
-                if time.monotonic() > deadline + timeout_s:
-                    self._abort(f"rank 0 did not release '{label}' within {2 * timeout_s:.0f} "
-                                f"s (hung, stopped or dead); aborting the job", [0])
+                if time.monotonic() > deadline + patience:
+                    self._abort(f"rank 0 did not release '{label}' within "
+                                f"{timeout_s + patience:.0f} s (hung, stopped or dead); "
+                                f"aborting the job", [0])
                 time.sleep(poll_s)
             ping.Cancel()
             ping.Wait()
@@ -224,6 +227,12 @@ class World:
         while time.monotonic() < until:
             ping = self._answer(ping, buf)
             time.sleep(poll_s)
+
+    def _patience(self, timeout_s: float | None = None) -> float:
+        """How long a rank other than 0 waits past its own deadline before it gives rank 0 up:
+        rank 0's deadline, its probe, and time to name the lost ranks and abort."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        return timeout_s + min(_PROBE_S, timeout_s) + 5.0
 
     def _answer(self, ping, buf: np.ndarray):
         """A rank other than 0: answer rank 0's ping if request ``ping`` (into ``buf``) got one;
