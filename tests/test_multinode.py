@@ -27,7 +27,9 @@ CLUSTER = os.path.join(REPO, "jobscripts", "local-slurm", "cluster.sh")
 CHECK = os.path.join(REPO, "tests", "mpi", "rendezvous_check.py")
 NET = "10.221.7"  # the test cluster's subnet, ports and names: apart from a user's own cluster
 SETTINGS = dict(HPC_CLUSTER_NODES="2", HPC_CLUSTER_CPUS="4", HPC_CLUSTER_GPUS="4",
-                HPC_CLUSTER_NET=NET, HPC_CLUSTER_PORT="6927", HPC_CLUSTER_PREFIX="hpct")
+                HPC_CLUSTER_NET=NET, HPC_CLUSTER_PORT="6927", HPC_CLUSTER_PREFIX="hpct",
+                # the job script, not Slurm's node failure, must be first to end a lost job
+                HPC_CLUSTER_SLURMD_TIMEOUT="60")
 EVAL = ["task.n_eval=16", "eval.n_samples=2", "run.progress=false", "model.path=toy"]
 SFT = ["sft.steps=2", "task.n_train=64", *EVAL]
 FGRPO = ["fgrpo.steps=2", "fgrpo.batch_prompts=8", "fgrpo.num_generations=4",
@@ -328,7 +330,8 @@ def test_lost_node_requeues_and_resumes_to_the_uninterrupted_result(cluster, toy
     wait_ended(cluster, [reference])
     full = completed(cluster, "fgrpo", reference)
 
-    jobid = submit(cluster, "fgrpo", LOST, "2x2", gpus=False, LAUNCHER="srun")
+    jobid = submit(cluster, "fgrpo", LOST, "2x2", gpus=False, LAUNCHER="srun",
+                   RUN_FILE_POLL_S="2", LAUNCHER_GRACE_S="5")
     run = os.path.join(cluster["runs"], f"fgrpo-{jobid}")
     wait_for(lambda: _steps(f"{run}/fgrpo.h5") >= 2, 600, "2 F-GRPO steps")
     veth = f"{SETTINGS['HPC_CLUSTER_PREFIX']}-v2"  # node2's end in the root namespace
@@ -343,15 +346,16 @@ def test_lost_node_requeues_and_resumes_to_the_uninterrupted_result(cluster, toy
         wait_for(requeued, LOST_TIMEOUT_S + 30, "the requeue within the collective timeout + 30 s")
         ended_s = time.monotonic() - lost_at
         first = job_log(cluster["runs"], "fgrpo", jobid)
+        # both of node2's ranks, whether they had reached the collective or not
         assert "a rank was lost (ranks [2, 3] on node2)" in first, first[-4000:]
         with h5py.File(f"{run}/fgrpo.h5", "r", locking=False) as f:
             assert f.attrs["status"] == "lost"
             assert f.attrs["lost_ranks"].tolist() == [2, 3]
             assert list(f.attrs["lost_hosts"]) == ["node2"]
         assert ended_s < LOST_TIMEOUT_S + 30
-        # As on a real cluster, Slurm marks the silent node DOWN (SlurmdTimeout, 30 s here);
+        # As on a real cluster, Slurm marks the silent node DOWN (SlurmdTimeout, 60 s here);
         # when it answers again, Slurm ends what the first attempt left on it.
-        wait_for(lambda: _state(cluster, "node2").startswith("down"), 120, "node2 DOWN")
+        wait_for(lambda: _state(cluster, "node2").startswith("down"), 180, "node2 DOWN")
     finally:
         subprocess.run(["ip", "link", "set", veth, "up"], check=True)
     wait_for(lambda: _state(cluster, "node1") == _state(cluster, "node2") == "idle", 180,

@@ -176,7 +176,8 @@ def test_ring_allgather_and_sharded_step_by_hand():
 
 
 def test_sharded_32b_rows_exist_and_sum(capsys):
-    cost = Roofline(QWEN25_32B, GPUS["h100"], 256, 512, 1024, True)
+    cost = Roofline(QWEN25_32B, GPUS["h100"], 256, 512, 1024, True, decoding=planned_decoding(
+        build_parser().parse_args(["--sharded"]), 256))
     shard = Sharding(QWEN25_32B.params)
     rows = predict([16, 32, 64, 128], PAPER_W, cost, NDR, shard)
     for r in rows:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpc.models.memory_plan import (GIB, QWEN25, ModelShape, engine_slots, essa_plan,
-                                    fgrpo_plan, weight_bytes)
+from hpc.models.memory_plan import (GIB, QWEN25, ModelShape, checkpointing_needed,
+                                    engine_slots, essa_plan, fgrpo_plan, offload_that_fits,
+                                    weight_bytes)
 from hpc.runtime.errors import UserError
 
 PLENTY = 1 << 20  # rows asked: the concurrency is what the plan's engine budget holds
@@ -77,6 +78,17 @@ def plan_config(config: str | None, *, lora_rank: int, prompt: int, max_new: int
     return cfg
 
 
+def resolve_auto(shape: ModelShape, cfg, gpus: int) -> None:
+    """``model.activation_checkpointing`` and ``fgrpo.offload`` left at auto resolved in
+    place as a job resolves them (:func:`checkpointing_needed`, :func:`offload_that_fits`),
+    which the plan does itself only for a model folder."""
+    if cfg.model.activation_checkpointing == "auto":
+        cfg.model.activation_checkpointing = (
+            "on" if checkpointing_needed(shape, cfg, gpus) else "off")
+    if cfg.fgrpo.offload == "auto":
+        cfg.fgrpo.offload = offload_that_fits(shape, cfg, gpus)
+
+
 def essa_decoding(shape: ModelShape, cfg, gpus: int) -> Decoding:
     """ESSA's scoring: weights at ``model.quantize`` (:func:`weight_bytes`), the slots of its
     engine (k = 1 member) within the plan's budget (:func:`engine_slots`)."""
@@ -91,6 +103,7 @@ def grpo_decoding(shape: ModelShape, cfg, gpus: int) -> Decoding:
     plain = cfg.model.quantize
     cfg.model.quantize = "none"  # the scaling model's GRPO decodes its bf16 weights
     try:
+        resolve_auto(shape, cfg, gpus)
         budget = fgrpo_plan(shape, cfg, gpus, advise=False).engine_budget
         k = 0 if cfg.fgrpo.full_finetune else 1
         return Decoding("F-GRPO", "none", weight_bytes(shape, cfg),

@@ -1049,6 +1049,9 @@ def quantize_comparison(args) -> list:
                  "the package's eager torchao path also writes and reads each linear's "
                  "dequantised copy, which this model does not charge")
     return lines
+
+
+def host_offload(args, w: "Workload") -> tuple:
     """((GPUs, bytes), ...) a GPU moves to host memory and back around each rollout of sharded
     full-parameter GRPO, as the job's memory plan decides it (fgrpo.offload=auto: the first of
     none, optimizer, state that fits :data:`GPUS`' memory), and a note saying so. Computed for

@@ -557,7 +557,11 @@ def rollout_offload(cfg, ranks: int, device_type: str, planned: bool = False) ->
     if ((device_type != "cuda" and not planned) or cfg.plan.gpu_memory_gib <= 0
             or not os.path.isfile(os.path.join(path, "config.json"))):
         return "none"
-    shape = ModelShape.from_folder(path)
+    return offload_that_fits(ModelShape.from_folder(path), cfg, ranks)
+
+
+def offload_that_fits(shape: ModelShape, cfg, ranks: int) -> str:
+    """``fgrpo.offload=auto`` for a model of ``shape`` (:func:`rollout_offload`)."""
     peaks = {}
     for mode in ("none", "optimizer", "state"):
         plan = fgrpo_plan(shape, _with(cfg, fgrpo__offload=mode), ranks, advise=False)
@@ -771,7 +775,7 @@ def activation_checkpointing(cfg, method: str, ranks: int, device_type: str,
         return False
     shape = ModelShape.from_folder(path)
     if method == "fgrpo":
-        return not _fits_unchecked(shape, cfg, ranks)
+        return checkpointing_needed(shape, cfg, ranks)
     elem = DTYPE_BYTES[cfg.model.dtype]
     state = (shape.parameters() * elem + LORA_TRAIN_BYTES_PER_PARAM
              * shape.lora_parameters(cfg.lora.rank, cfg.lora.targets))
@@ -805,6 +809,12 @@ def fgrpo_unseen(shape: ModelShape, cfg, ranks: int) -> list:
     return unseen_parts(shape, tokens, cfg.model.logprob_chunk, activations)
 
 
+def checkpointing_needed(shape: ModelShape, cfg, ranks: int) -> bool:
+    """``model.activation_checkpointing=auto`` for F-GRPO on a model of ``shape``: on unless
+    the plan without it fits with :func:`fgrpo_unseen`'s margin to spare."""
+    return not _fits_unchecked(shape, cfg, ranks)
+
+
 def _fits_unchecked(shape: ModelShape, cfg, ranks: int) -> bool:
     """F-GRPO without checkpointing fits with :func:`fgrpo_unseen`'s margin to spare."""
     plan = fgrpo_plan(shape, _unchecked(cfg), ranks, advise=False)
@@ -818,7 +828,7 @@ def checkpointing_notes(shape: ModelShape, cfg, ranks: int) -> list:
     plan = fgrpo_plan(shape, _unchecked(cfg), ranks, advise=False)
     unseen = fgrpo_unseen(shape, cfg, ranks)
     terms = ", ".join(f"{label} {gib(b)}" for label, b in unseen)
-    verdict = "on" if not _fits_unchecked(shape, cfg, ranks) else "off"
+    verdict = "on" if checkpointing_needed(shape, cfg, ranks) else "off"
     return [f"checkpointing auto -> {verdict}: without it the peak is {gib(plan.peak)}, plus a "
             f"margin of {gib(_total(unseen))} for what trackers cannot see ({terms}), of "
             f"{gib(plan.usable)} usable"]

@@ -113,7 +113,7 @@ class World:
         Every rank has arrived (see :meth:`arrive`), but one may stop or die right after. So
         while waiting, ranks other than 0 answer rank 0's 1-byte ping; at the deadline rank 0
         pings every rank and aborts the job naming those that do not answer within
-        ``_PROBE_S``. A rank whose rank 0 never pings gives up one ``timeout_s`` later and
+        ``_PROBE_S``. A rank whose rank 0 never pings gives up :meth:`_patience` later and
         names rank 0.
         """
         deadline = time.monotonic() + self.timeout_s
@@ -123,16 +123,15 @@ class World:
                     self._abort(*self._unanswered(label))
                 time.sleep(poll_s)
             return
+        patience = self._patience()
         ping_buf = np.zeros(1, dtype=np.uint8)
         ping = self.comm.Irecv(ping_buf, source=0, tag=_PING_TAG)
         while not request.Test():
-            if ping.Test():
-                self.comm.Isend(ping_buf, dest=0, tag=_PONG_TAG).Wait()
-                ping = self.comm.Irecv(ping_buf, source=0, tag=_PING_TAG)
-            if time.monotonic() > deadline + self.timeout_s:
+            ping = self._answer(ping, ping_buf)
+            if time.monotonic() > deadline + patience:
                 self._abort(f"collective '{label}' did not complete within "
-                            f"{2 * self.timeout_s:.0f} s and rank 0 did not probe the ranks: "
-                            f"rank 0 is hung, stopped or dead; aborting the job", [0])
+                            f"{self.timeout_s + patience:.0f} s and rank 0 did not probe the "
+                            f"ranks: rank 0 is hung, stopped or dead; aborting the job", [0])
             time.sleep(poll_s)
         ping.Cancel()
         ping.Wait()
@@ -162,9 +161,10 @@ class World:
         """A barrier with a deadline that names the ranks that did not arrive.
 
         Every rank sends rank 0 a 1-byte arrival message and waits for rank 0's release. If
-        some rank has not arrived after ``timeout_s`` (hung, stopped or dead), rank 0 prints
-        one line naming it and aborts the whole job (MPI_Abort, exit code 1); a rank that
-        never hears back from rank 0 does the same. Tag ``control``, 1 byte per rank.
+        some rank has not arrived after ``timeout_s`` (hung, stopped or dead), rank 0 probes
+        the ranks that did (one may be gone since: its node's link down), prints one line
+        naming them all and aborts the whole job (MPI_Abort, exit code 1); a rank that never
+        hears back from rank 0 does the same. Tag ``control``, 1 byte per rank.
         """
         MPI = _mpi()
         if self.size == 1:
@@ -178,9 +178,14 @@ class World:
             while not MPI.Request.Testall(reqs):
                 if time.monotonic() > deadline:
                     missing = [r for r, req in zip(range(1, self.size), reqs) if not req.Test()]
+                    # a rank that arrived may be gone since (its node's link down): probe
+                    _, silent = self._unanswered(label)
+                    gone = [r for r in silent if r not in missing]
+                    lost = sorted(set(missing) | set(silent))
+                    also = f"; rank(s) {gone} arrived but answer no more" if gone else ""
                     self._abort(f"rank(s) {missing} did not reach '{label}' within "
-                                f"{timeout_s:.0f} s (hung, stopped or dead"
-                                f"{self._on_hosts(missing)}); aborting the job", missing)
+                                f"{timeout_s:.0f} s{also} (hung, stopped or dead"
+                                f"{self._on_hosts(lost)}); aborting the job", lost)
                 time.sleep(poll_s)
             releases = [self.comm.Isend(token, dest=r, tag=_RELEASE_TAG)
                         for r in range(1, self.size)]
@@ -188,11 +193,18 @@ class World:
         else:
             self.comm.Isend(token, dest=0, tag=_ARRIVE_TAG).Wait()
             req = self.comm.Irecv(token, source=0, tag=_RELEASE_TAG)
+            patience = self._patience(timeout_s)
+            ping_buf = np.zeros(1, dtype=np.uint8)
+            ping = self.comm.Irecv(ping_buf, source=0, tag=_PING_TAG)
             while not req.Test():
-                if time.monotonic() > deadline + timeout_s:
-                    self._abort(f"rank 0 did not release '{label}' within {2 * timeout_s:.0f} "
-                                f"s (hung, stopped or dead); aborting the job", [0])
+                ping = self._answer(ping, ping_buf)  # rank 0 probes when another is late
+                if time.monotonic() > deadline + patience:
+                    self._abort(f"rank 0 did not release '{label}' within "
+                                f"{timeout_s + patience:.0f} s (hung, stopped or dead); "
+                                f"aborting the job", [0])
                 time.sleep(poll_s)
+            ping.Cancel()
+            ping.Wait()
         self.count("control", self.size - 1 if self.is_root else 1)
 
     def abort_failed(self, label: str, err: Exception) -> None:
@@ -213,10 +225,22 @@ class World:
         ping = self.comm.Irecv(buf, source=0, tag=_PING_TAG)
         until = time.monotonic() + seconds
         while time.monotonic() < until:
-            if ping.Test():
-                self.comm.Isend(buf, dest=0, tag=_PONG_TAG).Wait()
-                ping = self.comm.Irecv(buf, source=0, tag=_PING_TAG)
+            ping = self._answer(ping, buf)
             time.sleep(poll_s)
+
+    def _patience(self, timeout_s: float | None = None) -> float:
+        """How long a rank other than 0 waits past its own deadline before it gives rank 0 up:
+        rank 0's deadline, its probe, and time to name the lost ranks and abort."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        return timeout_s + min(_PROBE_S, timeout_s) + 5.0
+
+    def _answer(self, ping, buf: np.ndarray):
+        """A rank other than 0: answer rank 0's ping if request ``ping`` (into ``buf``) got one;
+        returns the request waiting for the next."""
+        if not ping.Test():
+            return ping
+        self.comm.Isend(buf, dest=0, tag=_PONG_TAG).Wait()
+        return self.comm.Irecv(buf, source=0, tag=_PING_TAG)
 
     def _on_hosts(self, ranks: list) -> str:
         """'; on node2' (the hosts of ``ranks``, where known), else ''."""

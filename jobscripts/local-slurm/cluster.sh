@@ -21,6 +21,7 @@
 #   HPC_CLUSTER_NET=10.221.0          the /24 of the bridge (.1, the login node) and nodes (.11+)
 #   HPC_CLUSTER_PORT=6917             slurmctld's port; slurmd listens on the next one (the
 #                                     one-node test Slurm of start.sh keeps 6817/6818)
+#   HPC_CLUSTER_SLURMD_TIMEOUT=30     seconds before a silent node is DOWN (SlurmdTimeout)
 #   HPC_CLUSTER_PREFIX=hpcsim         names of its namespaces and links (two clusters at once)
 #   HPC_CLUSTER_SHARE="DIR ..."       more folders under /tmp every node must see (the rest of
 #                                     /tmp is private to each node)
@@ -37,6 +38,7 @@ CPUS=${HPC_CLUSTER_CPUS:-4}
 GPUS=${HPC_CLUSTER_GPUS:-2}
 NET=${HPC_CLUSTER_NET:-10.221.0}
 PORT=${HPC_CLUSTER_PORT:-6917}
+SLURMD_TIMEOUT=${HPC_CLUSTER_SLURMD_TIMEOUT:-30}
 SHARE=${HPC_CLUSTER_SHARE:-}
 # names of the namespaces (hpcsim-node1) and links (hpcsim-br, hpcsim-v1); at most 8 characters
 PREFIX=${HPC_CLUSTER_PREFIX:-hpcsim}
@@ -135,8 +137,8 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
 ReturnToService=2
-# A node that stops answering is DOWN after 30 s (the default is 300), its jobs' steps failed.
-SlurmdTimeout=30
+# A node that stops answering is DOWN after this (Slurm's default is 300 s), its jobs requeued.
+SlurmdTimeout=$SLURMD_TIMEOUT
 MessageTimeout=10
 MinJobAge=3600
 GresTypes=gpu
