@@ -10,6 +10,7 @@ from hpc.runtime.errors import UserError
 # and with it `fgrpo --help`, needs no torch).
 LOSS_TYPES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
               "seq-mean-token-sum-norm")
+SURROGATES = ("clip", "cispo")  # the per-token policy objectives of fgrpo.loss
 
 
 @dataclass
