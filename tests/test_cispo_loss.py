@@ -87,3 +87,57 @@ def test_cispo_rejects_dual_clip():
     with pytest.raises(ValueError, match="CISPO has none"):
         policy_loss(logp, old, torch.tensor(ADV), mask, "token-mean", 1.0, 4.0,
                     clip_ratio_c=3.0, surrogate="cispo")
+
+
+# ---------------------------------------------------------------- fgrpo.algorithm presets
+
+def test_presets_resolve_and_given_keys_win():
+    from fgrpo.config import FGRPOJobConfig
+    from hpc.runtime.config import config_to_yaml, load_config
+    f = load_config(FGRPOJobConfig, None, ["fgrpo.algorithm=dapo", "task.max_new_tokens=20"]).fgrpo
+    assert (f.surrogate, f.loss_type, f.epsilon, f.epsilon_high, f.dynamic_sampling,
+            f.max_refills, f.overlong_buffer) == ("clip", "token-mean", 0.2, 0.28, True, 9, 4)
+    f = load_config(FGRPOJobConfig, None, ["fgrpo.algorithm=cispo"]).fgrpo
+    assert (f.surrogate, f.cispo_epsilon_low, f.cispo_epsilon_high, f.dynamic_sampling) == \
+        ("cispo", 1.0, 4.0, False)
+    cfg = load_config(FGRPOJobConfig, None, ["fgrpo.algorithm=dapo", "fgrpo.max_refills=2",
+                                             "fgrpo.overlong_buffer=0",
+                                             "fgrpo.dynamic_sampling=false"])
+    assert (cfg.fgrpo.max_refills, cfg.fgrpo.overlong_buffer, cfg.fgrpo.dynamic_sampling) == \
+        (2, 0, False)
+    # the run file's config holds the resolved values; loading it back gives the same config
+    text = config_to_yaml(cfg)
+    assert "dynamic_sampling: false" in text and "algorithm: dapo" in text
+    default = load_config(FGRPOJobConfig, None, []).fgrpo
+    assert (default.algorithm, default.surrogate, default.dynamic_sampling) == \
+        ("grpo", "clip", False)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["fgrpo.algorithm=cispo", "fgrpo.clip_ratio_c=3"], ["fgrpo.clip_ratio_c", "cispo"]),
+    (["fgrpo.overlong_buffer=9", "task.max_new_tokens=8"], ["fgrpo.overlong_buffer", "8"]),
+    (["fgrpo.algorithm=dapo", "fgrpo.parallelism=fsdp2"], ["fgrpo.dynamic_sampling", "fsdp2"]),
+])
+def test_bad_algorithm_combinations(overrides, words):
+    from fgrpo.config import FGRPOJobConfig
+    from hpc.runtime.config import load_config
+    from hpc.runtime.errors import UserError
+    with pytest.raises(UserError) as err:
+        load_config(FGRPOJobConfig, None, overrides)
+    assert "\n" not in str(err.value) and all(w in str(err.value) for w in words)
+
+
+def test_help_lists_the_new_keys_with_ranges():
+    import subprocess
+    import sys
+    text = subprocess.run([sys.executable, "-m", "fgrpo", "--help"], capture_output=True,
+                          text=True, timeout=120).stdout
+    for line in ("fgrpo.algorithm = 'grpo'  (one of grpo, dapo, cispo)",
+                 "fgrpo.surrogate = 'clip'  (one of clip, cispo)",
+                 "fgrpo.cispo_epsilon_low = 1.0  (>= 0.0 <= 1.0)",
+                 "fgrpo.cispo_epsilon_high = 4.0  (>= 0.0 <= 1000.0)",
+                 "fgrpo.max_refills = 9  (>= 0 <= 1000)",
+                 "fgrpo.overlong_buffer = 0  (>= 0 <= 32768)",
+                 "fgrpo.overlong_penalty = 1.0  (>= 0.0 <= 1000.0)",
+                 "fgrpo.dynamic_sampling = False", "fgrpo.overlong_filter = False"):
+        assert line in text, line

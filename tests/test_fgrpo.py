@@ -131,6 +131,7 @@ def test_token_budget_stops_the_run_and_counts_every_completion_token(toy_adapte
     (["fgrpo.space=sv", "lora.adapter="], ["fgrpo.space", "lora.adapter"]),
     (["fgrpo.alpha=0.5"], ["fgrpo.alpha", "space=sv"]),
     (["fgrpo.space=sv", "fgrpo.alpha=0"], ["fgrpo.alpha"]),
+    (["fgrpo.algorithm=cispo", "fgrpo.clip_ratio_c=3"], ["fgrpo.clip_ratio_c", "cispo"]),
 ])
 def test_bad_space_combinations_exit_2(tmp_path, overrides, words):
     out = tmp_path / "run"

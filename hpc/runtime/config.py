@@ -271,7 +271,7 @@ def load_config(job_cls, path: str | None = None, overrides: list[str] = ()):
 
     Raises UserError for a missing or malformed file and for any invalid key or value.
     """
-    cfg = job_cls()
+    cfg, given = job_cls(), set()
     if path:
         if not os.path.isfile(path):
             raise UserError(f"config file not found: {path}")
@@ -293,8 +293,12 @@ def load_config(job_cls, path: str | None = None, overrides: list[str] = ()):
                 raise UserError(f"config section '{section_name}' in {path} must be a mapping")
             for name, value in values.items():
                 _set(cfg, f"{section_name}.{name}", value)
+                given.add(f"{section_name}.{name}")
     for text in overrides:
-        _set(cfg, *_parse_override(text))
+        key, value = _parse_override(text)
+        _set(cfg, key, value)
+        given.add(key)
+    cfg.given_keys = frozenset(given)  # what a preset key (fgrpo.algorithm) must not override
     if hasattr(cfg, "validate"):
         cfg.validate()
     return cfg
