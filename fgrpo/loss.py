@@ -152,8 +152,9 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
 
 def step_counts(completion_mask: Tensor) -> np.ndarray:
     """This rank's [valid tokens, sequences] of one step (float64 (2,)); ``completion_mask``
-    (rows, T) marks the loss's tokens."""
-    return np.array([float(completion_mask.sum()), float(completion_mask.shape[0])])
+    (rows, T) marks the loss's tokens. A row without a valid token (overlong filtering masks
+    a truncated completion) is no sequence of the seq modes' mean."""
+    return np.array([float(completion_mask.sum()), float((completion_mask.sum(1) > 0).sum())])
 
 
 def step_normalizer(loss_type: str, counts: np.ndarray, world_size: int) -> float:

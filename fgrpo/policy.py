@@ -43,9 +43,10 @@ def build_model(cfg, device):
 def frozen_logprobs(model, rollouts, micro_batch: int, chunk: int) -> torch.Tensor:
     """Log-probs of all rollouts without gradient: (rows, T-1) float32; ``chunk``: positions
     per LM-head chunk (model.logprob_chunk, 0 = full logits)."""
+    ids = rollouts.input_ids
     parts = [sequence_logprobs(model, *rollouts.rows(s, s + micro_batch)[:2], chunk)[0]
-             for s in range(0, rollouts.input_ids.shape[0], micro_batch)]
-    return torch.cat(parts)
+             for s in range(0, ids.shape[0], micro_batch)]
+    return torch.cat(parts) if parts else ids.new_zeros((0, ids.shape[1] - 1), dtype=torch.float32)
 
 
 @contextlib.contextmanager

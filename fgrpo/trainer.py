@@ -1,8 +1,9 @@
 """The F-GRPO step, top to bottom: rollout, reward, focal advantages, loss, all-reduce, step.
 
 Data parallel: every rank draws the same global batch of prompts from the shared seed and keeps
-its contiguous share, samples G completions per prompt, and computes its groups' advantages
-locally (a group never spans ranks). The loss follows the normaliser contract of
+its contiguous share, samples G completions per prompt (DAPO's dynamic sampling refills the
+batch, :mod:`fgrpo.sampling`), and computes its groups' advantages locally (a group never
+spans ranks). The loss follows the normaliser contract of
 :mod:`fgrpo.loss`, so the all-reduced gradient equals the single-process gradient on the union
 of all ranks' rollouts. Building, sharding, decoding, exporting and checkpointing the policy is
 :class:`fgrpo.policy.TrainedPolicy`'s; the job lifecycle is :func:`hpc.job.loop.run_loop`'s.
@@ -18,13 +19,11 @@ from fgrpo.config import FGRPOJobConfig
 from fgrpo.gradients import accumulate_gradients
 from fgrpo.metrics import METRICS, local_sums, step_metrics
 from fgrpo.policy import TrainedPolicy, frozen_logprobs, reference_model
-from fgrpo.rollout import sample_rollouts
+from fgrpo.sampling import sample_step
 from hpc.data.tasks import load_task
-from hpc.gradient_method import step_seed
 from hpc.job.lifecycle import finish, on_all_ranks, start_job
 from hpc.job.loop import run_loop
 from hpc.runtime.errors import UserError, user_errors_exit
-from hpc.runtime.world import my_slice
 
 PHASES = {"gather_weights": "communication", "generate": "rollout", "reward": "rollout",
           "forward_backward": "train",
@@ -54,25 +53,20 @@ class FGRPO(TrainedPolicy):
 
     def step(self, i: int) -> dict:
         cfg, f, world, task, timer = self.job.cfg, self.f, self.job.world, self.task, self.timer
-        # 1. rollouts: my share of the step's prompts, G completions each, and their rewards
-        batch = np.random.default_rng([cfg.run.seed, i]).choice(
-            len(task.train), size=min(f.batch_prompts, len(task.train)), replace=False)
-        mine = batch[my_slice(len(batch), world)]
+        # 1. rollouts: G completions of each of my prompts (refilled: dynamic sampling)
         self.model.eval()
         with self.decoding():
-            rollouts = sample_rollouts(self.model, self.tok, task,
-                                       [task.train.prompts[j] for j in mine],
-                                       [task.train.answers[j] for j in mine], f,
-                                       cfg.task.max_new_tokens, cfg.eval.batch_size,
-                                       step_seed(cfg.run.seed, i, world.rank), timer)
-        # 2. focal-weighted group advantages (batch std: moments summed over ranks)
+            batch = sample_step(self.model, self.tok, task, cfg, world, i, timer)
+        rollouts = batch.train
+        # 2. focal-weighted advantages of the shaped rewards, p from the task's rewards
         batch_std = None
-        if f.scale_rewards == "batch":
+        if f.scale_rewards == "batch":  # moments summed over ranks
             batch_std = std_from_moments(world.allgather(
-                batch_moments(rollouts.rewards).numpy(), tag="metrics"))
-        adv = group_advantages(rollouts.rewards, f.scale_rewards, f.gamma,
+                batch_moments(rollouts.shaped_rewards).numpy(), tag="metrics"))
+        adv = group_advantages(rollouts.shaped_rewards, f.scale_rewards, f.gamma,
                                eps=f.advantage_epsilon, batch_std=batch_std,
-                               success_threshold=f.success_threshold)
+                               success_threshold=f.success_threshold,
+                               task_rewards=rollouts.rewards)
         # 3. the frozen log-probs: the sampling policy's (mu > 1 passes), the reference's (KL)
         with timer.phase("forward_backward"):
             def frozen(model):
@@ -90,6 +84,7 @@ class FGRPO(TrainedPolicy):
             with timer.phase("forward_backward"):
                 sums = accumulate_gradients(self.model, rollouts, row_adv, cfg, world,
                                             cfg.task.max_new_tokens, old_logp, ref_logp)
+                self.weights.ensure_gradients()  # no rows here: zeros to all-reduce
             with timer.phase("waiting"):
                 world.arrive("gradient all-reduce", cfg.run.collective_timeout_s)
             with timer.phase("allreduce"):  # FSDP2 reduce-scattered during the backward
@@ -100,8 +95,8 @@ class FGRPO(TrainedPolicy):
                 self.skipped += 1
                 break
         self.weights.free_gradients()
-        return step_metrics(world, local_sums(rollouts, adv, sums, f.success_threshold),
-                            adv.focal_weight, self.skipped)
+        return step_metrics(world, local_sums(batch, adv, sums, f.success_threshold),
+                            adv.focal_weight, self.skipped, batch.stats)
 
 
 @user_errors_exit
