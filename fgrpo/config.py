@@ -78,6 +78,10 @@ class FGRPOConfig:
     max_refills: int = param(9, "dynamic sampling: extra rounds of fgrpo.batch_prompts "
                              "prompts at most; then the step trains on what it has and logs "
                              "the shortfall (verl max_num_gen_batches - 1)", min=0, max=1000)
+    filtered_share: float = param(0.0, "hpc-plan and the scaling model: the share of groups "
+                                  "dynamic sampling is expected to filter (a pilot run's "
+                                  "mean filtered_share metric), to count the extra rollouts",
+                                  min=0.0, max=0.99)
     overlong_buffer: int = param(0, "DAPO soft overlong punishment: completions longer than "
                                  "task.max_new_tokens - this get a reward penalty rising "
                                  "linearly to fgrpo.overlong_penalty at the limit (tokens, "
