@@ -23,7 +23,7 @@
 #   PARTS="gamma wall tokens family"  the groups to run
 #   FAMILY_TOKENS=12000  tokens a run (family/)   FAMILY_GAMMA=1   FAMILY_EVAL=128
 #   FAMILY_SAMPLES=32  samples a problem for the family's pass@k
-#   FAMILY_BATCH=32  prompts a step (family/)
+#   FAMILY_BATCH=32  prompts a step (family/)   FAMILY_ALGORITHMS="grpo dapo cispo"
 #   RANKS=2
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,6 +38,7 @@ has() { [[ " ${parts[*]} " == *" $1 "* ]]; }
 FAMILY_TOKENS=${FAMILY_TOKENS:-12000} FAMILY_GAMMA=${FAMILY_GAMMA:-1}
 FAMILY_EVAL=${FAMILY_EVAL:-128} FAMILY_SAMPLES=${FAMILY_SAMPLES:-32}
 FAMILY_BATCH=${FAMILY_BATCH:-32}
+read -r -a algorithms <<<"${FAMILY_ALGORITHMS:-grpo dapo cispo}"
 STEPS=${STEPS:-150} SAMPLES=${SAMPLES:-256} N_EVAL=${N_EVAL:-128}
 METHOD_EVAL=${METHOD_EVAL:-256} TRAIN_S=${TRAIN_S:-60} TOKENS=${TOKENS:-400000}
 ESSA_EVERY=${ESSA_EVERY:-10} FGRPO_EVERY=${FGRPO_EVERY:-30}
@@ -89,7 +90,7 @@ for seed in "${seeds[@]}"; do
   budget_run tokens essa "$seed" "$ESSA_EVERY_T" "run.max_generated_tokens=$TOKENS"
   budget_run tokens fgrpo "$seed" "$FGRPO_EVERY_T" "run.max_generated_tokens=$TOKENS"
 done
-for algo in grpo dapo cispo; do
+for algo in "${algorithms[@]}"; do
   has family || break
   mkdir -p "$OUT/family"
   for gamma in 0 "$FAMILY_GAMMA"; do
