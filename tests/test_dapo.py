@@ -148,3 +148,39 @@ def test_keep_informative_takes_the_first_needed():
 
 def keep(uniform, need):
     return sampling.keep_informative(uniform, need).tolist()
+
+
+class Tokenizer:
+    pad_token_id = 0
+
+    def __call__(self, text, **kwargs):
+        return {"input_ids": [3, 4]}
+
+    def batch_decode(self, ids, **kwargs):
+        return ["a"] * len(ids)
+
+
+class Timer:
+    def phase(self, name):
+        import contextlib
+        return contextlib.nullcontext()
+
+
+def test_truncated_completions_are_shaped_and_filtered(monkeypatch):
+    """Length limit 4, buffer 2: a completion ended by eos at 2 tokens is untouched; one cut
+    at 4 tokens (no eos) gets penalty -1 and, with overlong filtering, no loss tokens."""
+    import fgrpo.rollout as rollout
+    monkeypatch.setattr(rollout, "generate_tokens", lambda *a, **k: [[7, 2], [7, 7, 7, 7]])
+    monkeypatch.setattr(rollout, "eos_ids", lambda model, tok: [2])
+    tok = Tokenizer()
+    model = torch.nn.Linear(1, 1)
+    task = SimpleNamespace(rewards=lambda texts, answers: [1.0, 1.0])
+    for filtered in (False, True):
+        f = load_config(FGRPOJobConfig, None, [
+            "fgrpo.num_generations=2", "fgrpo.overlong_buffer=2", "task.max_new_tokens=4",
+            f"fgrpo.overlong_filter={str(filtered).lower()}"]).fgrpo
+        out = rollout.sample_rollouts(model, tok, task, ["q"], ["a"], f, 4, 8, 0, Timer())
+        assert out.truncated.tolist() == [False, True]
+        assert out.penalty.tolist() == [[0.0, -1.0]] and out.rewards.tolist() == [[1.0, 1.0]]
+        assert out.completion_mask[0].tolist() == [0, 0, 1, 1, 0, 0]
+        assert out.completion_mask[1].tolist() == ([0] * 6 if filtered else [0, 0, 1, 1, 1, 1])
