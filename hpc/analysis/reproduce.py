@@ -74,10 +74,10 @@ class Run:
         m = f.group("metrics")
         self.steps = int(m["step"][-1])
         self.train_s, self.tokens = float(m["train_s"][-1]), int(m["generated_tokens"][-1])
-        h = f.group("heldout")
-        acc = h[f.attrs["heldout_accuracy"]]
+        h = f.group("heldout")  # none in a run without evaluations along the way
+        acc = h.get(f.attrs["heldout_accuracy"], np.zeros(0))
         # the curve starts at the start evaluation (x = 0) and ends at the final one
-        self.curve = {x: np.concatenate([[0.0], h[x], [getattr(self, a)]])
+        self.curve = {x: np.concatenate([[0.0], h.get(x, np.zeros(0)), [getattr(self, a)]])
                       for x, a in (("train_s", "train_s"), ("generated_tokens", "tokens"))}
         self.curve["accuracy"] = np.concatenate([[self.start_accuracy], acc, [self.accuracy]])
 
@@ -223,6 +223,11 @@ def family_summary(runs: list) -> tuple:
     rows, tests, record = [], [], {"n_samples": n, "k": ks, "arms": {}}
     arms = family_arms(runs)
     plain = {a: {r.seed: r for r in rs} for a, g, rs in arms if g == 0.0}
+    starts = start_evaluations(runs)
+    if starts:
+        rows.append(["SFT start", len(starts), "0", "0", _ci_text([r.start_accuracy
+                                                                   for r in starts])] +
+                    [_ci_text([r.start_passk[k - 1] for r in starts]) for k in ks])
     for a, g, rs in arms:
         name = ("" if g == 0.0 else "F-") + ALGORITHMS[a] + ("" if g == 0.0 else f" (γ={g:g})")
         rows.append([name, len(rs), f"{np.mean([r.steps for r in rs]):.0f}",
