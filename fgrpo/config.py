@@ -173,7 +173,8 @@ class FGRPOJobConfig(JobConfig):
 
     def resolve_algorithm(self) -> None:
         """Set the keys of ``fgrpo.algorithm``'s preset (:data:`PRESETS`) that the config file
-        and command line left unset (``given_keys``, from :func:`hpc.runtime.config.load_config`)."""
+        and command line left unset (``given_keys``, from
+        :func:`hpc.runtime.config.load_config`)."""
         given = getattr(self, "given_keys", frozenset())
         for key, value in PRESETS[self.fgrpo.algorithm].items():
             if f"fgrpo.{key}" not in given:

@@ -90,9 +90,10 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     logp, old_logp, ref_logp, mask: (B, T), log-probabilities in nats of the sampled tokens
     under the current / sampling / reference policy; mask is bool or 0/1 float (1 = valid).
     advantages: (B,). ``normalizer`` overrides the denominator D (see the module docstring).
-    ``clip_ratio_c``: dual-clip bound (clip surrogate only), 0 = off, else > 1. Returns (scalar loss with grad through
-    ``logp``, stats) where stats are floats over this call's valid tokens: ``clip_fraction``
-    (tokens where the clip changed the objective), ``dual_clip_fraction`` (tokens where the
+    ``clip_ratio_c``: dual-clip bound (clip surrogate only), 0 = off, else > 1. Returns
+    (scalar loss with grad through ``logp``, stats) where stats are floats over this call's
+    valid tokens: ``clip_fraction`` (tokens where the clip changed the objective: the PPO
+    clip's min, or CISPO's weight clip), ``dual_clip_fraction`` (tokens where the
     dual clip lowered the loss, verl's ``pg_clipfrac_lower``), ``kl`` (mean k3, 0.0 without
     KL), ``ratio_mean``, ``loss_mean`` (mean per-token loss) and ``valid_tokens`` (their count,
     to weight stats across micro-batches).

@@ -89,8 +89,14 @@ def test_bad_options_exit_2(tmp_path, override, words):
                                     "fgrpo.scale_rewards=batch",
                                     "fgrpo.loss_type=seq-mean-token-sum-norm",
                                     "fgrpo.clip_ratio_c=3", "fgrpo.advantage_epsilon=1e-6",
-                                    "fgrpo.success_threshold=0.5"]],
-                         ids=["full-finetune-kl", "lora-kl-mu2-batch-std"])
+                                    "fgrpo.success_threshold=0.5"],
+                                   ["fgrpo.algorithm=cispo", "fgrpo.beta=0.1",
+                                    "fgrpo.num_iterations=2",
+                                    "fgrpo.loss_type=seq-mean-token-mean"],
+                                   ["fgrpo.algorithm=dapo", "fgrpo.max_refills=1",
+                                    "fgrpo.overlong_filter=true", "fgrpo.beta=0.1"]],
+                         ids=["full-finetune-kl", "lora-kl-mu2-batch-std", "cispo-kl-mu2",
+                              "dapo-overlong-filter"])
 def test_variants_run_and_log(tiny_models, tmp_path, extra):
     """Full fine-tuning with a frozen reference copy, and LoRA with the adapter-disabled
     reference, several inner iterations and batch std scaling, both under mpirun -n 2."""
