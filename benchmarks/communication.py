@@ -31,7 +31,7 @@ from common import TARGETS, cpu_model, launch_mpi
 
 # Qwen2.5 shapes: (hidden, layers, attention heads, kv heads)
 QWEN_SHAPES = {"qwen2.5-1.5b": (1536, 28, 12, 2), "qwen2.5-7b": (3584, 28, 28, 4)}
-FGRPO_METRICS = (2, 15)  # float64 lengths of fgrpo.trainer's per-step metric Allgathers
+FGRPO_METRICS = (2, 17)  # float64 lengths of fgrpo.trainer's per-step metric Allgathers
 
 
 def lora_grad_shapes(hidden: int, layers: int, heads: int, kv_heads: int, rank: int = 8):

@@ -70,13 +70,15 @@ def std_from_moments(moments) -> float:
 
 
 def group_advantages(rewards: Tensor, scale_rewards: str, gamma: float, eps: float = 1e-4,
-                     batch_std: float | None = None,
-                     success_threshold: float = 1.0) -> Advantages:
+                     batch_std: float | None = None, success_threshold: float = 1.0,
+                     task_rewards: Tensor | None = None) -> Advantages:
     """F-GRPO advantages of ``rewards`` (n_groups, G), see the module docstring.
 
     ``eps`` is added to the std (TRL's 1e-4; verl's 1e-6). ``batch_std`` is the global unbiased
     std for ``scale_rewards="batch"`` (from :func:`std_from_moments`); ignored by the other
-    modes. A reward >= ``success_threshold`` counts as a success in p. Raises ValueError for
+    modes. A reward >= ``success_threshold`` counts as a success in p; ``task_rewards``
+    (n_groups, G), if given, decide success instead of ``rewards`` (the overlong-shaped
+    rewards give the advantages, the task's rewards the success rate). Raises ValueError for
     gamma < 0, eps < 0, G < 2, a non-2-D ``rewards`` or an unknown ``scale_rewards``.
     """
     if scale_rewards not in SCALE_REWARDS:
@@ -97,6 +99,7 @@ def group_advantages(rewards: Tensor, scale_rewards: str, gamma: float, eps: flo
         adv = adv / (std + eps)
     zero_spread = r.amax(dim=1) == r.amin(dim=1)
     adv = torch.where(zero_spread[:, None], torch.zeros_like(adv), adv)
-    p = (r >= success_threshold).to(torch.float32).mean(dim=1)
+    scored = r if task_rewards is None else task_rewards.detach().to(torch.float32)
+    p = (scored >= success_threshold).to(torch.float32).mean(dim=1)
     weight = torch.pow(1.0 - p, float(gamma))  # pow(x, 0) == 1 exactly, even for x = 0
     return Advantages(adv * weight[:, None], weight, p, zero_spread)

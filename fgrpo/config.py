@@ -10,10 +10,36 @@ from hpc.runtime.errors import UserError
 # and with it `fgrpo --help`, needs no torch).
 LOSS_TYPES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
               "seq-mean-token-sum-norm")
+SURROGATES = ("clip", "cispo")  # the per-token policy objectives of fgrpo.loss
+
+# fgrpo.algorithm: the keys each preset sets, unless the config file or command line sets them
+# (a callable takes the job config). grpo leaves the keys' defaults (clip surrogate, token-mean,
+# clip 0.2 / 0.28). dapo: DAPO (arXiv 2503.14476) as verl's recipe runs it: clip-higher 0.2 /
+# 0.28, token-mean, dynamic sampling (filter_groups, max_num_gen_batches=10: 9 refills) and the
+# soft overlong punishment over the last fifth of the length limit (4096 of 20480 there),
+# penalty factor 1. cispo: MiniMax-M1's CISPO (arXiv 2506.13585), token-mean, the importance
+# weight clipped to [0, 5] (TRL's loss_type="cispo" with epsilon_high=5.0).
+PRESETS = {
+    "grpo": {"surrogate": "clip", "dynamic_sampling": False, "overlong_buffer": 0,
+             "overlong_filter": False},
+    "dapo": {"surrogate": "clip", "loss_type": "token-mean", "epsilon": 0.2,
+             "epsilon_high": 0.28, "dynamic_sampling": True, "max_refills": 9,
+             "overlong_buffer": lambda cfg: max(1, cfg.task.max_new_tokens // 5),
+             "overlong_penalty": 1.0, "overlong_filter": False},
+    "cispo": {"surrogate": "cispo", "loss_type": "token-mean", "cispo_epsilon_low": 1.0,
+              "cispo_epsilon_high": 4.0, "clip_ratio_c": 0.0, "dynamic_sampling": False,
+              "overlong_buffer": 0, "overlong_filter": False},
+}
 
 
 @dataclass
 class FGRPOConfig:
+    algorithm: str = param("grpo", "preset of the loss and sampling keys (each still "
+                           "overridable; the resolved values are in the run file's config): "
+                           "grpo; dapo: dynamic sampling, overlong shaping, token-mean, clip "
+                           "0.2/0.28; cispo: surrogate=cispo, token-mean. fgrpo.gamma=0 gives "
+                           "the plain algorithm, gamma > 0 its focal (F-) variant",
+                           choices=list(PRESETS))
     steps: int = param(50, "optimizer steps (each on a fresh batch of prompts)",
                        min=1, max=1_000_000)
     batch_prompts: int = param(32, "prompts per step, over all ranks", min=1, max=1_000_000)
@@ -39,6 +65,31 @@ class FGRPOConfig:
                                 "a negative-advantage token A < 0 is capped at "
                                 "-clip_ratio_c * A; 0 = off (as TRL), else > 1", min=0.0,
                                 max=1000.0)
+    surrogate: str = param("clip", "per-token policy objective: clip: PPO's clipped ratio "
+                           "(GRPO, DAPO); cispo: -sg(clip(ratio)) * A * log pi, every token "
+                           "keeps its gradient (MiniMax-M1)", choices=list(SURROGATES))
+    cispo_epsilon_low: float = param(1.0, "surrogate=cispo: the importance weight's lower "
+                                     "bound is 1 - this (1 = none)", min=0.0, max=1.0)
+    cispo_epsilon_high: float = param(4.0, "surrogate=cispo: its upper bound is 1 + this "
+                                      "(4: TRL's epsilon_high=5.0)", min=0.0, max=1000.0)
+    dynamic_sampling: bool = param(False, "DAPO: drop groups whose rewards are all equal and "
+                                   "roll out more prompts (drawn from the shared seed) until "
+                                   "the step has fgrpo.batch_prompts informative groups")
+    max_refills: int = param(9, "dynamic sampling: extra rounds of fgrpo.batch_prompts "
+                             "prompts at most; then the step trains on what it has and logs "
+                             "the shortfall (verl max_num_gen_batches - 1)", min=0, max=1000)
+    filtered_share: float = param(0.0, "hpc-plan and the scaling model: the share of groups "
+                                  "dynamic sampling is expected to filter (a pilot run's "
+                                  "mean filtered_share metric), to count the extra rollouts",
+                                  min=0.0, max=0.99)
+    overlong_buffer: int = param(0, "DAPO soft overlong punishment: completions longer than "
+                                 "task.max_new_tokens - this get a reward penalty rising "
+                                 "linearly to fgrpo.overlong_penalty at the limit (tokens, "
+                                 "0 = off)", min=0, max=32768)
+    overlong_penalty: float = param(1.0, "penalty at the length limit (verl "
+                                    "overlong_buffer.penalty_factor)", min=0.0, max=1000.0)
+    overlong_filter: bool = param(False, "DAPO overlong filtering: completions cut by "
+                                  "task.max_new_tokens are masked out of the loss")
     beta: float = param(0.0, "KL penalty to the reference (k3); under LoRA the reference is the "
                         "base model with the adapter disabled", min=0.0, max=1000.0)
     num_iterations: int = param(1, "mu: optimizer passes over the same rollouts", min=1, max=1000)
@@ -86,6 +137,20 @@ class FGRPOJobConfig(JobConfig):
                             f"together, so each needs the same number of rows")
 
     def validate(self):
+        self.resolve_algorithm()
+        f = self.fgrpo
+        if f.surrogate == "cispo" and f.clip_ratio_c:
+            raise UserError(f"config key 'fgrpo.clip_ratio_c': {f.clip_ratio_c} is a dual clip "
+                            f"of the clip surrogate; fgrpo.surrogate=cispo has none (set "
+                            f"fgrpo.clip_ratio_c=0)")
+        if f.overlong_buffer > self.task.max_new_tokens:
+            raise UserError(f"config key 'fgrpo.overlong_buffer': {f.overlong_buffer} tokens "
+                            f"exceed the length limit task.max_new_tokens="
+                            f"{self.task.max_new_tokens}")
+        if f.dynamic_sampling and f.parallelism == "fsdp2":
+            raise UserError("config key 'fgrpo.dynamic_sampling': the informative groups a "
+                            "rank keeps differ in number; fgrpo.parallelism=fsdp2 needs the "
+                            "same rows on every rank (use parallelism=ddp)")
         if 0.0 < self.fgrpo.clip_ratio_c <= 1.0:
             raise UserError(f"config key 'fgrpo.clip_ratio_c': {self.fgrpo.clip_ratio_c} must "
                             f"be 0 (dual clip off) or > 1")
@@ -105,3 +170,12 @@ class FGRPOJobConfig(JobConfig):
         if self.fgrpo.space != "sv" and self.fgrpo.alpha != 1.0:
             raise UserError(f"config key 'fgrpo.alpha': {self.fgrpo.alpha} applies only to "
                             f"fgrpo.space=sv")
+
+    def resolve_algorithm(self) -> None:
+        """Set the keys of ``fgrpo.algorithm``'s preset (:data:`PRESETS`) that the config file
+        and command line left unset (``given_keys``, from
+        :func:`hpc.runtime.config.load_config`)."""
+        given = getattr(self, "given_keys", frozenset())
+        for key, value in PRESETS[self.fgrpo.algorithm].items():
+            if f"fgrpo.{key}" not in given:
+                setattr(self.fgrpo, key, value(self) if callable(value) else value)

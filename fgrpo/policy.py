@@ -1,5 +1,6 @@
-"""The policy F-GRPO trains and its reference: building them, and log-probs without gradient
-(the sampling policy's for mu > 1 passes, the reference's for the KL term)."""
+"""The policy F-GRPO trains and its reference: building them, log-probs without gradient (the
+sampling policy's for mu > 1 passes, the reference's for the KL term), and
+:class:`TrainedPolicy`, everything of the job-loop method but its step."""
 from __future__ import annotations
 
 import contextlib
@@ -7,10 +8,18 @@ import copy
 
 import torch
 
+from hpc.gradient_method import GradientMethod
+from hpc.job.lifecycle import on_all_ranks, stop_if_preempted
+from hpc.models.adapter_space import SingularValueSpace
 from hpc.models.loading import attach_lora, load_adapter, load_model
 from hpc.models.logprobs import sequence_logprobs
-from hpc.models.parallelize import load_dtype
+from hpc.models.memory_plan import fgrpo_rollout_rows, rollout_engine_kept, rollout_offload
+from hpc.models.parallelize import (TrainedWeights, decoding, load_dtype, load_sharded_state,
+                                    save_full_model, save_gathered_adapter, shard_model,
+                                    sharded_state)
 from hpc.models.quantize import attach_generation_copy
+from hpc.runtime.dist import init_process_group
+from hpc.runtime.readback import count
 
 
 def build_model(cfg, device):
@@ -35,9 +44,10 @@ def build_model(cfg, device):
 def frozen_logprobs(model, rollouts, micro_batch: int, chunk: int) -> torch.Tensor:
     """Log-probs of all rollouts without gradient: (rows, T-1) float32; ``chunk``: positions
     per LM-head chunk (model.logprob_chunk, 0 = full logits)."""
+    ids = rollouts.input_ids
     parts = [sequence_logprobs(model, *rollouts.rows(s, s + micro_batch)[:2], chunk)[0]
-             for s in range(0, rollouts.input_ids.shape[0], micro_batch)]
-    return torch.cat(parts)
+             for s in range(0, ids.shape[0], micro_batch)]
+    return torch.cat(parts) if parts else ids.new_zeros((0, ids.shape[1] - 1), dtype=torch.float32)
 
 
 @contextlib.contextmanager
@@ -49,3 +59,92 @@ def reference_model(model, ref_model):
         return
     with model.disable_adapter():
         yield model
+
+
+class TrainedPolicy(GradientMethod):
+    """The F-GRPO job-loop method without its step: the policy built, sharded (FSDP2) and
+    parametrised (``fgrpo.space``), decoded with the weights gathered and the training state
+    offloaded, exported and checkpointed. :class:`fgrpo.trainer.FGRPO` adds the step."""
+
+    def build_policy(self) -> None:
+        """``model``, ``ref_model``, ``tok``, ``params`` and ``weights`` (fp32 masters and AdamW,
+        :class:`hpc.models.parallelize.TrainedWeights`) on every rank."""
+        job, cfg, world, f = self.job, self.job.cfg, self.job.world, self.job.cfg.fgrpo
+        torch.manual_seed(cfg.run.seed)
+        self.model, self.ref_model, self.tok = on_all_ranks(world, lambda: build_model(
+            cfg, job.device))
+        stop_if_preempted(job, "model and adapter loading")
+        self.checkpointed = self.checkpoint_activations()
+        init_process_group(world, job.device)
+        self.sharded = f.parallelism == "fsdp2"
+        if self.sharded:
+            for m in (self.model, self.ref_model):
+                if m is not None:
+                    shard_model(m, cfg.model.dtype)
+        self.space = None
+        if f.space == "sv":  # ESSA's search space, trained by gradient
+            self.space = SingularValueSpace.from_peft(self.model, f.alpha, cfg.lora.targets)
+            self.params = self.space.parametrize(self.model)
+        else:
+            self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.weights = TrainedWeights(self.params, f.learning_rate, f.weight_decay)
+        self.offload = rollout_offload(cfg, world.size, job.device.type)
+        self.keep_engine = rollout_engine_kept(cfg, world.size, job.device.type)
+        self.collective_export = f.full_finetune or self.sharded  # gathers, rank 0 writes
+
+    @contextlib.contextmanager
+    def decoding(self, phase: str | None = "gather_weights"):
+        """The rollout's or evaluation's weights (:func:`hpc.models.parallelize.decoding`):
+        gathered under FSDP2, with the training state ``fgrpo.offload`` names in host memory;
+        gathering and offloading, there and back, are timed as ``phase`` (None: the caller's
+        phase, as the job loop's ``eval``)."""
+        timed = self.timer.phase if phase else lambda _: contextlib.nullcontext()
+        with contextlib.ExitStack() as stack:
+            with timed(phase):
+                stack.enter_context(decoding(self.model, self.weights, self.offload,
+                                             self.ref_model))
+            yield
+            with timed(phase):
+                stack.close()
+
+    def step_decode(self) -> tuple:
+        """A rollout: min(eval.batch_size, this rank's prompts) x G rows, the own adapter."""
+        cfg = self.job.cfg
+        return fgrpo_rollout_rows(cfg, self.job.world.size), 0 if self.f.full_finetune else 1
+
+    def evaluate(self, sampled: bool):
+        with self.decoding(phase=None):
+            return super().evaluate(sampled)
+
+    def export(self, out_dir: str, step: int) -> None:
+        """LoRA: the peft adapter ``<out_dir>/adapter``; full fine-tuning: the model
+        ``<out_dir>/model``. Full fine-tuning or FSDP2: every rank calls this
+        (``collective_export``) to gather the weights, rank 0 writes."""
+        is_root = self.job.world.is_root
+        if self.f.full_finetune:
+            save_full_model(self.model, self.tok, f"{out_dir}/model", self.job.cfg.model.dtype,
+                            is_root)
+        elif self.sharded:
+            save_gathered_adapter(self.model, f"{out_dir}/adapter", is_root)
+        elif self.space is not None:
+            self.space.save_parametrized(self.model, f"{out_dir}/adapter")
+        else:
+            super().export(out_dir, step)
+
+    def state_dict(self) -> dict:
+        """Replicated state: the step-skip count, and under DDP the trained weights."""
+        weights = {} if self.sharded else self.weights.state_dict()
+        return dict(weights, skipped=self.skipped)
+
+    def load_state_dict(self, state: dict) -> None:
+        skipped = count(state["skipped"], "F-GRPO checkpoint", "skipped")
+        if not self.sharded:
+            self.weights.load_state_dict(state)
+        self.skipped = skipped
+
+    def sharded_state_dict(self) -> dict:
+        """FSDP2: the sharded fp32 masters and AdamW moments (saved and resharded by DCP)."""
+        return sharded_state(self.model, self.weights)
+
+    def load_sharded_state_dict(self, state: dict) -> None:
+        load_sharded_state(self.model, self.weights, state)

@@ -1,16 +1,29 @@
-"""Rollouts: G sampled completions per prompt and their rewards.
+"""Rollouts: G sampled completions per prompt, their rewards and DAPO's overlong shaping.
 
 Sequences are stored right-padded as ``prompt + completion`` so that position ids start at 0;
 ``completion_mask`` marks the completion tokens (the eos that ended a completion included, so
-the policy also learns when to stop).
+the policy also learns when to stop). A completion without an eos was cut by the length limit
+(``truncated``).
+
+Overlong reward shaping (DAPO, arXiv 2503.14476 eq. 13; verl's ``overlong_buffer``): with
+length limit L = ``task.max_new_tokens``, buffer B = ``fgrpo.overlong_buffer`` and factor
+c = ``fgrpo.overlong_penalty``, a completion of |y| tokens gets
+
+    penalty(|y|) = min(0, -c * (|y| - (L - B)) / B)
+
+added to its reward: 0 up to L - B tokens, -c/B at L - B + 1, -c at L. The task reward alone
+decides success (the focal weight's p, ``success_rate``) and whether a group is uniform
+(dynamic sampling, as verl's ``filter_groups.metric=acc``); the shaped reward gives the
+advantages. Overlong filtering (``fgrpo.overlong_filter``) zeroes the ``completion_mask`` of
+truncated completions: they stay in their group's statistics but carry no loss.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
-from hpc.models.generation import generate_tokens
+from hpc.models.generation import eos_ids, generate_tokens
 
 
 @dataclass
@@ -18,18 +31,59 @@ class Rollouts:
     """One rank's rollouts for one step (n prompts x G completions, prompt-major rows).
 
     input_ids, attention_mask, completion_mask: (n*G, T) int64 / int64 / float32.
-    rewards: (n, G) float32. completion_lengths: (n*G,) int64 tokens.
+    rewards, penalty: (n, G) float32, the task's reward and the overlong penalty (<= 0).
+    completion_lengths: (n*G,) int64 tokens; truncated: (n*G,) bool, cut by the length limit.
     """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     completion_mask: torch.Tensor
     rewards: torch.Tensor
+    penalty: torch.Tensor
     completion_lengths: torch.Tensor
+    truncated: torch.Tensor
 
     def rows(self, start: int, stop: int):
         return (self.input_ids[start:stop], self.attention_mask[start:stop],
                 self.completion_mask[start:stop])
+
+    @property
+    def shaped_rewards(self) -> torch.Tensor:
+        """(n, G) float32: the reward the advantages use, task reward + overlong penalty."""
+        return self.rewards + self.penalty
+
+    def groups(self, keep: torch.Tensor) -> "Rollouts":
+        """The rollouts of the groups where ``keep`` ((n,) bool) is True, in order."""
+        rows = keep.repeat_interleave(self.rewards.shape[1])
+        dev = self.input_ids.device
+        return Rollouts(self.input_ids[rows.to(dev)], self.attention_mask[rows.to(dev)],
+                        self.completion_mask[rows.to(dev)], self.rewards[keep],
+                        self.penalty[keep], self.completion_lengths[rows],
+                        self.truncated[rows])
+
+def cat_rollouts(parts: list, pad_id: int) -> Rollouts:
+    """One :class:`Rollouts` of ``parts`` (in order), the sequences right-padded to the widest
+    (``pad_id`` tokens, mask 0)."""
+    width = max(p.input_ids.shape[1] for p in parts)
+
+    def padded(name, value):
+        t = [getattr(p, name) for p in parts]
+        if name not in ("input_ids", "attention_mask", "completion_mask"):
+            return torch.cat(t)
+        return torch.cat([torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+                          for x in t])
+    return Rollouts(**{f.name: padded(f.name, pad_id if f.name == "input_ids" else 0)
+                       for f in fields(Rollouts)})
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int,
+                     factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment of completion ``lengths`` (any shape, tokens), float32
+    (see the module docstring); all zeros when ``buffer`` is 0."""
+    if buffer == 0:
+        return torch.zeros(lengths.shape, dtype=torch.float32)
+    exceed = lengths.to(torch.float64) - (max_len - buffer)
+    return torch.clamp(-factor * exceed / buffer, max=0.0).to(torch.float32)
 
 
 def pack(tokenizer, prompt_ids: list, completion_ids: list, device) -> tuple:
@@ -48,9 +102,10 @@ def pack(tokenizer, prompt_ids: list, completion_ids: list, device) -> tuple:
 
 def sample_rollouts(model, tokenizer, task, prompts: list, answers: list, cfg, max_new_tokens,
                     batch_size: int, seed: int, timer, first_index: int = 0) -> Rollouts:
-    """Sample ``cfg.num_generations`` completions per prompt and score them; prompt ``i``'s
-    draws are keyed by (``seed``, ``first_index + i``, sample index), its position in the
-    step's global batch (the same on any rank count)."""
+    """Sample ``cfg.num_generations`` completions per prompt and score them. Completion j of
+    prompt i draws with the key (``seed``, ``first_index`` + i, j)
+    (:func:`hpc.models.generation.generate_tokens`), whichever rank samples it. ``cfg``: the
+    ``fgrpo`` section (sampling, overlong shaping and filtering)."""
     G = cfg.num_generations
     device = next(model.parameters()).device
     with timer.phase("generate"):
@@ -64,7 +119,13 @@ def sample_rollouts(model, tokenizer, task, prompts: list, answers: list, cfg, m
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     ids, attn, cmask = pack(tokenizer, [p for p in prompt_ids for _ in range(G)], completions,
                             device)
+    stops = set(eos_ids(model, tokenizer))
+    truncated = torch.tensor([not c or c[-1] not in stops for c in completions], dtype=torch.bool)
+    if cfg.overlong_filter:
+        cmask[truncated.to(device)] = 0.0
+    lengths = torch.tensor([len(c) for c in completions], dtype=torch.long)
     return Rollouts(ids, attn, cmask,
                     torch.tensor(rewards, dtype=torch.float32).reshape(len(prompts), G),
-                    torch.tensor([len(c) for c in completions], dtype=torch.long))
-
+                    overlong_penalty(lengths, max_new_tokens, cfg.overlong_buffer,
+                                     cfg.overlong_penalty).reshape(len(prompts), G),
+                    lengths, truncated)

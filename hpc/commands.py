@@ -23,12 +23,12 @@ evaluate = job_command("hpc-eval", "hpc.runtime.config:JobConfig", "hpc.evaluate
 def plan_job_class():
     """A job config with the sections of both methods (``hpc-plan``, ``hpc-scaling``)."""
     from essa.config import ESSAConfig
-    from fgrpo.config import FGRPOConfig
+    from fgrpo.config import FGRPOConfig, FGRPOJobConfig
 
     return dataclasses.make_dataclass(
         "PlanJobConfig", [("essa", ESSAConfig, dataclasses.field(default_factory=ESSAConfig)),
                           ("fgrpo", FGRPOConfig, dataclasses.field(default_factory=FGRPOConfig))],
-        bases=(JobConfig,))
+        bases=(JobConfig,), namespace={"validate": FGRPOJobConfig.resolve_algorithm})
 
 
 @user_errors_exit
@@ -42,7 +42,8 @@ def plan(argv=None):
                     "lora.targets, task.max_new_tokens, eval.batch_size,\nplan.gpu_memory_gib, "
                     "plan.max_prompt_tokens, essa.population, essa.minibatch,\n"
                     "essa.members_per_pass, fgrpo.batch_prompts, fgrpo.num_generations, "
-                    "fgrpo.micro_batch,\nfgrpo.full_finetune, fgrpo.beta.")
+                    "fgrpo.micro_batch,\nfgrpo.full_finetune, fgrpo.beta, fgrpo.algorithm, "
+                    "fgrpo.dynamic_sampling, fgrpo.max_refills, fgrpo.filtered_share.")
     parser.add_argument("items", nargs="*", metavar="CONFIG.yaml | section.key=value")
     parser.add_argument("--ranks", type=int, default=1,
                         help="ranks of the job (ESSA members and F-GRPO prompts per rank)")

@@ -19,11 +19,12 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return int(np.random.default_rng([seed, step, rank]).integers(2 ** 31))
 
 
-def shared_step_seed(seed: int, step: int) -> int:
+def shared_step_seed(seed: int, step: int, round_: int = 0) -> int:
     """The seed of one step's draws that every rank shares (the keyed sampling of the step's
-    rollouts, :mod:`hpc.models.sampling`): a function of (seed, step) alone, not of the rank
-    or the rank count (a key no rank's :func:`step_seed` uses)."""
-    return int(np.random.default_rng([seed, step, 2 ** 32]).integers(2 ** 31))
+    rollouts, :mod:`hpc.models.sampling`; ``round_``: dynamic sampling's refill round): a
+    function of (seed, step, round) alone, not of the rank or the rank count (a key no rank's
+    :func:`step_seed` uses)."""
+    return int(np.random.default_rng([seed, step, 2 ** 32 + round_]).integers(2 ** 31))
 
 
 class GradientMethod(Method):

@@ -5,6 +5,10 @@
 #   wall/    ESSA and F-GRPO x seeds with the same training-time budget (run.max_train_s)
 #   tokens/  ESSA and F-GRPO x seeds with the same generated-token budget
 #            (run.max_generated_tokens) (ESSA, arXiv 2507.04453: time to accuracy)
+#   family/  the F-GRPO paper's three pairs: GRPO vs F-GRPO, DAPO vs F-DAPO, CISPO vs F-CISPO
+#            (fgrpo.algorithm x gamma 0 / FAMILY_GAMMA) x seeds, every run stopped by the same
+#            generated-token budget (equal work: dynamic sampling's extra rollouts count);
+#            final pass@k for k = 1..FAMILY_SAMPLES, paired by seed
 # then `hpc-report reproduce` prints the tables and tests (summary.txt), writes summary.json
 # and the plots, and `hpc-scaling --runs` predicts 16-128 GPUs from the wall/ runs
 # (scaling.txt). About 35 minutes on 2 idle cores with the defaults.
@@ -16,6 +20,11 @@
 #   TRAIN_S=60  training seconds a run (wall/)       TOKENS=400000    tokens a run (tokens/)
 #   ESSA_EVERY=10 FGRPO_EVERY=30  held-out evaluations along the wall/ runs (steps)
 #   ESSA_EVERY_T=4 FGRPO_EVERY_T=40  ... along the tokens/ runs
+#   PARTS="gamma wall tokens family"  the groups to run
+#   FAMILY_TOKENS=12000  tokens a run (family/)   FAMILY_GAMMA=1   FAMILY_EVAL=128
+#   FAMILY_SAMPLES=32  samples a problem for the family's pass@k
+#   FAMILY_BATCH=32  prompts a step (family/)   FAMILY_ALGORITHMS="grpo dapo cispo"
+#   CISPO_ITERATIONS=2  fgrpo.num_iterations of the CISPO pair (at 1 CISPO's gradient is GRPO's)
 #   RANKS=2
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +34,13 @@ PY=${PYTHON:-python}
 OUT=${OUT:-runs/reproduce}
 read -r -a seeds <<<"${SEEDS:-0 1 2}"
 read -r -a gammas <<<"${GAMMAS:-0 0.5 1 2}"
+read -r -a parts <<<"${PARTS:-gamma wall tokens family}"
+has() { [[ " ${parts[*]} " == *" $1 "* ]]; }
+FAMILY_TOKENS=${FAMILY_TOKENS:-12000} FAMILY_GAMMA=${FAMILY_GAMMA:-1}
+FAMILY_EVAL=${FAMILY_EVAL:-128} FAMILY_SAMPLES=${FAMILY_SAMPLES:-32}
+FAMILY_BATCH=${FAMILY_BATCH:-32}
+read -r -a algorithms <<<"${FAMILY_ALGORITHMS:-grpo dapo cispo}"
+CISPO_ITERATIONS=${CISPO_ITERATIONS:-2}
 STEPS=${STEPS:-150} SAMPLES=${SAMPLES:-256} N_EVAL=${N_EVAL:-128}
 METHOD_EVAL=${METHOD_EVAL:-256} TRAIN_S=${TRAIN_S:-60} TOKENS=${TOKENS:-400000}
 ESSA_EVERY=${ESSA_EVERY:-10} FGRPO_EVERY=${FGRPO_EVERY:-30}
@@ -42,8 +58,8 @@ $PY -m hpc.toys.toy
 stage "LoRA SFT: the one start of every run"
 "${MPIRUN[@]}" $PY -m hpc.sft configs/demo/sft.yaml "run.out=$OUT/sft" "${QUIET[@]}" >"$OUT/sft.log"
 adapter=$OUT/sft/adapter
-mkdir -p "$OUT/gamma"
 
+has gamma && mkdir -p "$OUT/gamma" || gammas=()
 for gamma in "${gammas[@]}"; do
   for seed in "${seeds[@]}"; do
     stage "F-GRPO gamma $gamma seed $seed: $STEPS steps, pass@k from $SAMPLES samples"
@@ -67,12 +83,32 @@ budget_run() {  # group method seed every budget_key=value
     { echo "failed: see $OUT/$group/$method-s$seed.log"; exit 1; }
 }
 for seed in "${seeds[@]}"; do
+  has wall || break
   budget_run wall essa "$seed" "$ESSA_EVERY" "run.max_train_s=$TRAIN_S"
   budget_run wall fgrpo "$seed" "$FGRPO_EVERY" "run.max_train_s=$TRAIN_S"
 done
 for seed in "${seeds[@]}"; do
+  has tokens || break
   budget_run tokens essa "$seed" "$ESSA_EVERY_T" "run.max_generated_tokens=$TOKENS"
   budget_run tokens fgrpo "$seed" "$FGRPO_EVERY_T" "run.max_generated_tokens=$TOKENS"
+done
+for algo in "${algorithms[@]}"; do
+  has family || break
+  mkdir -p "$OUT/family"
+  iterations=1
+  [[ $algo == cispo ]] && iterations=$CISPO_ITERATIONS
+  for gamma in 0 "$FAMILY_GAMMA"; do
+    for seed in "${seeds[@]}"; do
+      run=$OUT/family/$algo-g$gamma-s$seed
+      stage "$algo gamma $gamma seed $seed: $FAMILY_TOKENS tokens, pass@k from $FAMILY_SAMPLES samples"
+      "${MPIRUN[@]}" $PY -m fgrpo configs/demo/fgrpo.yaml "lora.adapter=$adapter" \
+        "fgrpo.algorithm=$algo" "fgrpo.gamma=$gamma" fgrpo.steps=100000 \
+        "fgrpo.batch_prompts=$FAMILY_BATCH" "fgrpo.num_iterations=$iterations" \
+        "run.max_generated_tokens=$FAMILY_TOKENS" "run.seed=$seed" "task.n_eval=$FAMILY_EVAL" \
+        "eval.every=0" "eval.n_samples=$FAMILY_SAMPLES" "run.out=$run" "${QUIET[@]}" \
+        >"$run.log" 2>&1 || { echo "failed: see $run.log"; exit 1; }
+    done
+  done
 done
 
 stage "summary"
@@ -81,11 +117,13 @@ $PY -m hpc.analysis.report reproduce "$OUT" --plots "$OUT/plots" --json "$OUT/su
 # 16-128 GPUs from the wall/ runs' steps to a target both methods reach: at the runs' own
 # workload with their CPU costs, then at the paper's (population 128 x 256 prompts, GRPO 512
 # prompts) with the per-step costs the H200 GPU check measured for Qwen2.5-1.5B.
-{
-  $PY -m hpc.analysis.scaling --paper --runs "$OUT"/wall/*/*.h5
-  echo
-  $PY -m hpc.analysis.scaling --paper --runs "$OUT"/wall/*/*.h5 \
-    --gpu-check benchmarks/results/gpu_check-h200-2026-11-30.json \
-    --population 128 --minibatch 256 --grpo-batch 512 --grpo-minibatch 64
-} | tee "$OUT/scaling.txt"
+if has wall; then
+  {
+    $PY -m hpc.analysis.scaling --paper --runs "$OUT"/wall/*/*.h5
+    echo
+    $PY -m hpc.analysis.scaling --paper --runs "$OUT"/wall/*/*.h5 \
+      --gpu-check benchmarks/results/gpu_check-h200-2026-11-30.json \
+      --population 128 --minibatch 256 --grpo-batch 512 --grpo-minibatch 64
+  } | tee "$OUT/scaling.txt"
+fi
 stage "done: $OUT"

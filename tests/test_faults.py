@@ -142,6 +142,30 @@ def test_fgrpo_preemption_then_resume_is_bitwise(toy_adapter, tmp_path):
         assert np.array_equal(a.group("metrics")[key], b.group("metrics")[key]), key
 
 
+def test_preemption_during_a_refill_resumes_bitwise(toy_adapter, tmp_path):
+    """DAPO's dynamic sampling at temperature 0.1: most groups are uniform, so every step
+    spends most of its time in refill rounds (asserted on the uninterrupted run) and SIGUSR1
+    lands in one. The step in flight finishes, is checkpointed, the run exits 3; the resumed
+    run draws the following steps' rounds from the shared seed, as the uninterrupted one."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    extra = ("fgrpo.algorithm=dapo", "fgrpo.max_refills=3", "fgrpo.temperature=0.1")
+    assert run_mpi(2, fgrpo_args(toy_adapter, full, 5, *extra)).returncode == 0
+    h5 = str(part / "fgrpo.h5")
+    code, _, err = run_and_signal(fgrpo_args(toy_adapter, part, 5, *extra), h5, "metrics", 1,
+                                  signal.SIGUSR1)
+    assert code == 3, err[-3000:]
+    assert RunFile(h5).attrs["status"] == "preempted"
+    assert RunFile(h5).group("metrics")["step"][-1] < 5
+    resumed = run_mpi(2, fgrpo_args(toy_adapter, part, 5, *extra) + ["--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = RunFile(str(full / "fgrpo.h5")).group("metrics"), RunFile(h5).group("metrics")
+    assert a["sampling_rounds"].min() >= 2
+    assert b["step"].tolist() == list(range(1, 6))
+    for key in ("reward_mean", "loss", "entropy", "generated_tokens", "sampling_rounds",
+                "filtered_groups", "extra_rollouts", "shortfall_groups", "focal_weight_mean"):
+        assert np.array_equal(a[key], b[key]), key
+
+
 def test_fsdp2_preemption_then_resume_is_bitwise(toy_adapter, tmp_path):
     """fgrpo.parallelism=fsdp2, full fine-tuning: every rank writes its shard of the fp32
     masters and AdamW moments; SIGTERM to every rank (as Slurm at preemption), then --resume

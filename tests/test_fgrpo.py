@@ -89,8 +89,14 @@ def test_bad_options_exit_2(tmp_path, override, words):
                                     "fgrpo.scale_rewards=batch",
                                     "fgrpo.loss_type=seq-mean-token-sum-norm",
                                     "fgrpo.clip_ratio_c=3", "fgrpo.advantage_epsilon=1e-6",
-                                    "fgrpo.success_threshold=0.5"]],
-                         ids=["full-finetune-kl", "lora-kl-mu2-batch-std"])
+                                    "fgrpo.success_threshold=0.5"],
+                                   ["fgrpo.algorithm=cispo", "fgrpo.beta=0.1",
+                                    "fgrpo.num_iterations=2",
+                                    "fgrpo.loss_type=seq-mean-token-mean"],
+                                   ["fgrpo.algorithm=dapo", "fgrpo.max_refills=1",
+                                    "fgrpo.overlong_filter=true", "fgrpo.beta=0.1"]],
+                         ids=["full-finetune-kl", "lora-kl-mu2-batch-std", "cispo-kl-mu2",
+                              "dapo-overlong-filter"])
 def test_variants_run_and_log(tiny_models, tmp_path, extra):
     """Full fine-tuning with a frozen reference copy, and LoRA with the adapter-disabled
     reference, several inner iterations and batch std scaling, both under mpirun -n 2."""
@@ -131,6 +137,7 @@ def test_token_budget_stops_the_run_and_counts_every_completion_token(toy_adapte
     (["fgrpo.space=sv", "lora.adapter="], ["fgrpo.space", "lora.adapter"]),
     (["fgrpo.alpha=0.5"], ["fgrpo.alpha", "space=sv"]),
     (["fgrpo.space=sv", "fgrpo.alpha=0"], ["fgrpo.alpha"]),
+    (["fgrpo.algorithm=cispo", "fgrpo.clip_ratio_c=3"], ["fgrpo.clip_ratio_c", "cispo"]),
 ])
 def test_bad_space_combinations_exit_2(tmp_path, overrides, words):
     out = tmp_path / "run"
@@ -174,3 +181,33 @@ def test_singular_value_space_trains_resumes_and_exports(tiny_models, tmp_path):
             torch.testing.assert_close(module.lora_A["default"].weight, a, rtol=0, atol=1e-6)
             torch.testing.assert_close(module.lora_B["default"].weight, b, rtol=0, atol=1e-6)
     assert all(torch.equal(trained[full][n], trained[part][n]) for n in trained[full])
+
+
+def test_dynamic_sampling_is_the_same_on_one_and_three_ranks(toy_adapter, tmp_path):
+    """DAPO's refill under mpirun -n 3 equals -n 1 bitwise: steps, rewards, filtered counts,
+    rounds, shortfalls and focal weights. The learning rate is 0, so the policy stays the
+    SFT one: the float order of the gradient all-reduce (which differs with the rank count)
+    cannot reach the next step's rollouts; what is compared is what the prompts, sampling keys
+    and the cross-rank filtering decide. Temperature 0.1 leaves most groups uniform, so every
+    step refills."""
+    metrics = {}
+    for n in (1, 3):
+        out = tmp_path / f"n{n}"
+        proc = run_mpi(n, fgrpo_args(toy_adapter, out, "fgrpo.steps=3", "fgrpo.batch_prompts=6",
+                                     "fgrpo.num_generations=4", "fgrpo.algorithm=dapo",
+                                     "fgrpo.max_refills=3", "fgrpo.temperature=0.1",
+                                     "fgrpo.learning_rate=0", "task.n_train=200",
+                                     "task.n_eval=8"), timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        metrics[n] = RunFile(str(out / "fgrpo.h5")).group("metrics")
+    one, three = metrics[1], metrics[3]
+    assert one["step"].tolist() == three["step"].tolist() == [1, 2, 3]
+    assert one["sampling_rounds"].min() >= 2  # every step refilled
+    for key in ("reward_mean", "success_rate", "sampling_rounds", "filtered_groups",
+                "filtered_share", "extra_rollouts", "shortfall_groups", "trained_groups",
+                "focal_weight_mean", "focal_weight_min", "focal_weight_max",
+                "completion_length", "generated_tokens"):
+        assert np.array_equal(one[key], three[key]), (key, one[key], three[key])
+    rounds = one["sampling_rounds"]
+    assert np.array_equal(one["extra_rollouts"], (rounds - 1) * 6 * 4)
+    assert np.all(one["trained_groups"] + one["shortfall_groups"] == 6)

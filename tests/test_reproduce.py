@@ -17,7 +17,8 @@ from hpc.runtime.runstore import RunFile
 TOKENS = 3000
 MINI = {"SEEDS": "0", "GAMMAS": "0 1", "STEPS": "2", "SAMPLES": "8", "N_EVAL": "8",
         "METHOD_EVAL": "8", "TRAIN_S": "1", "TOKENS": str(TOKENS), "ESSA_EVERY": "1",
-        "FGRPO_EVERY": "2", "ESSA_EVERY_T": "1", "FGRPO_EVERY_T": "2"}
+        "FGRPO_EVERY": "2", "ESSA_EVERY_T": "1", "FGRPO_EVERY_T": "2",
+        "FAMILY_TOKENS": "300", "FAMILY_EVAL": "8", "FAMILY_SAMPLES": "8"}
 
 
 def test_miniature_experiment_writes_runs_summary_and_plots(tmp_path):
@@ -38,7 +39,13 @@ def test_miniature_experiment_writes_runs_summary_and_plots(tmp_path):
             .group("metrics")["generated_tokens"]
         assert tokens[-1] >= TOKENS and (len(tokens) == 1 or tokens[-2] < TOKENS)
     summary = json.loads((out / "summary.json").read_text())
-    assert sorted(summary) == ["gamma", "tokens", "wall"]
+    assert sorted(summary) == ["family", "gamma", "tokens", "wall"]
+    assert sorted(summary["family"]["arms"]) == [f"{a}-g{g}" for a in ("cispo", "dapo", "grpo")
+                                                 for g in (0, 1)]
+    for algo in ("grpo", "dapo", "cispo"):
+        run = RunFile(str(out / "family" / f"{algo}-g1-s0" / "fgrpo.h5"))
+        assert f"algorithm: {algo}" in run.attrs["config"]
+        assert run.group("metrics")["generated_tokens"][-1] >= 300
     assert summary["gamma"]["k"] == [1, 2, 4, 8]
     assert sorted(summary["gamma"]["gammas"]) == ["0", "1"]
     assert all(len(v) == 1 for v in summary["gamma"]["gammas"]["1"]["pass_at_k"].values())
@@ -75,3 +82,25 @@ def test_method_table_uses_welch_t_test():
     want = stats.ttest_ind([0.80, 0.85, 0.90], [0.70, 0.72, 0.69], equal_var=False)
     assert record["welch_greedy"]["p_value"] == pytest.approx(want.pvalue)
     assert "equal generated tokens" in text and "Welch" in text
+
+
+def test_family_table_has_cis_and_pairs_each_focal_arm_with_its_plain_one():
+    """Three seeds per arm: pass@k mean ± the Student-t 95% half-width, and a paired t-test
+    of F-X against X by seed (scipy's ttest_rel), for each algorithm present."""
+    from hpc.analysis.reproduce import family_summary
+    runs = []
+    for algo, shift in (("grpo", 0.0), ("dapo", 0.1)):
+        for gamma, gain in ((0.0, 0.0), (1.0, 0.05)):
+            for seed, noise in ((0, 0.00), (1, 0.02), (2, -0.01)):
+                r = _run(seed, 0.5, [0.3 + shift + noise + gain, 0.6 + shift + gain + noise / 2])
+                r.algorithm, r.gamma = algo, gamma
+                runs.append(r)
+    text, record = family_summary(runs)
+    assert "F-DAPO (γ=1)" in text and "F-GRPO (γ=1) - GRPO" in text
+    plain = [0.30, 0.32, 0.29]
+    half = stats.t.ppf(0.975, 2) * np.std(plain, ddof=1) / np.sqrt(3)
+    assert f"{100 * np.mean(plain):.1f} ± {100 * half:.1f}" in text
+    pair = record["arms"]["dapo-g1"]["paired_pass@1"]
+    assert pair["mean_difference"] == pytest.approx(0.05)
+    assert np.isnan(pair["p_value"]) or pair["p_value"] < 1e-6  # a constant gain
+    assert record["arms"]["grpo-g0"]["seeds"] == [0, 1, 2]

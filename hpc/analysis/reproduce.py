@@ -11,10 +11,17 @@ grouped by the folder they sit in:
   budget (``run.max_train_s``: wall time less evaluations and checkpoints);
 * ``tokens/*/{essa,fgrpo}.h5``: the same with the same budget of generated completion tokens
   (``run.max_generated_tokens``). Both: final greedy accuracy and pass@k, mean and spread over
-  seeds, and Welch's t-test of ESSA against F-GRPO (independent runs, unequal variances).
+  seeds, and Welch's t-test of ESSA against F-GRPO (independent runs, unequal variances);
+* ``family/*/fgrpo.h5``: the F-GRPO paper's three pairs, ``fgrpo.algorithm`` = grpo, dapo,
+  cispo at gamma = 0 (the plain algorithm) and gamma > 0 (its focal variant), every run
+  stopped by the same generated-token budget. Table: pass@k per arm, mean and 95% confidence
+  interval over seeds (Student t); a paired t-test of each focal arm against its plain one
+  over seeds at every shown k.
 
 Plots: ``passk_vs_gamma.png`` (pass@k against k on a log axis, one line per gamma: the mean
 over seeds, the band from the lowest to the highest seed; the SFT start dashed),
+``passk_family.png`` (one panel per algorithm: pass@k of the plain and focal arm, mean and
+95% confidence band over seeds),
 ``accuracy_vs_train_time.png`` and ``accuracy_vs_tokens.png`` (held-out greedy accuracy of
 each method against training seconds and generated tokens, interpolated onto one grid; mean
 and min-max band over seeds). Spreads are sample standard deviations (ddof = 1).
@@ -33,8 +40,10 @@ from scipy import stats
 from hpc.runtime.errors import UserError
 from hpc.runtime.runstore import RunFile
 
-GROUPS = ("gamma", "wall", "tokens")
-PLOTS = ("passk_vs_gamma.png", "accuracy_vs_train_time.png", "accuracy_vs_tokens.png")
+GROUPS = ("gamma", "wall", "tokens", "family")
+PLOTS = ("passk_vs_gamma.png", "accuracy_vs_train_time.png", "accuracy_vs_tokens.png",
+         "passk_family.png")
+ALGORITHMS = {"grpo": "GRPO", "dapo": "DAPO", "cispo": "CISPO"}
 SHOWN_K = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # pass@k columns of the tables, where k <= n
 # per budget group: (x column of the held-out rows, axis label, plot file)
 CURVES = {"wall": ("train_s", "training seconds (wall less evaluations)",
@@ -55,6 +64,8 @@ class Run:
         self.path, self.method = path, f.attrs["method"]
         self.seed = int(cfg["run"]["seed"])
         self.gamma = float(cfg["fgrpo"]["gamma"]) if self.method == "fgrpo" else None
+        self.algorithm = cfg["fgrpo"].get("algorithm", "grpo") if self.method == "fgrpo" \
+            else None
         ev = f.group("eval")
         start, end = np.flatnonzero(ev["step"] == -1), np.flatnonzero(ev["step"] >= 0)
         self.start_passk = ev["pass_at_k"][start[0]] if start.size else None
@@ -63,10 +74,10 @@ class Run:
         m = f.group("metrics")
         self.steps = int(m["step"][-1])
         self.train_s, self.tokens = float(m["train_s"][-1]), int(m["generated_tokens"][-1])
-        h = f.group("heldout")
-        acc = h[f.attrs["heldout_accuracy"]]
+        h = f.group("heldout")  # none in a run without evaluations along the way
+        acc = h.get(f.attrs["heldout_accuracy"], np.zeros(0))
         # the curve starts at the start evaluation (x = 0) and ends at the final one
-        self.curve = {x: np.concatenate([[0.0], h[x], [getattr(self, a)]])
+        self.curve = {x: np.concatenate([[0.0], h.get(x, np.zeros(0)), [getattr(self, a)]])
                       for x, a in (("train_s", "train_s"), ("generated_tokens", "tokens"))}
         self.curve["accuracy"] = np.concatenate([[self.start_accuracy], acc, [self.accuracy]])
 
@@ -182,6 +193,73 @@ def method_summary(runs: list, group: str) -> tuple:
     return text, record
 
 
+def ci95(values) -> tuple:
+    """(mean, half-width of the 95% Student-t confidence interval; NaN for one value)."""
+    v = np.asarray(values, dtype=np.float64)
+    if len(v) < 2:
+        return float(v.mean()), float("nan")
+    return float(v.mean()), float(stats.t.ppf(0.975, len(v) - 1) * v.std(ddof=1) /
+                                  np.sqrt(len(v)))
+
+
+def _ci_text(values) -> str:
+    mean, half = ci95(100 * np.asarray(values, dtype=np.float64))
+    return f"{mean:.1f}" + (f" ± {half:.1f}" if np.isfinite(half) else "")
+
+
+def family_arms(runs: list) -> list:
+    """[(algorithm, gamma, runs sorted by seed)] in the order grpo, dapo, cispo; plain first."""
+    keys = sorted({(r.algorithm, r.gamma) for r in runs},
+                  key=lambda a: (list(ALGORITHMS).index(a[0]), a[1]))
+    return [(a, g, sorted((r for r in runs if (r.algorithm, r.gamma) == (a, g)),
+                          key=lambda r: r.seed)) for a, g in keys]
+
+
+def family_summary(runs: list) -> tuple:
+    """(text, record) of the paper's pairs: pass@k per arm with 95% CIs, paired tests."""
+    n = min(len(r.passk) for r in runs)
+    ks = [k for k in SHOWN_K if k <= n]
+    head = ["arm", "seeds", "steps", "tokens", "greedy"] + [f"pass@{k}" for k in ks]
+    rows, tests, record = [], [], {"n_samples": n, "k": ks, "arms": {}}
+    arms = family_arms(runs)
+    plain = {a: {r.seed: r for r in rs} for a, g, rs in arms if g == 0.0}
+    starts = start_evaluations(runs)
+    if starts:
+        rows.append(["SFT start", len(starts), "0", "0", _ci_text([r.start_accuracy
+                                                                   for r in starts])] +
+                    [_ci_text([r.start_passk[k - 1] for r in starts]) for k in ks])
+    for a, g, rs in arms:
+        name = ("" if g == 0.0 else "F-") + ALGORITHMS[a] + ("" if g == 0.0 else f" (γ={g:g})")
+        rows.append([name, len(rs), f"{np.mean([r.steps for r in rs]):.0f}",
+                     f"{np.mean([r.tokens for r in rs]) / 1e3:.1f}k",
+                     _ci_text([r.accuracy for r in rs])] +
+                    [_ci_text([r.passk[k - 1] for r in rs]) for k in ks])
+        arm = record["arms"][f"{a}-g{g:g}"] = {
+            "algorithm": a, "gamma": g, "seeds": [r.seed for r in rs],
+            "steps": [r.steps for r in rs], "tokens": [r.tokens for r in rs],
+            "greedy": [r.accuracy for r in rs],
+            "pass_at_k": {str(k): [float(r.passk[k - 1]) for r in rs] for k in ks}}
+        paired = [(plain[a][r.seed], r) for r in rs if g != 0.0 and r.seed in plain.get(a, {})]
+        if len(paired) < 2:
+            continue
+        for k in ks:
+            base = np.array([b.passk[k - 1] for b, _ in paired])
+            focal = np.array([r.passk[k - 1] for _, r in paired])
+            mean, half = ci95(100 * (focal - base))
+            p = p_value(stats.ttest_rel, focal, base)
+            tests.append([f"{name} - {ALGORITHMS[a]}", f"pass@{k}", len(paired),
+                          f"{mean:+.1f} ± {half:.1f}", _p(p)])
+            arm[f"paired_pass@{k}"] = {"mean_difference": float(mean / 100),
+                                       "ci95": float(half / 100), "p_value": float(p)}
+    text = ("The F-GRPO paper's pairs at equal generated tokens (final evaluation, pass@k "
+            f"from {n} samples a problem; mean ± 95% CI over seeds, %)\n" + _table(head, rows))
+    if tests:
+        text += ("\n\npaired t-test over seeds, focal minus plain (same seed: same first "
+                 "batches and sampling keys; ± 95% CI, points)\n" +
+                 _table(["pair", "metric", "pairs", "diff", "p"], tests))
+    return text, record
+
+
 def summarize(root: str) -> tuple:
     """(text, record) of every group present under ``root``."""
     runs = find_runs(root)
@@ -193,6 +271,9 @@ def summarize(root: str) -> tuple:
         if runs[group]:
             text, record[group] = method_summary(runs[group], group)
             parts.append(text)
+    if runs["family"]:
+        text, record["family"] = family_summary(runs["family"])
+        parts.append(text)
     return "\n\n".join(parts), record, runs
 
 
@@ -243,7 +324,37 @@ def draw(runs: dict, out_dir: str) -> list:
         ax.grid(alpha=0.3)
         ax.legend()
         paths.append(_save(fig, plt, out_dir, name))
+    if runs["family"]:
+        paths.append(draw_family(runs["family"], plt, out_dir))
     return paths
+
+
+def draw_family(runs: list, plt, out_dir: str) -> str:
+    """``passk_family.png``: a panel per algorithm, pass@k of each arm with its 95% CI band."""
+    n = min(len(r.passk) for r in runs)
+    k = np.arange(1, n + 1)
+    arms = family_arms(runs)
+    algos = list(dict.fromkeys(a for a, _, _ in arms))
+    fig, axes = plt.subplots(1, len(algos), figsize=(4.5 * len(algos), 4), squeeze=False,
+                             sharey=True)
+    for ax, algo in zip(axes[0], algos):
+        for a, g, rs in arms:
+            if a != algo:
+                continue
+            curves = np.array([r.passk[:n] for r in rs])
+            mean, half = zip(*(ci95(curves[:, j]) for j in range(n)))
+            label = (ALGORITHMS[a] if g == 0.0 else f"F-{ALGORITHMS[a]} (γ={g:g})") + \
+                f" (n={len(rs)})"
+            line, = ax.plot(k, mean, label=label)
+            if len(rs) > 1:
+                ax.fill_between(k, np.subtract(mean, half), np.add(mean, half),
+                                color=line.get_color(), alpha=0.2)
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="k (samples a problem)", title=ALGORITHMS[algo])
+        ax.grid(alpha=0.3)
+        ax.legend()
+    axes[0][0].set_ylabel("pass@k (held-out), 95% CI over seeds")
+    return _save(fig, plt, out_dir, "passk_family.png")
 
 
 def _save(fig, plt, out_dir: str, name: str) -> str:

@@ -27,6 +27,7 @@ import yaml
 from hpc.analysis.plan_terms import (QUANTIZE, essa_decoding, grpo_decoding, model_shape,
                                      plan_config)
 from hpc.analysis.report import open_run, phase_kinds, step_timings
+from hpc.models.memory_plan import expected_rounds
 from hpc.runtime.cli import EXIT_CODES_HELP
 from hpc.runtime.errors import UserError, user_errors_exit
 
@@ -175,6 +176,7 @@ class Workload:
     essa_steps: int        # generations to target (input)
     grpo_steps: int        # GRPO steps to target (input)
     essa_update_s: float   # CMA-ES tell, seconds a generation
+    grpo_rounds: float = 1.0  # GRPO rollout rounds a step (dynamic sampling's refills)
 
 
 class Roofline:
@@ -345,8 +347,10 @@ class Measured(LinearCosts):
         grpo = [(step_timings(r), phase_kinds(r)) for r in self.runs["fgrpo"]]
         self.s_essa = np.mean([_rank_sum(t, _of_kind(k, "rollout")) for t, k in essa]) / (
             e["population"] * e["minibatch"])
+        self.grpo_rounds = float(np.mean([_rollout_rounds(r, completions_g)
+                                          for r in self.runs["fgrpo"]]))
         self.s_gen = np.mean([_rank_sum(t, _of_kind(k, "rollout")) for t, k in grpo]) / \
-            completions_g
+            (completions_g * self.grpo_rounds)
         self.s_train = np.mean([_rank_sum(t, _of_kind(k, "train")) for t, k in grpo]) / \
             completions_g
         self.essa_update_s = float(np.mean([_rank_sum(t, _of_kind(k, "update"), mean=True)
@@ -360,7 +364,7 @@ class Measured(LinearCosts):
         return {"population": e["population"], "minibatch": e["minibatch"],
                 "grpo_batch": f["batch_prompts"], "grpo_generations": f["num_generations"],
                 "grpo_minibatch": max(1, f["batch_prompts"] // f["num_iterations"]),
-                "essa_update_s": self.essa_update_s}
+                "essa_update_s": self.essa_update_s, "grpo_rounds": self.grpo_rounds}
 
     def steps_to_target(self, target: float | None = None) -> tuple:
         """(ESSA generations, GRPO steps, target, lines): per run the step of the first
@@ -431,6 +435,14 @@ def _shared_section(runs: list, method: str) -> dict:
                             f"({', '.join(f'{r.path}: {s[key]}' for r, s in zip(runs, sections))})"
                             "; the runs of one method must share its workload")
     return sections[0]
+
+
+def _rollout_rounds(run, completions: int) -> float:
+    """Rollout rounds a step of an F-GRPO run: 1 + its mean ``extra_rollouts`` (dynamic
+    sampling) over the batch's completions; 1 for a run without the metric."""
+    metrics = run.group("metrics")
+    extra = metrics["extra_rollouts"] if "extra_rollouts" in metrics else np.zeros(1)
+    return 1.0 + float(np.mean(extra)) / completions
 
 
 def _grad_bytes(run) -> float:
@@ -643,10 +655,12 @@ def grpo_step(n: int, w: Workload, cost, net: Network, sharding: Sharding | None
     """Seconds per GRPO step by phase on ``n`` GPUs: data parallel over prompts (a group of G
     never spans GPUs); batch / mini-batch optimizer updates, each after one all-reduce, or with
     ``sharding`` the sharded model's gathers and reduce-scatters (:class:`Sharding`) and an
-    optimizer step on 1/n of the state."""
+    optimizer step on 1/n of the state. Dynamic sampling decodes ``grpo_rounds`` rounds of the
+    batch and trains on one batch of groups."""
     seqs = math.ceil(w.grpo_batch / n) * w.grpo_generations
     updates = math.ceil(w.grpo_batch / w.grpo_minibatch)
-    phases = {"generate": cost.grpo_generate(seqs), "forward_backward": cost.train(seqs)}
+    phases = {"generate": w.grpo_rounds * cost.grpo_generate(seqs),
+              "forward_backward": cost.train(seqs)}
     if sharding is None:
         return dict(phases, allreduce=updates * net.allreduce(cost.grad_bytes, n),
                     optimizer=updates * cost.optimizer_s)
@@ -745,7 +759,8 @@ def common_assumptions(w: Workload, net_name: str, net: Network, steps_source: s
         f"{w.grpo_minibatch} prompts an optimizer update (batches counted in prompts); "
         f"generation and training are data parallel over prompts and scale with N; "
         f"{math.ceil(w.grpo_batch / w.grpo_minibatch)} updates a step, each after a gradient "
-        f"all-reduce",
+        f"all-reduce; {w.grpo_rounds:.3g} rollout rounds a step (dynamic sampling's refills: "
+        f"--grpo-rounds, --filtered-share or the runs' extra_rollouts)",
         f"network: {net_name} between nodes ({net.inter.bandwidth * 8 / 1e9:.0f} Gb/s, "
         f"{net.inter.latency * 1e6:.0f} us), {intra}; ring all-reduce "
         "2 (N-1)/N bytes/bw + 2 (N-1) latency; all-gather (N-1) latency + bytes/bw; "
@@ -885,6 +900,10 @@ def build_parser() -> argparse.ArgumentParser:
             ("essa-steps", 100, int, "ESSA generations to target"),
             ("grpo-steps", 100, int, "GRPO steps to target"),
             ("essa-update-s", None, float, "CMA-ES update seconds (assumed 2)"),
+            ("grpo-rounds", None, float, "GRPO rollout rounds a step (dynamic sampling; 1 "
+             "= none; with --runs the runs' 1 + extra_rollouts / (batch x G))"),
+            ("filtered-share", None, float, "expected share of groups dynamic sampling "
+             "filters: sets --grpo-rounds (whole refill rounds, at most 10)"),
             ("gen-tps", None, float, "measured generation tokens/s per GPU ..."),
             ("gen-batch", 64, int, "... at this many concurrent sequences"),
             ("train-tps", None, float, "measured forward+backward tokens/s per GPU"),
@@ -895,7 +914,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 PAPER_WORKLOAD = {"population": 128, "minibatch": 256, "grpo_batch": 512,
-                  "grpo_generations": 8, "grpo_minibatch": 64, "essa_update_s": 2.0}
+                  "grpo_generations": 8, "grpo_minibatch": 64, "essa_update_s": 2.0,
+                  "grpo_rounds": 1.0}
 
 
 def setup(args) -> tuple:
@@ -946,6 +966,10 @@ def setup(args) -> tuple:
                         args.train_mfu, gen_tps=args.gen_tps, gen_batch=args.gen_batch,
                         train_tps=args.train_tps,
                         decoding=planned_decoding(args, values["minibatch"]))
+    if args.filtered_share is not None:
+        if not 0.0 <= args.filtered_share < 1.0:
+            raise UserError(f"--filtered-share {args.filtered_share} must be in [0, 1)")
+        values["grpo_rounds"] = float(expected_rounds(args.filtered_share, 9))
     if measured:
         essa_steps, grpo_steps, _, notes = measured.steps_to_target(args.target)
         source = "median over each method's runs, listed above"

@@ -592,6 +592,29 @@ def fgrpo_rollout_rows(cfg, ranks: int) -> int:
         cfg.fgrpo.num_generations
 
 
+def expected_rounds(filtered_share: float, max_refills: int) -> int:
+    """Sampling rounds a dynamic-sampling step expects when a share ``filtered_share`` of
+    groups is uniform: each round of ``fgrpo.batch_prompts`` prompts yields (1 - share) of them
+    informative, a refill is a whole round (verl's generation batches), at most
+    1 + ``max_refills``. 1 without filtering."""
+    if filtered_share <= 0.0:
+        return 1
+    return min(1 + max_refills, math.ceil(1.0 / (1.0 - filtered_share) - 1e-9))
+
+
+def dynamic_sampling_note(cfg) -> str:
+    """The plan's line on dynamic sampling's extra rollouts ('' when it is off)."""
+    f = cfg.fgrpo
+    if not f.dynamic_sampling:
+        return ""
+    rounds = expected_rounds(f.filtered_share, f.max_refills)
+    return (f"dynamic sampling: {rounds} rollout rounds a step expected at a filtered share of "
+            f"{f.filtered_share:.0%} (fgrpo.filtered_share; a pilot run logs filtered_share), "
+            f"{(rounds - 1) * f.batch_prompts * f.num_generations} extra rollouts a step, at most "
+            f"{1 + f.max_refills} rounds; each round decodes in the same engine, so the peak "
+            f"is the one-round peak plus the kept rollouts' token ids")
+
+
 def fgrpo_plan(shape: ModelShape, cfg, ranks: int, advise: bool = True,
                keep_engine: bool | None = None) -> MethodPlan:
     """F-GRPO on one GPU: rollout, training (micro-batch forward/backward), the gradient
@@ -614,7 +637,12 @@ def fgrpo_plan(shape: ModelShape, cfg, ranks: int, advise: bool = True,
     budget = engine_budget(cfg, sum(b for _, b in decoding))
     rollout_engine = engine_parts(shape, cfg, f"{rows // f.num_generations} prompts x G="
                                   f"{f.num_generations}", rows, k, budget)
-    rollout = Phase("rollout", decoding + rollout_engine)
+    kept_rollouts = []
+    if f.dynamic_sampling:  # earlier rounds' kept groups (int64 ids and mask, fp32 mask) wait
+        rounds = expected_rounds(f.filtered_share, f.max_refills)
+        kept_rollouts = [(f"rollouts kept over {rounds} sampling rounds",
+                          rows * _seq(cfg) * 20 * (rounds - 1))]
+    rollout = Phase("rollout", decoding + rollout_engine + kept_rollouts)
     if keep_engine is None:
         keep_engine = _engine_kept(shape, cfg, ranks)
     kept = [("rollout engine, kept on the model", rollout_engine[0][1])] if keep_engine else []
@@ -638,7 +666,8 @@ def fgrpo_plan(shape: ModelShape, cfg, ranks: int, advise: bool = True,
            "full-vocabulary logits (model.logprob_chunk=0)")
         + f"; engine budget {gib(budget)}",
         offload_note(cfg, offload, moved), kept_engine_note(cfg, keep_engine),
-        HANDOVER_NOTE] + (checkpointing_notes(shape, cfg, ranks) if advise else []),
+        HANDOVER_NOTE] + [n for n in [dynamic_sampling_note(cfg)] if n]
+        + (checkpointing_notes(shape, cfg, ranks) if advise else []),
         engine_budget=budget)
     if advise and not plan.fits:
         ckpt, chunked = {"model__activation_checkpointing": "on"}, {"model__logprob_chunk": 1024}

@@ -178,6 +178,13 @@ class TrainedWeights:
             if p is not m and p.grad is not None:
                 p.grad.zero_()
 
+    def ensure_gradients(self) -> None:
+        """Zero gradients where none exist: a rank whose share of a step has no rows (dynamic
+        sampling keeps the groups each rank sampled) still joins the all-reduce."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
     def reduce_gradients(self, world) -> None:
         """Average the masters' gradients over ranks. FSDP2 did it during the backward
         (reduce-scatter); DDP copies the compute gradients into the fp32 masters and

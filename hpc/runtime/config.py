@@ -365,7 +365,7 @@ def load_config(job_cls, path: str | None = None, overrides: list[str] = ()):
 
     Raises UserError for a missing or malformed file and for any invalid key or value.
     """
-    cfg = job_cls()
+    cfg, given = job_cls(), set()
     if path:
         data = _read_config_file(path)
         for section_name, values in data.items():
@@ -374,8 +374,12 @@ def load_config(job_cls, path: str | None = None, overrides: list[str] = ()):
                                 f"mapping")
             for name, value in values.items():
                 _set(cfg, f"{section_name}.{name}", value, from_file=True)
+                given.add(f"{section_name}.{name}")
     for text in overrides:
-        _set(cfg, *_parse_override(text))
+        key, value = _parse_override(text)
+        _set(cfg, key, value)
+        given.add(key)
+    cfg.given_keys = frozenset(given)  # what a preset key (fgrpo.algorithm) must not override
     if hasattr(cfg, "validate"):
         cfg.validate()
     return cfg
