@@ -1,7 +1,8 @@
 """The built-in toy builds: a fixed, seeded amount of work whatever the machine's speed, cached
 only when complete, refused (one line, exit 2) when the cached build is not the intended one.
 
-Builds here are short (``steps`` of 30) so that the tests take seconds, not the full build."""
+Builds here are short (``steps`` of 50, one probe) so that the tests take seconds, not the full
+build. The kernels a build runs (the same on every x86-64 CPU): tests/test_toy_kernels.py."""
 import json
 import os
 import time
@@ -13,9 +14,9 @@ from conftest import our_lines, run_cli
 from hpc.models.generation import generate
 from hpc.models.loading import load_model
 from hpc.runtime.errors import UserError
-from hpc.toys import cache, toy
+from hpc.toys import cache, pinned, toy
 
-SHORT = 30  # optimizer steps of a test build
+SHORT = 50  # optimizer steps of a test build: one probe (every toy.PROBE_EVERY = 50 steps)
 QUIET = dict(log=lambda msg: None)
 
 
@@ -26,17 +27,18 @@ def _weights(folder: str) -> bytes:
 
 @pytest.fixture(scope="module")
 def short_build(tmp_path_factory):
-    """A 30-step toy build (probe every 10 steps) on this machine as it is."""
+    """A 50-step toy build as ``hpc-toy`` makes it (a child Python under the pinned kernels)."""
     folder = str(tmp_path_factory.mktemp("toy-short") / toy.VERSION)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(toy, "PROBE_EVERY", 10)
-        toy.build_toy(folder, SHORT, **QUIET)
+    toy.build_toy(folder, SHORT, **QUIET)
     return folder
 
 
-def test_a_slowed_machine_builds_the_same_model_bitwise(short_build, tmp_path, monkeypatch):
+def test_a_slowed_machine_builds_the_same_model_bitwise(tmp_path, monkeypatch):
     """Each step sleeps and every clock read jumps 1000 s (any wall-clock budget would end
-    the build after its first step): the weights are the same bytes."""
+    the build after its first step): the weights are the same bytes. Both builds train in
+    this process (the training the pinned child runs, on this process's kernels)."""
+    reference = str(tmp_path / "reference")
+    toy.train_toy(reference, SHORT, **QUIET)
     fake_now = [time.time()]
 
     def jumping_clock():
@@ -53,11 +55,10 @@ def test_a_slowed_machine_builds_the_same_model_bitwise(short_build, tmp_path, m
         return real_step(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim.AdamW, "step", slow_step)
-    monkeypatch.setattr(toy, "PROBE_EVERY", 10)
-    slowed = str(tmp_path / toy.VERSION)
-    toy.build_toy(slowed, SHORT, **QUIET)
-    assert _weights(slowed) == _weights(short_build)
-    info, reference = cache.read_info(slowed), cache.read_info(short_build)
+    slowed = str(tmp_path / "slowed")
+    toy.train_toy(slowed, SHORT, **QUIET)
+    assert _weights(slowed) == _weights(reference)
+    info, reference = cache.read_info(slowed), cache.read_info(reference)
     assert info["steps"] == reference["steps"] == SHORT
     assert info["weights_sha256"] == reference["weights_sha256"] == cache.weights_sha256(slowed)
     assert info["probe_accuracy"] == reference["probe_accuracy"]
@@ -84,14 +85,18 @@ def test_the_cached_build_is_checked(short_build, tmp_path):
         cache.check_built(str(damaged), toy.VERSION, SHORT, "REBUILD")
 
 
-def test_an_interrupted_build_is_never_cached(tmp_path, monkeypatch):
-    def interrupted(*args):
+def test_an_interrupted_build_is_never_cached(tmp_path):
+    """Ctrl-C while the pinned child trains (at its first probe line): the child is ended and
+    nothing is left behind."""
+    lines = []
+
+    def interrupted(msg):
+        lines.append(msg)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(toy, "PROBE_EVERY", 10)
-    monkeypatch.setattr(toy, "greedy_accuracy", interrupted)  # the first probe, at step 10
     with pytest.raises(KeyboardInterrupt):
-        toy.build_toy(str(tmp_path / toy.VERSION), SHORT, **QUIET)
+        toy.build_toy(str(tmp_path / toy.VERSION), SHORT, log=interrupted)
+    assert lines and lines[0].startswith("toy step 50:"), lines
     assert os.listdir(tmp_path) == []
 
 
@@ -101,16 +106,16 @@ def test_build_is_atomic_and_loadable(short_build, tmp_path, monkeypatch):
     assert final == str(tmp_path / toy.VERSION)
     threads = torch.get_num_threads()
     monkeypatch.setattr(toy, "STEPS", SHORT)
-    monkeypatch.setattr(toy, "PROBE_EVERY", 10)
     assert toy.toy_model_path(**QUIET) == final
     assert torch.get_num_threads() == threads
     info = toy.toy_info(final)
     assert 0 <= info["heldout_accuracy"] <= 1 and info["parameters"] == 598656
+    assert info["kernels"] == pinned.pinned_description()
     assert _weights(final) == _weights(short_build)
     model, tok = load_model(final)
     assert len(generate(model, tok, ["12+34="], 4)) == 1
     # a second builder that loses the race keeps the winner's folder and cleans up after itself
-    monkeypatch.setattr(toy, "train_toy", lambda out, steps, log: open(
+    monkeypatch.setattr(toy, "train_pinned", lambda target, out, steps, log: open(
         os.path.join(out, cache.INFO_FILE), "w").write("{}"))
     toy.build_toy(final, **QUIET)
     assert toy.toy_info(final) == info

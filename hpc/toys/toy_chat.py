@@ -7,7 +7,7 @@ completions end at ``<|im_end|>`` (the end-of-turn; the tokenizer's EOS is ``<|e
 as in Qwen2.5 base models), digits are single tokens, and worked solutions run from about 15
 to over 100 tokens.
 
-Built once and cached in ``$HPC_CACHE/toy-chat-v1`` (default ``<repo>/.cache/toy-chat-v1``);
+Built once and cached in ``$HPC_CACHE/toy-chat-v2`` (default ``<repo>/.cache/toy-chat-v2``);
 ``toy_info.json`` records the version, steps, accuracy, weights hash and seconds (README: what
 the build took here; :mod:`hpc.toys.cache`).
 The tokenizer is trained on GSM8K text: the file named by ``$HPC_TOKENIZER_CORPUS``, default
@@ -39,8 +39,9 @@ from hpc.models.generation import generate
 from hpc.runtime.errors import UserError, user_errors_exit
 from hpc.toys.cache import (build_into, cached_folder, check_built, read_info,
                             save_model_folder, train_steps)
+from hpc.toys.pinned import kernels_pinned, pinned_description, train_pinned
 
-VERSION = "toy-chat-v1"
+VERSION = "toy-chat-v2"
 REBUILD = "hpc-toy-chat --rebuild"
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 VOCAB_SIZE = 2048
@@ -111,7 +112,7 @@ def chat_qwen2_config(tokenizer) -> Qwen2Config:
 
 
 def cache_dir() -> str:
-    """``$HPC_CACHE/toy-chat-v1`` or ``<repo>/.cache/toy-chat-v1``."""
+    """``$HPC_CACHE/<VERSION>`` or ``<repo>/.cache/<VERSION>``."""
     return os.path.join(os.environ.get("HPC_CACHE") or os.path.join(_REPO, ".cache"), VERSION)
 
 
@@ -175,6 +176,7 @@ def train_toy_chat(out_dir: str, steps: int = STEPS, log=print) -> dict:
                 "heldout_accuracy": greedy_accuracy(model, tokenizer, heldout),
                 "heldout": "wordprob, seed 0, first 256 problems, chat format, greedy",
                 "tokenizer_corpus": os.path.basename(corpus_path()), "seed": DATA_SEED,
+                "kernels": pinned_description() if kernels_pinned() else "native",
                 "build_seconds": round(time.monotonic() - start, 1)}
         save_model_folder(out_dir, model, tokenizer, info)
         return info
@@ -182,12 +184,20 @@ def train_toy_chat(out_dir: str, steps: int = STEPS, log=print) -> dict:
         torch.set_num_threads(threads)
 
 
+def build_toy_chat(final: str, steps: int = STEPS, log=print) -> None:
+    """Train the chat toy into ``final`` under the pinned kernels (the same bytes on every
+    x86-64 CPU: :mod:`hpc.toys.pinned`); the corpus is checked here first (one line)."""
+    gsm8k_text(corpus_path())
+    build_into(final, lambda tmp: train_pinned("hpc.toys.toy_chat:train_toy_chat", tmp, steps,
+                                               log))
+
+
 def toy_chat_model_path(wait_s: float = WAIT_S, log=print) -> str:
     """Folder of the cached chat toy model, building it (several CPU minutes) if absent;
     UserError (one line: rebuild with ``hpc-toy-chat --rebuild``) if the cached one is not the
     intended build."""
-    final = cached_folder(cache_dir(), lambda final: build_into(
-        final, lambda tmp: train_toy_chat(tmp, STEPS, log)), "the toy-chat model", wait_s, log)
+    final = cached_folder(cache_dir(), lambda final: build_toy_chat(final, STEPS, log),
+                          "the toy-chat model", wait_s, log)
     check_built(final, VERSION, STEPS, REBUILD)
     return final
 
