@@ -475,9 +475,10 @@ class _Step:
         self.rows = rows = 2 * f.micro_batch
         self.device = device = next(model.parameters()).device
         ids = torch.zeros((rows, seq), dtype=torch.int64, device=device)
+        groups = torch.zeros((max(1, rows // f.num_generations), f.num_generations))
         self.rollouts = Rollouts(ids, torch.ones_like(ids), torch.ones((rows, seq), device=device),
-                                 torch.zeros((max(1, rows // f.num_generations),
-                                              f.num_generations)), torch.full((rows,), seq))
+                                 groups, torch.zeros_like(groups), torch.full((rows,), seq),
+                                 torch.zeros((rows,), dtype=torch.bool))
         self.world = _OneRankWorld(ranks)
         shape = _shape(cfg)
         self.budget = fgrpo_plan(shape, cfg, ranks, advise=False).engine_budget

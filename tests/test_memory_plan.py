@@ -369,16 +369,21 @@ def test_tracker_peak_is_linear_in_layers(tmp_path, case):
                                                                  rel=0.005)
 
 
+def write_tiny_config(folder) -> None:
+    """A tiny Qwen2 ``config.json`` in ``folder`` (hidden 64, 2 layers), for real CPU tensors."""
+    (folder / "config.json").write_text(json.dumps(dict(
+        model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=512, tie_word_embeddings=True)))
+
+
 def test_harness_on_real_tensors_reports_each_phase_beside_the_plan(tmp_path, capsys):
     """The GPU check's form (benchmarks/memory_tracker.py --device cuda) on real CPU tensors:
     a tiny shape, FSDP2 full fine-tuning on one real rank, offload state; every phase of the
     step measured (the AdamW step included) and written with the plan's figure."""
     from memory_tracker import main as tracker_main
 
-    (tmp_path / "config.json").write_text(json.dumps(dict(
-        model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=512, tie_word_embeddings=True)))
+    write_tiny_config(tmp_path)
     out = tmp_path / "phases.json"
     tracker_main([f"model.path={tmp_path}", "plan.max_prompt_tokens=8", "task.max_new_tokens=8",
                   "fgrpo.batch_prompts=2", "fgrpo.num_generations=2", "fgrpo.micro_batch=2",
@@ -462,10 +467,7 @@ def test_gpu_check_of_the_handover_in_its_cpu_form(tmp_path, capsys):
     plan's, written as JSON."""
     from memory_tracker import main as tracker_main
 
-    (tmp_path / "config.json").write_text(json.dumps(dict(
-        model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=512, tie_word_embeddings=True)))
+    write_tiny_config(tmp_path)
     out = tmp_path / "handover.json"
     tracker_main([f"model.path={tmp_path}", "plan.max_prompt_tokens=8", "task.max_new_tokens=8",
                   "eval.batch_size=4", "eval.n_samples=4", "essa.population=4",
