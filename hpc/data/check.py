@@ -18,7 +18,7 @@ import sys
 from hpc.data.mathdata import _REWARDS, _ROW_READERS, read_jsonl
 from hpc.runtime.cli import EXIT_CODES_HELP, tool_parser
 from hpc.runtime.config import BUILT_IN_MODEL_NAMES, JobConfig, load_config
-from hpc.runtime.errors import EXIT_USER_ERROR, UserError, user_errors_exit
+from hpc.runtime.errors import UserError, user_errors_exit
 
 SHOWN = 3  # line numbers shown per kind of problem
 
