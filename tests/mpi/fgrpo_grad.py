@@ -36,8 +36,9 @@ rewards = torch.randint(0, 2, (groups, G), generator=gen).float()
 counts = split_evenly(groups, world.size)
 g0 = sum(counts[: world.rank])
 rows = slice(g0 * G, (g0 + counts[world.rank]) * G)
-mine = Rollouts(ids[rows], attn[rows], cmask[rows], rewards[g0:g0 + counts[world.rank]],
-                lengths[rows])
+my_rewards = rewards[g0:g0 + counts[world.rank]]
+mine = Rollouts(ids[rows], attn[rows], cmask[rows], my_rewards, torch.zeros_like(my_rewards),
+                lengths[rows], torch.zeros(rows.stop - rows.start, dtype=torch.bool))
 cfg = SimpleNamespace(fgrpo=FGRPOConfig(loss_type=sys.argv[2], micro_batch=3, gamma=1.0),
                       model=ModelConfig())
 adv = group_advantages(mine.rewards, "group", 1.0).advantages.reshape(-1)
