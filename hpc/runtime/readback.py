@@ -175,7 +175,7 @@ def run_folder_entries(out_dir: str, method: str) -> None:
         path = os.path.join(out_dir, name)
         try:
             mode = os.lstat(path).st_mode
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # absent, or a parent is a file
             continue
         if stat.S_ISLNK(mode):
             continue  # refused where it is opened, with the link's target named
