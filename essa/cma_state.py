@@ -255,6 +255,8 @@ def _check(es, state, references: list) -> None:
 # Set by the constructor arguments alone: must equal the fresh strategy's (``sp``: pycma's
 # CMAParameters, learning rates, weights, mu, popsize).
 _CONSTANTS = ("N", "sm.dimension", "sigma_vec.dim", "sigma0", "x0", "mean0")
+# Float scalars that are never negative: the step-size adaptation's rates, the condition limit.
+_NEVER_NEGATIVE = ("adapt_sigma.cs", "adapt_sigma.damps", "sm.condition_limit")
 
 
 def _numbers(value) -> np.ndarray:
@@ -278,9 +280,10 @@ def _is_int(value) -> bool:
 def _out_of_range(path: str, value, likes: list) -> str | None:
     """Why ``value`` cannot stand at ``path`` where the references hold ``likes`` (None if it
     can): a constant of the constructor arguments changed, a float for an integer (counts,
-    sizes), NaN or infinity where no reference has one, a negative number where every
-    reference is >= 0 (counts, sizes, step sizes, times: scalars only; arrays are of both signs
-    in a later generation, except the named ones), a step size or
+    sizes), NaN or infinity where no reference has one, a negative integer where every
+    reference is >= 0 (counts and sizes; a float statistic such as the step-size path's
+    ``adapt_sigma.s`` turns negative in a later generation, so floats are held to the named
+    rules only), a step size or
     covariance that is not positive (definite)."""
     if path.startswith("sp.") or path in _CONSTANTS:
         fresh = likes[0]
@@ -298,7 +301,7 @@ def _out_of_range(path: str, value, likes: list) -> str | None:
         return None
     if not np.isfinite(numbers).all() and np.isfinite(reference).all():
         return "holds NaN or infinite values"
-    if numbers.size == 1 and not isinstance(value, (np.ndarray, list, tuple)) and \
+    if numbers.size == 1 and (_is_int(value) or path in _NEVER_NEGATIVE) and \
             numbers.min() < 0 <= reference.min():
         return f"holds the negative value {numbers.min()!r}; it is never negative"
     if path == "sigma" and not numbers[0] > 0:
