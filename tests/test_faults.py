@@ -168,7 +168,7 @@ def test_preemption_during_a_refill_resumes_bitwise(toy_adapter, tmp_path):
 
 def test_fsdp2_preemption_then_resume_is_bitwise(toy_adapter, tmp_path):
     """fgrpo.parallelism=fsdp2, full fine-tuning: every rank writes its shard of the fp32
-    masters and AdamW moments; SIGTERM to every rank (as Slurm at preemption), then --resume
+    masters and AdamW moments (torch.distributed.checkpoint); SIGTERM to every rank (as Slurm at preemption), then --resume
     on the same 2 ranks ends with the metrics and the exported model of an uninterrupted run,
     bit for bit."""
     full, part = tmp_path / "full", tmp_path / "part"
@@ -181,9 +181,10 @@ def test_fsdp2_preemption_then_resume_is_bitwise(toy_adapter, tmp_path):
     assert code == 3, err[-3000:]
     assert RunFile(h5).attrs["status"] == "preempted"
     g = RunFile(h5).group("metrics")["step"][-1]
-    for rank in (0, 1):
-        assert os.path.basename(list_checkpoints(str(part / "checkpoints" / f"rank-{rank:05d}"))
-                                [-1]) == f"step-{g:08d}.safetensors"
+    # the step's checkpoint and its sharded part (every rank's DCP files) for the same step
+    assert os.path.basename(list_checkpoints(str(part / "checkpoints"))[-1]) == \
+        f"step-{g:08d}.safetensors"
+    assert (part / "checkpoints" / "sharded" / f"step-{g:08d}" / ".metadata").is_file()
     resumed = run_mpi(2, fgrpo_args(toy_adapter, part, 5, *extra) + ["--resume"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = RunFile(str(full / "fgrpo.h5")), RunFile(h5)
