@@ -182,7 +182,8 @@ def test_fgrpo_checkpointed_and_chunked_equals_the_reference_path(setup, request
     assert ref["step"].tolist() == new["step"].tolist() == [1, 2]
     assert ref["kl"][-1] > 0  # the policy moved away from its reference
     for key in ("loss", "kl", "entropy", "ratio_mean", "reward_mean"):
-        np.testing.assert_allclose(new[key], ref[key], rtol=0, atol=1e-6, err_msg=key)
+        # the chunks and the recompute sum in another order: float32 rounding, relative 3e-6
+        np.testing.assert_allclose(new[key], ref[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
 def test_auto_turns_checkpointing_on_where_the_plan_needs_it(tmp_path):
