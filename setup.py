@@ -31,6 +31,13 @@ setup(
         "dev": ["pytest>=7", "pytest-timeout", "hypothesis>=6"],
     },
     entry_points={
+        # each method's config section, checked in experiment files that other methods read
+        # (hpc/runtime/config.py)
+        "hpc.method_sections": [
+            "sft=hpc.sft_config:SFTConfig",
+            "essa=essa.config:ESSAConfig",
+            "fgrpo=fgrpo.config:FGRPOConfig",
+        ],
         "console_scripts": [
             "essa=essa.__main__:main",
             "fgrpo=fgrpo.__main__:main",

@@ -59,6 +59,27 @@ def test_reference_lists_every_key():
         assert f"`{key}`" in table
 
 
+def test_every_method_declares_its_sections():
+    """The sections a method adds to the shared ones are the entry points (setup.py) that
+    other methods' jobs check them by, so no method's section goes unchecked in a file."""
+    import dataclasses
+
+    from essa.config import ESSAJobConfig
+    from fgrpo.config import FGRPOJobConfig
+    from hpc.runtime.config import JobConfig, method_sections
+    from hpc.sft_config import SFTJobConfig
+
+    shared = {f.name for f in dataclasses.fields(JobConfig)}
+    declared = {}
+    for job in (SFTJobConfig, ESSAJobConfig, FGRPOJobConfig):
+        for f in dataclasses.fields(job):
+            if f.name not in shared:
+                declared[f.name] = type(getattr(job(), f.name))
+    assert declared.keys() == method_sections().keys()
+    for name, cls in declared.items():
+        assert method_sections()[name].load() is cls
+
+
 def test_other_methods_sections_are_checked_then_skipped(tmp_path):
     """A file may hold every method's sections (a sweep submits it to each): another method's
     section is checked against its own keys and values, then skipped; on the command line

@@ -14,7 +14,8 @@ below, which are checked before the text is parsed.
 from __future__ import annotations
 
 import dataclasses
-import importlib
+import functools
+import importlib.metadata
 import math
 import os
 import typing
@@ -235,10 +236,16 @@ class JobConfig:
 # One experiment file may configure every method (a sweep submits it to each): a job checks the
 # sections of the other methods against their own declarations (keys and values), then skips
 # them; on the command line another method's key is refused, since it would change nothing.
-# The classes are named, not imported: they stand on the methods' floor above this one, and are
-# loaded (torch-free config modules) only when a file holds their section.
-METHOD_SECTIONS = {"sft": "hpc.sft_config:SFTConfig", "essa": "essa.config:ESSAConfig",
-                   "fgrpo": "fgrpo.config:FGRPOConfig"}
+# Each method declares its section class as an entry point of this group (setup.py), so this
+# floor names none of the methods above it; a class (a torch-free config module) is loaded only
+# when a file holds its section.
+METHOD_SECTIONS_GROUP = "hpc.method_sections"
+
+
+@functools.cache
+def method_sections() -> dict[str, importlib.metadata.EntryPoint]:
+    """``{section name: entry point of its class}`` of the installed methods."""
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=METHOD_SECTIONS_GROUP)}
 
 
 def require_per_rank(key: str, value: int, world, what: str = "") -> None:
@@ -334,14 +341,12 @@ def _set(cfg, key: str, value, from_file: bool = False) -> None:
                         f"{', '.join(f.name for f in dataclasses.fields(cfg))})")
     section_name, name = parts
     sections = {f.name: f for f in dataclasses.fields(cfg)}
-    if section_name in METHOD_SECTIONS and section_name not in sections:
+    if section_name in method_sections() and section_name not in sections:
         if not from_file:
             raise UserError(f"config key '{key}' is not read by this job (its sections: "
                             f"{', '.join(sections)}); a config file may hold the sections of "
                             f"other methods, the command line only this job's keys")
-        module, class_name = METHOD_SECTIONS[section_name].split(":")
-        _set_field(getattr(importlib.import_module(module), class_name)(), section_name, name,
-                   value)
+        _set_field(method_sections()[section_name].load()(), section_name, name, value)
         return
     if section_name not in sections:
         raise UserError(f"config key '{key:.80}': unknown section '{section_name:.80}' "
