@@ -48,7 +48,7 @@ export SLURM_CONF=$DIR/slurm.conf
 PATH=$PATH:/usr/sbin:/sbin
 
 die() { echo "cluster.sh: $*" >&2; exit 1; }
-alive() { [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # alive, stop_pid, slurm_conf_scheduling
 nodes() { seq -f "node%g" 1 "$NODES"; }
 holder() { cat "$DIR/$1/holder.pid" 2>/dev/null; }
 
@@ -59,21 +59,6 @@ on_node() {
   pid=$(holder "$node") && kill -0 "$pid" 2>/dev/null || die "$node is not up"
   nsenter --net="/run/netns/$PREFIX-$node" --uts=/proc/"$pid"/ns/uts \
     --mount=/proc/"$pid"/ns/mnt --wd="$PWD" -- "$@"
-}
-
-# Stop the daemon whose pid is in $1 (TERM, then KILL after 5 s) and forget the pid file.
-stop_pid() {
-  local pidfile=$1 pid
-  [[ -s $pidfile ]] || return 0
-  pid=$(cat "$pidfile")
-  if kill "$pid" 2>/dev/null; then
-    for _ in $(seq 25); do
-      kill -0 "$pid" 2>/dev/null || break
-      sleep 0.2
-    done
-    kill -9 "$pid" 2>/dev/null || true
-  fi
-  rm -f "$pidfile"
 }
 
 down() {
@@ -129,14 +114,7 @@ SlurmctldPidFile=$DIR/slurmctld.pid
 SlurmdPidFile=$DIR/%n/slurmd.pid
 SlurmctldLogFile=$DIR/slurmctld.log
 SlurmdLogFile=$DIR/%n/slurmd.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-MpiDefault=none
-SchedulerType=sched/backfill
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-SlurmdParameters=config_overrides
-ReturnToService=2
+$(slurm_conf_scheduling)
 # A node that stops answering is DOWN after this (Slurm's default is 300 s), its jobs requeued.
 SlurmdTimeout=$SLURMD_TIMEOUT
 MessageTimeout=10

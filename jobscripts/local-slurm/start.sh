@@ -20,7 +20,7 @@ export SLURM_CONF=$DIR/slurm.conf
 PATH=$PATH:/usr/sbin:/sbin   # the daemons live there; not every root shell has them on PATH
 
 die() { echo "start.sh: $*" >&2; exit 1; }
-alive() { [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"  # alive, slurm_conf_scheduling
 
 [[ $(id -u) == 0 ]] || die "run as root (slurmd starts jobs on behalf of users)"
 for cmd in munged slurmctld slurmd sinfo sbatch; do
@@ -62,14 +62,7 @@ SlurmctldPidFile=$DIR/slurmctld.pid
 SlurmdPidFile=$DIR/slurmd.pid
 SlurmctldLogFile=$DIR/slurmctld.log
 SlurmdLogFile=$DIR/slurmd.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-MpiDefault=none
-SchedulerType=sched/backfill
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-SlurmdParameters=config_overrides
-ReturnToService=2
+$(slurm_conf_scheduling)
 # No accounting database here: keep finished jobs visible to scontrol for an hour.
 MinJobAge=3600
 GresTypes=gpu
