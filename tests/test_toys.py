@@ -1,8 +1,9 @@
-"""The built-in toy builds: a fixed, seeded amount of work whatever the machine's speed, cached
-only when complete, refused (one line, exit 2) when the cached build is not the intended one.
+"""The built-in toy builds: seeded work that the clock never ends, cached only when complete,
+refused (one line, exit 2) when the cached build is not the intended one.
 
-Builds here are short (``steps`` of 50, one probe) so that the tests take seconds, not the full
-build. The kernels a build runs (the same on every x86-64 CPU): tests/test_toy_kernels.py."""
+Builds here are short (at most 50 steps, one probe; the full build ends at a held-out
+accuracy) so that the tests take seconds. A full build on other CPUs' arithmetic:
+tests/test_toy_kernels.py."""
 import json
 import os
 import time
@@ -66,11 +67,14 @@ def test_a_slowed_machine_builds_the_same_model_bitwise(tmp_path, monkeypatch):
 
 
 def test_the_cached_build_is_checked(short_build, tmp_path):
-    assert cache.check_built(short_build, toy.VERSION, SHORT, "REBUILD")["steps"] == SHORT
-    with pytest.raises(UserError, match=f"{toy.VERSION}, {SHORT} steps; the intended build "
-                                        f"is {toy.VERSION}, {toy.STEPS} steps; rebuild it "
-                                        f"with: REBUILD"):
-        cache.check_built(short_build, toy.VERSION, toy.STEPS, "REBUILD")
+    short = {"version": toy.VERSION, "steps": SHORT}
+    assert cache.check_built(short_build, short, "REBUILD")["steps"] == SHORT
+    with pytest.raises(UserError, match=f"records version {toy.VERSION}, stop_accuracy "
+                                        f"{toy.STOP_ACCURACY}, reached_stop_accuracy False; "
+                                        f"the intended build is version {toy.VERSION}, "
+                                        f"stop_accuracy {toy.STOP_ACCURACY}, "
+                                        f"reached_stop_accuracy True; rebuild it with: REBUILD"):
+        cache.check_built(short_build, toy.INTENDED, "REBUILD")
     damaged = tmp_path / "damaged"
     damaged.mkdir()
     for name in os.listdir(short_build):
@@ -79,10 +83,10 @@ def test_the_cached_build_is_checked(short_build, tmp_path):
             data = data[:-1] + bytes([data[-1] ^ 1])
         (damaged / name).write_bytes(data)
     with pytest.raises(UserError, match="does not match the SHA-256"):
-        cache.check_built(str(damaged), toy.VERSION, SHORT, "REBUILD")
+        cache.check_built(str(damaged), short, "REBUILD")
     (damaged / cache.INFO_FILE).write_text("[1, 2]")
     with pytest.raises(UserError, match="unreadable"):
-        cache.check_built(str(damaged), toy.VERSION, SHORT, "REBUILD")
+        cache.check_built(str(damaged), short, "REBUILD")
 
 
 def test_an_interrupted_build_is_never_cached(tmp_path):
@@ -105,7 +109,8 @@ def test_build_is_atomic_and_loadable(short_build, tmp_path, monkeypatch):
     final = toy.cache_dir()
     assert final == str(tmp_path / toy.VERSION)
     threads = torch.get_num_threads()
-    monkeypatch.setattr(toy, "STEPS", SHORT)
+    monkeypatch.setattr(toy, "MAX_STEPS", SHORT)  # the build as the fixture's, and its check
+    monkeypatch.setattr(toy, "INTENDED", {"version": toy.VERSION, "steps": SHORT})
     assert toy.toy_model_path(**QUIET) == final
     assert torch.get_num_threads() == threads
     info = toy.toy_info(final)
@@ -125,17 +130,17 @@ def test_build_is_atomic_and_loadable(short_build, tmp_path, monkeypatch):
 @pytest.mark.parametrize("command", [["-m", "hpc.toys.toy"],
                                      ["-m", "hpc.evaluate", "model.path=toy", "task.n_eval=4"]])
 def test_a_cache_of_another_build_is_refused_in_one_line(tmp_path, command):
-    """What an old build, stopped by its wall-clock budget on a busy machine, left behind."""
+    """What an earlier build (a fixed step count) left where this version's cache goes."""
     folder = tmp_path / toy.VERSION
     folder.mkdir()
-    (folder / cache.INFO_FILE).write_text(json.dumps(
-        {"version": toy.VERSION, "steps": 373, "stopped_by": "budget_s"}))
+    (folder / cache.INFO_FILE).write_text(json.dumps({"version": "toy-model-v2", "steps": 1250}))
     proc = run_cli(command + [f"run.out={tmp_path / 'run'}"] * (len(command) > 2),
                    env={"HPC_CACHE": str(tmp_path)}, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = our_lines(proc.stderr)
     assert len(lines) == 1 and "Traceback" not in proc.stderr, lines
-    assert "373 steps" in lines[0] and "rebuild it with: hpc-toy --rebuild" in lines[0]
+    assert "records version toy-model-v2" in lines[0], lines
+    assert "rebuild it with: hpc-toy --rebuild" in lines[0]
     assert not (tmp_path / "run").exists()
 
 

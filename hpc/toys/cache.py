@@ -1,12 +1,13 @@
 """What the built-in toy models share: a fixed, seeded amount of training, the cached folder
 that holds a finished build, and the check that a cached build is the intended one.
 
-A build is a fixed number of optimizer steps with a fixed probe schedule, all draws seeded:
-the same torch build, CPU model and thread count give the same weights bitwise, however busy
-the machine is. The wall clock is only reported (``build_seconds``). A folder is cached only
-when its build ran every step (written in a temporary sibling, ``INFO_FILE`` last, then
-renamed), and a cached folder is used only when its ``INFO_FILE`` records the intended
-version and step count and, when recorded, the SHA-256 of its weights.
+A build is a seeded sequence of optimizer steps with a fixed probe schedule, ended by a step
+count or by what the model has learnt, never by the clock: the same torch build, CPU
+arithmetic and thread count give the same weights bitwise, however busy the machine is. The
+wall clock is only reported (``build_seconds``). A folder is cached only when its build ran
+to its end (written in a temporary sibling, ``INFO_FILE`` last, then renamed), and a cached
+folder is used only when its ``INFO_FILE`` records the intended build (version and how it
+ends) and, when recorded, the SHA-256 of its weights.
 """
 from __future__ import annotations
 
@@ -23,17 +24,21 @@ INFO_FILE = "toy_info.json"
 WEIGHTS_FILE = "model.safetensors"
 
 
-def train_steps(train_step, probe, steps: int, probe_every: int, log) -> float:
-    """Call ``train_step()`` (one optimizer step; returns its loss) ``steps`` times and
-    ``probe()`` (held-out probe accuracy, only logged) after every ``probe_every``-th step.
-    Nothing here reads the clock. Returns the last probe accuracy (0.0 if none ran)."""
+def train_steps(train_step, probe, steps: int, probe_every: int, log,
+                stop=lambda step: False) -> tuple[int, float]:
+    """Call ``train_step()`` (one optimizer step; returns its loss) up to ``steps`` times,
+    ``probe()`` (held-out probe accuracy, only logged) after every ``probe_every``-th step,
+    and ``stop(step)`` after every step: training ends after the first step it is true for.
+    Nothing here reads the clock. Returns (steps run, last probe accuracy: 0.0 if none ran)."""
     probe_acc = 0.0
     for step in range(1, steps + 1):
         loss = train_step()
         if step % probe_every == 0:
             probe_acc = probe()
             log(f"step {step}: loss {loss:.3f}, probe accuracy {probe_acc:.3f}")
-    return probe_acc
+        if stop(step):
+            return step, probe_acc
+    return steps, probe_acc
 
 
 def weights_sha256(folder: str) -> str:
@@ -60,17 +65,16 @@ def read_info(folder: str) -> dict:
         return json.load(fh)
 
 
-def check_built(folder: str, version: str, steps: int, rebuild: str) -> dict:
-    """``folder``'s info if it records the build ``version`` of ``steps`` steps and its
-    weights match the recorded SHA-256 (folders from before the hash was recorded have none;
-    a seeded build of the same steps is the same model). Otherwise UserError, one line that
-    names the folder, what differs and the ``rebuild`` command."""
+def check_built(folder: str, expected: dict, rebuild: str) -> dict:
+    """``folder``'s info if it records the ``expected`` values (e.g. ``{"version": ...,
+    "steps": ...}``) and its weights match the recorded SHA-256 (folders from before the hash
+    was recorded have none). Otherwise UserError, one line that names the folder, what differs
+    and the ``rebuild`` command."""
     try:
         info = read_info(folder)
-        found = {"version": info.get("version"), "steps": info.get("steps")}
-        if found != {"version": version, "steps": steps}:
-            problem = (f"it records {found['version']}, {found['steps']} steps; the intended "
-                       f"build is {version}, {steps} steps")
+        found = {key: info.get(key) for key in expected}
+        if found != expected:
+            problem = f"it records {_words(found)}; the intended build is {_words(expected)}"
         elif "weights_sha256" in info and weights_sha256(folder) != info["weights_sha256"]:
             problem = f"its {WEIGHTS_FILE} does not match the SHA-256 its {INFO_FILE} records"
         else:
@@ -79,6 +83,10 @@ def check_built(folder: str, version: str, steps: int, rebuild: str) -> dict:
         problem = f"its {INFO_FILE} or weights are unreadable ({type(err).__name__})"
     raise UserError(f"the cached model in {folder} is not the intended build: {problem}; "
                     f"rebuild it with: {rebuild}")
+
+
+def _words(values: dict) -> str:
+    return ", ".join(f"{key} {value}" for key, value in values.items())
 
 
 def _local_rank() -> int:

@@ -166,7 +166,7 @@ def train_toy_chat(out_dir: str, steps: int = STEPS, log=print) -> dict:
                 schedule.step()
                 return loss.item()
 
-            probe_acc = train_steps(
+            _, probe_acc = train_steps(
                 train_step, lambda: greedy_accuracy(model, tokenizer, probe), steps, PROBE_EVERY,
                 lambda msg: log(f"toy-chat {msg} ({time.monotonic() - start:.0f} s)"))
         model.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -198,7 +198,7 @@ def toy_chat_model_path(wait_s: float = WAIT_S, log=print) -> str:
     intended build."""
     final = cached_folder(cache_dir(), lambda final: build_toy_chat(final, STEPS, log),
                           "the toy-chat model", wait_s, log)
-    check_built(final, VERSION, STEPS, REBUILD)
+    check_built(final, {"version": VERSION, "steps": STEPS}, REBUILD)
     return final
 
 
