@@ -4,7 +4,7 @@ Schema (documented in the README):
 
 * root attributes: ``method``, ``config`` (effective config, YAML text), ``package_version``,
   ``git_commit``, ``world_size``, ``hosts`` (JSON list, one per rank), ``device_model``,
-  ``torch_version``, ``cuda_version``, ``mpi_version``, ``start_time`` (ISO 8601, UTC),
+  ``torch_version``, ``cpu_kernels`` (torch's CPU kernel set), ``cuda_version``, ``mpi_version``, ``start_time`` (ISO 8601, UTC),
   ``status`` (``running``, ``complete``, ``preempted``, ``failed``, ``lost``: a rank was lost) and method-specific ones.
 * step-indexed groups: each group holds ``step`` (int64, (n,)) and any number of datasets whose
   first axis is the row. Standard groups:
@@ -79,6 +79,7 @@ def environment_attrs(world, device) -> dict:
         "hosts": json.dumps(hosts),
         "device_model": device_model,
         "torch_version": str(torch.__version__),
+        "cpu_kernels": torch.backends.cpu.get_cpu_capability(),  # AVX512, AVX2, DEFAULT...
         "cuda_version": torch.version.cuda or "",
         "mpi_version": _mpi().Get_library_version().replace("\0", "").strip().splitlines()[0],
     }
