@@ -11,8 +11,8 @@ RANKS=${RANKS:-2}
 OUT=${OUT:-runs/demo}
 MPIRUN=(mpirun -n "$RANKS" --oversubscribe)
 # Every stage runs the pinned kernels the toy model is built with (hpc/toys/pinned.py:
-# torch's baseline kernels, MKL's reproducible mode), so the table is the same on every x86-64
-# CPU; DEMO_NATIVE_KERNELS=1 runs this CPU's own (faster, and its rounding moves the table).
+# torch's baseline kernels, MKL's reproducible mode), so the kernels this CPU would choose
+# (AVX2, AVX-512) do not move the table (docs/toy.md); DEMO_NATIVE_KERNELS=1 runs them.
 if [[ "${DEMO_NATIVE_KERNELS:-0}" != 1 ]]; then
   export $($PY -c 'from hpc.toys.pinned import pinned_description; print(pinned_description())')
 fi
