@@ -72,7 +72,8 @@ def _blocks_and_spans(text: str) -> tuple:
 def _entry_points() -> dict:
     """{console script: 'module:function'} from setup.py."""
     with open(os.path.join(REPO, "setup.py")) as fh:
-        return dict(re.findall(r'"([\w-]+)=([\w.]+:\w+)"', fh.read()))
+        scripts = re.search(r'"console_scripts": \[(.*?)\]', fh.read(), re.S).group(1)
+    return dict(re.findall(r'"([\w-]+)=([\w.]+:\w+)"', scripts))
 
 
 def _all_keys() -> set:
