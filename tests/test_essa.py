@@ -117,15 +117,16 @@ def test_learning_and_exported_adapter(toy_adapter, tmp_path):
     from hpc.toys.toy import toy_model_path
 
     out = tmp_path / "run"
-    proc = run_mpi(2, essa_args(toy_adapter, out, "task.n_eval=256", "essa.population=16",
-                                "essa.minibatch=256", "essa.sigma0=0.3",
+    proc = run_mpi(2, essa_args(toy_adapter, out, "task.n_train=2000", "task.n_eval=256",
+                                "essa.population=16", "essa.minibatch=256", "essa.sigma0=0.3",
                                 "essa.generations=20"), timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = RunFile(str(out / "essa.h5"))
     acc = run.group("eval")["accuracy"]
     print(f"held-out accuracy: SFT start {acc[0]:.3f} -> ESSA mean {acc[-1]:.3f}")
-    # The cached toy's SFT start is about 75% here, so 20 generations leave little headroom:
-    # ESSA must still gain at least 4 of the 256 held-out problems.
+    # measured (toy-model-v3, 2 ranks, the demo's 2,000 training problems): SFT start 0.582 ->
+    # ESSA mean 0.613 after 20 generations (on 200 training problems it overfits: 0.570).
+    # ESSA must gain at least 4 of the 256 held-out problems.
     assert acc[-1] >= acc[0] + 4 / 256, acc
 
     base = AutoModelForCausalLM.from_pretrained(toy_model_path())
