@@ -6,7 +6,6 @@ Command line of every job: ``PROG [CONFIG.yaml] [section.key=value ...] [--resum
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import errno
 import fcntl
@@ -26,6 +25,7 @@ from hpc.models.generation import configure as configure_generation, set_planned
 from hpc.models.memory_plan import check_job_memory, planned_engine_budget
 from hpc.models.quantize import check_quantize
 from hpc.runtime.atomic import open_plain
+from hpc.runtime.cli import parse_args
 from hpc.runtime.config import config_to_yaml, load_config
 from hpc.runtime.errors import EXIT_USER_ERROR, UserError
 from hpc.runtime.preempt import EXIT_PREEMPTED, any_rank_signalled, startup_delay, stop_signals
@@ -66,31 +66,6 @@ def on_all_ranks(world: World, fn):
         err.abort_peers = False  # every rank stops here by agreement
         raise err
     return result
-
-
-class _Parser(argparse.ArgumentParser):
-    """A command-line mistake is a UserError (one line from rank 0), not usage on every rank."""
-
-    def error(self, message):
-        raise UserError(f"{self.prog}: {message} (usage: {self.format_usage().strip()[7:]})")
-
-
-def parse_args(prog: str, argv=None, description: str = ""):
-    parser = _Parser(prog=prog, description=description)
-    parser.add_argument("items", nargs="*", metavar="CONFIG.yaml | section.key=value",
-                        help="an optional YAML config file, then overrides")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from the last checkpoint in run.out")
-    # Intermixed: overrides may follow --resume (``essa cfg.yaml --resume x.y=1``).
-    args = parser.parse_intermixed_args(argv)
-    config_path = None
-    overrides = []
-    for item in args.items:
-        if "=" not in item and item.endswith((".yaml", ".yml")) and config_path is None:
-            config_path = item
-        else:
-            overrides.append(item)
-    return config_path, overrides, args.resume
 
 
 def _job_id(world: World) -> str:

@@ -1,10 +1,11 @@
 """What every console entry point shares: exit-code help, a tool parser, and the job command
-that answers ``--help`` at once.
+that answers ``--help`` and config mistakes at once.
 
 A job's ``--help`` is generated from its config dataclasses (torch-free modules) and lists every
 section and key with its default and allowed values, then the exit codes. The job module itself
 imports torch and transformers, which takes seconds, so it is imported only once the command
-line is not a help request: that is the reason for the lazy imports in this module.
+line is not a help request and its config is valid: that is the reason for the lazy imports in
+this module.
 """
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import importlib
 import sys
 import textwrap
 
-from hpc.runtime.config import rule_text
-from hpc.runtime.errors import EXIT_USER_ERROR
+from hpc.runtime.config import load_config, rule_text
+from hpc.runtime.errors import EXIT_USER_ERROR, UserError, exit_user_error
 from hpc.runtime.preempt import EXIT_PREEMPTED, stop_signals
 
 EXIT_CODES_HELP = (f"exit codes: 0 done; {EXIT_USER_ERROR} user error (one line on stderr naming "
@@ -39,6 +40,32 @@ def _load(ref: str):
     """The object named by ``'module:attribute'`` (imported now, not at start-up)."""
     module, name = ref.split(":")
     return getattr(importlib.import_module(module), name)
+
+
+class _Parser(argparse.ArgumentParser):
+    """A command-line mistake is a UserError (one line from rank 0), not usage on every rank."""
+
+    def error(self, message):
+        raise UserError(f"{self.prog}: {message} (usage: {self.format_usage().strip()[7:]})")
+
+
+def parse_args(prog: str, argv=None, description: str = ""):
+    """A job's command line: (config file or None, overrides, whether ``--resume``)."""
+    parser = _Parser(prog=prog, description=description)
+    parser.add_argument("items", nargs="*", metavar="CONFIG.yaml | section.key=value",
+                        help="an optional YAML config file, then overrides")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the last checkpoint in run.out")
+    # Intermixed: overrides may follow --resume (``essa cfg.yaml --resume x.y=1``).
+    args = parser.parse_intermixed_args(argv)
+    config_path = None
+    overrides = []
+    for item in args.items:
+        if "=" not in item and item.endswith((".yaml", ".yml")) and config_path is None:
+            config_path = item
+        else:
+            overrides.append(item)
+    return config_path, overrides, args.resume
 
 
 def job_help(prog: str, about: str, job_cls) -> str:
@@ -66,7 +93,9 @@ def job_command(prog: str, config_ref: str, run_ref: str, about: str):
     """A console entry point: ``--help`` from the config class at ``config_ref``; anything else
     installs the preemption handler (:func:`hpc.runtime.preempt.stop_signals`: a signal from
     here on is honoured at the job's next safe point, however long the imports and the model
-    loading take), then runs ``run_ref`` (``'module:function'``, called with the arguments)."""
+    loading take), reads the command line and the config (a mistake in either ends here, in
+    about a second, before torch is imported), then runs ``run_ref`` (``'module:function'``,
+    called with the arguments; it reads them again)."""
 
     def main(argv=None):
         argv = sys.argv[1:] if argv is None else list(argv)
@@ -74,6 +103,11 @@ def job_command(prog: str, config_ref: str, run_ref: str, about: str):
             print(job_help(prog, about, _load(config_ref)))
             return 0
         stop_signals()
+        try:
+            config_path, overrides, _ = parse_args(prog, argv)
+            load_config(_load(config_ref), config_path, overrides)
+        except UserError as err:
+            exit_user_error(err)
         return _load(run_ref)(argv)
 
     main.__doc__ = f"``{prog}``: {about}"

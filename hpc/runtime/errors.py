@@ -112,6 +112,20 @@ def _mpi_started() -> bool:
     return MPI.Is_initialized()
 
 
+def exit_user_error(err: UserError) -> None:
+    """End this rank for ``err``: its one line (see :func:`report_user_error`), then exit 2."""
+    report_user_error(err)
+    if err.abort_peers:
+        _abort_peers()
+    elif err.same_on_all_ranks and _rank_from_env() != 0 and not _mpi_started():
+        # Rank 0 prints the line. Found before the ranks could agree (a config error before
+        # MPI starts), rank 0 may still be importing: leaving first would make the launcher
+        # kill it before it prints.
+        _ignore_sigterm()
+        time.sleep(PEER_GRACE_S)
+    _exit_through_sigterm(EXIT_USER_ERROR)
+
+
 def user_errors_exit(main):
     """Decorate a console entry point: a UserError becomes one line and exit code 2; any
     agreed non-zero exit (2, 3) survives the launcher's SIGTERM to the slower ranks."""
@@ -123,16 +137,7 @@ def user_errors_exit(main):
             _ignore_stop_signals()
             return result
         except UserError as err:
-            report_user_error(err)
-            if err.abort_peers:
-                _abort_peers()
-            elif err.same_on_all_ranks and _rank_from_env() != 0 and not _mpi_started():
-                # Rank 0 prints the line. Found before the ranks could agree (a config error
-                # before MPI starts), rank 0 may still be importing torch: leaving first would
-                # make the launcher kill it before it prints.
-                _ignore_sigterm()
-                time.sleep(PEER_GRACE_S)
-            _exit_through_sigterm(EXIT_USER_ERROR)
+            exit_user_error(err)
         except SystemExit as done:
             if done.code not in (None, 0):
                 _exit_through_sigterm(done.code)
