@@ -23,6 +23,9 @@ import pytest
 from conftest import MPI_ENV, REPO, our_lines, require
 from test_slurm import ENDED, job_info, job_log, wait_for
 
+# make test runs two workers: the tests of a Slurm cluster share one, one cluster at a time
+pytestmark = pytest.mark.xdist_group("slurm")
+
 CLUSTER = os.path.join(REPO, "jobscripts", "local-slurm", "cluster.sh")
 CHECK = os.path.join(REPO, "tests", "mpi", "rendezvous_check.py")
 NET = "10.221.7"  # the test cluster's subnet, ports and names: apart from a user's own cluster
@@ -364,8 +367,10 @@ def test_lost_node_requeues_and_resumes_to_the_uninterrupted_result(cluster, toy
              "both nodes to be idle")
     wait_for(lambda: not _steps_left(cluster, "node2"), 120, "node2's old job step to end")
     time.sleep(5)  # slurmd's one-second credential resolution (see test_slurm.py)
-    subprocess.run(["scontrol", "update", f"JobId={jobid}", "StartTime=now"], env=cluster,
-                   check=True)
+    start = subprocess.run(["scontrol", "update", f"JobId={jobid}", "StartTime=now"],
+                           env=cluster, capture_output=True, text=True)
+    # on a slow machine the requeued job's begin time may already have passed: it runs
+    assert start.returncode == 0 or "no longer pending" in start.stderr, start.stderr
     wait_ended(cluster, [jobid])
     resumed = completed(cluster, "fgrpo", jobid)
     assert "--resume" in job_log(cluster["runs"], "fgrpo", jobid).split("(restart 1)")[1]
