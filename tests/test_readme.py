@@ -211,9 +211,15 @@ def test_commands_shown_exist_and_answer_help_with_their_flags(page):
                     f"{page}: `{line}`: {args[0]} has no option {flag}"
         elif name == "make":
             with open(os.path.join(REPO, "Makefile")) as fh:
-                targets = set(re.findall(r"^([\w-]+):", fh.read(), re.MULTILINE))
+                makefile = fh.read()
+            targets = set(re.findall(r"^([\w-]+):", makefile, re.MULTILINE))
+            variables = set(re.findall(r"^(\w+)\s*[?:]?=", makefile, re.MULTILINE))
             for target in args:
-                assert target in targets, f"{page}: `{line}`: no make target {target}"
+                if "=" in target:  # make VARIABLE=value: one the Makefile sets
+                    assert target.split("=")[0] in variables, \
+                        f"{page}: `{line}`: the Makefile has no variable {target}"
+                else:
+                    assert target in targets, f"{page}: `{line}`: no make target {target}"
         else:  # bash SCRIPT, sbatch ... SCRIPT, jobscripts/SCRIPT
             scripts = [t for t in tokens if t.startswith("jobscripts/")]
             assert scripts, f"{page}: `{line}`: names no script of jobscripts/"
