@@ -23,9 +23,6 @@ import pytest
 from conftest import MPI_ENV, REPO, our_lines, require
 from test_slurm import ENDED, job_info, job_log, wait_for
 
-# make test runs two workers: the tests of a Slurm cluster share one, one cluster at a time
-pytestmark = pytest.mark.xdist_group("slurm")
-
 CLUSTER = os.path.join(REPO, "jobscripts", "local-slurm", "cluster.sh")
 CHECK = os.path.join(REPO, "tests", "mpi", "rendezvous_check.py")
 NET = "10.221.7"  # the test cluster's subnet, ports and names: apart from a user's own cluster

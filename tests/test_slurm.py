@@ -20,9 +20,6 @@ import pytest
 from conftest import MPI_ENV, REPO, mpirun_path, require
 from hpc.runtime.runstore import RunFile
 
-# make test runs two workers: the tests of a Slurm cluster share one, one cluster at a time
-pytestmark = pytest.mark.xdist_group("slurm")
-
 START = os.path.join(REPO, "jobscripts", "local-slurm", "start.sh")
 STOP = os.path.join(REPO, "jobscripts", "local-slurm", "stop.sh")
 SWEEP = os.path.join(REPO, "jobscripts", "sweep.sh")
