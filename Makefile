@@ -10,7 +10,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export OMPI_MCA_rmaps_base_oversubscribe := 1
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: venv demo demo-chat report test docs clean
+.PHONY: venv demo demo-chat report check test docs clean
 
 venv: $(STAMP)
 
@@ -33,16 +33,24 @@ report: $(STAMP)
 demo-chat: $(STAMP)
 	bash jobscripts/demo-chat.sh
 
-# Two workers (pytest-xdist): a test mostly waits on its subprocesses' imports and ranks, so one
-# worker keeps about one core busy. The Slurm tests run after them on an otherwise idle machine:
-# beside other tests, slurmctld answered late and a simulated cluster failed to come up.
-# The toy model is built first, so that no test's time limit includes its build.
+# The test tiers (docs/testing.md; the marks are enforced by tests/tiers.py).
+# make check: what to run while changing code: in-process tests only (no ranks, no Slurm, no
+# other process, no toy model), none of them slow.
+# make test (CI): the toy model first (so that no test's time includes its build), then every
+# test but the Slurm ones on two pytest-xdist workers (a test mostly waits on its subprocesses'
+# imports and ranks, so one worker keeps about one core busy), then the Slurm tests alone: beside
+# other tests, slurmctld answered late and a simulated cluster failed to come up. Each part
+# prints its slowest 25 tests and fails a test over the time budget that tests/slow_tests.txt
+# does not list. -rs: one line per skipped test naming what this machine lacks.
 TEST_WORKERS ?= 2
-SLURM_TESTS := tests/test_slurm.py tests/test_multinode.py
+PYTEST := $(BIN)/python -m pytest -q -rs
+check: $(STAMP)
+	$(PYTEST) -n $(TEST_WORKERS) -m "not (mpi or slurm or subprocess or toy or slow)" --durations=10
+
 test: $(STAMP)
 	$(BIN)/hpc-toy
-	$(BIN)/python -m pytest -q -rs -n $(TEST_WORKERS) $(SLURM_TESTS:%=--ignore=%) tests  # -rs: why each skip
-	$(BIN)/python -m pytest -q -rs $(SLURM_TESTS)
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not slurm" --durations=25 --budget=fail
+	$(PYTEST) -m slurm --durations=25 --budget=fail
 
 # docs/config.md from the config classes (the same source as every job's --help).
 docs: $(STAMP)

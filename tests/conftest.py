@@ -1,14 +1,20 @@
 """Shared test helpers: real mpirun / h5dump / Slurm, skipped where absent except in CI.
 
-CI sets HPC_TEST_STRICT=1, which turns every such skip into a failure.
+CI sets HPC_TEST_STRICT=1, which turns every such skip into a failure. The tiers' marks, their
+guard and the time budget live in tests/tiers.py (its hooks are registered here).
 """
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
+from filelock import FileLock
+
+from tiers import (charge_shared_build, pytest_addoption, pytest_configure,  # noqa: F401
+                   pytest_runtest_makereport, pytest_runtest_protocol)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -78,16 +84,30 @@ def our_lines(stderr: str) -> list:
     return lines
 
 
+def run_shared_folder(tmp_path_factory):
+    """The temporary folder of this pytest run that all its xdist workers share."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def toy_adapter(tmp_path_factory):
-    """The demo's SFT adapter (configs/demo/sft.yaml: LoRA rank 16, 10 steps), one process.
-
-    Builds the toy model first if it is not cached (a few CPU minutes, once).
-    """
-    out = tmp_path_factory.mktemp("toy-sft")
-    proc = run_cli(["-m", "hpc.sft", "configs/demo/sft.yaml", "task.n_eval=16",
-                    "eval.n_samples=2", "run.progress=false", f"run.out={out}"], timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    """The demo's SFT adapter (configs/demo/sft.yaml: LoRA rank 16, 10 steps), one process,
+    trained once per pytest run: the first worker to ask trains it under a file lock, the
+    others wait for it and share the folder (read-only to every test)."""
+    root = run_shared_folder(tmp_path_factory)
+    out = root / "toy-sft"
+    began = time.monotonic()
+    with FileLock(str(root / "toy-sft.lock")):
+        done = root / "toy-sft.done"  # written after the job succeeded
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)  # a failed try of another worker
+            proc = run_cli(["-m", "hpc.sft", "configs/demo/sft.yaml", "task.n_eval=16",
+                            "eval.n_samples=2", "run.progress=false", f"run.out={out}"],
+                           timeout=900)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            done.touch()
+    charge_shared_build(time.monotonic() - began)
     return str(out / "adapter")
 
 

@@ -33,11 +33,13 @@ def sft(tmp_path, *overrides):
                     *overrides], timeout=120)
 
 
+@pytest.mark.subprocess
 def test_unknown_key(tmp_path):
     one_line_exit_2(sft(tmp_path, "sft.stpes=3"), "sft.stpes", "does not exist")
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.subprocess
 def test_bad_yaml_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("sft: {steps: [1, 2\n")
@@ -45,11 +47,13 @@ def test_bad_yaml_file(tmp_path):
     one_line_exit_2(proc, "not valid YAML")
 
 
+@pytest.mark.subprocess
 def test_missing_model_path(tmp_path):
     one_line_exit_2(sft(tmp_path, f"model.path={tmp_path / 'no-model'}"), "no-model")
     assert not (tmp_path / "run" / "sft.h5").exists()
 
 
+@pytest.mark.subprocess
 def test_model_folder_with_missing_files(tmp_path):
     folder = tmp_path / "half-model"
     folder.mkdir()
@@ -64,6 +68,7 @@ def test_model_folder_with_missing_files(tmp_path):
     ('{"question": {"text": "1+1?"}, "answer": "#### 2"}\n', ["line 1", "'question' must be"]),
     ('{"question": "1+1?", "answer": "#### 1e400"}\n', ["line 1", "not a finite number"]),
 ])
+@pytest.mark.subprocess
 def test_bad_data_files(tmp_path, content, words):
     data = tmp_path / "data.jsonl"
     data.write_text(content)
@@ -73,6 +78,7 @@ def test_bad_data_files(tmp_path, content, words):
     assert not (tmp_path / "run" / "sft.h5").exists()
 
 
+@pytest.mark.subprocess
 def test_missing_data_file(tmp_path):
     missing = tmp_path / "nowhere.jsonl"
     proc = sft(tmp_path, "task.name=math", f"task.eval_path={missing}",
@@ -80,6 +86,7 @@ def test_missing_data_file(tmp_path):
     one_line_exit_2(proc, str(missing))
 
 
+@pytest.mark.subprocess
 def test_output_folder_not_writable(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
@@ -88,6 +95,7 @@ def test_output_folder_not_writable(tmp_path):
     one_line_exit_2(proc, "not writable")
 
 
+@pytest.mark.subprocess
 def test_disk_too_full(tmp_path):
     proc = run_cli(["-m", "essa", "run.progress=false", "run.min_free_mb=1e12",
                     "lora.adapter=unused", f"run.out={tmp_path / 'run'}"], timeout=120)
@@ -95,6 +103,7 @@ def test_disk_too_full(tmp_path):
     assert not (tmp_path / "run" / "essa.h5").exists()
 
 
+@pytest.mark.subprocess
 def test_adapter_for_another_model(tiny_models, tmp_path):
     small_model, _, _ = tiny_models["small"]
     _, large_adapter, _ = tiny_models["large"]
@@ -159,12 +168,14 @@ def test_fuzzed_yaml_files_load_or_raise_user_error(tmp_path_factory, data):
         os.remove(path)
 
 
+@pytest.mark.subprocess
 def test_bad_run_out_template(tmp_path):
     proc = run_cli(["-m", "fgrpo", "run.progress=false", f"run.out={tmp_path}/{{name}}"],
                    timeout=120)
     one_line_exit_2(proc, "run.out", "{method}")
 
 
+@pytest.mark.mpi
 def test_fewer_prompts_than_ranks(tmp_path):
     from conftest import run_mpi
 
@@ -202,6 +213,7 @@ PROBE_OVERRIDES = [
 
 
 @pytest.mark.parametrize("overrides, key", PROBE_OVERRIDES, ids=[k for _, k in PROBE_OVERRIDES])
+@pytest.mark.mpi
 def test_probe_values_are_one_line_under_mpirun(tmp_path, overrides, key):
     method = key.split(".")[0] if key.startswith(("essa", "fgrpo")) else "essa"
     proc = run_mpi(2, ["-m", method, "run.progress=false", "lora.adapter=unused",
@@ -210,6 +222,7 @@ def test_probe_values_are_one_line_under_mpirun(tmp_path, overrides, key):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.mpi
 def test_non_utf8_config_file_under_mpirun(tmp_path):
     bad = tmp_path / "latin1.yaml"
     bad.write_bytes("essa:\n  population: 8  # popula\xe7\xe3o\n".encode("latin-1"))
@@ -217,6 +230,7 @@ def test_non_utf8_config_file_under_mpirun(tmp_path):
     one_line_exit_2(proc, "not UTF-8", str(bad))
 
 
+@pytest.mark.mpi
 def test_override_after_resume_is_parsed(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("run:\n  progress: false\n")
@@ -225,6 +239,8 @@ def test_override_after_resume_is_parsed(tmp_path):
     one_line_exit_2(proc, "--resume", "no run folder")  # the overrides were read
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
 def test_truncated_adapter_weights(toy_adapter, tmp_path):
     import shutil
 
@@ -269,6 +285,7 @@ def job(tmp_path, method, *items, ranks=1):
     return run_mpi(ranks, args, timeout=120) if ranks > 1 else run_cli(args, timeout=120)
 
 
+@pytest.mark.mpi
 def test_duplicate_yaml_key_names_key_file_and_line(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("essa:\n  population: 8\n  sigma0: 0.1\n  population: 16\n")
@@ -284,6 +301,7 @@ def test_duplicate_yaml_key_names_key_file_and_line(tmp_path):
     ("fgrpo", ["lora.targets=[]"], ["lora.targets", "0 items"]),
 ], ids=["essa-key-to-fgrpo", "essa-key-to-sft", "misspelt-in-other-section", "empty-list-file",
         "empty-list-override"])
+@pytest.mark.subprocess
 def test_keys_no_section_of_the_job_reads(tmp_path, method, items, words):
     config = tmp_path / "c.yaml"
     args = []
@@ -296,6 +314,7 @@ def test_keys_no_section_of_the_job_reads(tmp_path, method, items, words):
     refused(job(tmp_path, method, *args), tmp_path, *words)
 
 
+@pytest.mark.mpi
 def test_huge_yaml_value_under_mpirun(tmp_path):
     """A 100 MB value got the job killed by the kernel, 2 ranks left running: the file's size is
     bounded before it is read."""
@@ -310,10 +329,12 @@ def test_huge_yaml_value_under_mpirun(tmp_path):
 
 
 @pytest.mark.parametrize("override", [f"run.out={'x' * 70_000}", f"task.system_prompt={'y' * 70_000}"])
+@pytest.mark.subprocess
 def test_huge_override_value(tmp_path, override):
     refused(job(tmp_path, "fgrpo", override), tmp_path, override.split("=")[0], "70000 characters")
 
 
+@pytest.mark.mpi
 def test_deeply_nested_data_row_under_mpirun(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text('{"question": "1+1?", "answer": "#### 2"}\n'
@@ -334,6 +355,7 @@ def test_byte_order_mark_data_file_is_read_as_utf8(tmp_path):
     assert task.eval.answers == ["2"] and len(task.train.prompts) == 1
 
 
+@pytest.mark.subprocess
 def test_adapter_of_nan_weights(tiny_models, tmp_path):
     import shutil
 
@@ -392,6 +414,7 @@ def _wait_gone(tmp_path, polls=240):
     return left
 
 
+@pytest.mark.mpi
 def test_no_rank_outlives_a_killed_launcher(tmp_path):
     """mpirun killed with SIGKILL (the kernel's OOM killer, a timeout) cannot end its ranks; they
     ran on, orphaned. Each rank now dies with its parent (PR_SET_PDEATHSIG)."""
@@ -403,6 +426,7 @@ def test_no_rank_outlives_a_killed_launcher(tmp_path):
     assert _wait_gone(tmp_path) == []
 
 
+@pytest.mark.mpi
 def test_no_rank_outlives_a_killed_rank(tmp_path):
     """One of 3 ranks killed with SIGKILL: mpirun ends the other two and fails."""
     proc = _started_job(tmp_path, 3)

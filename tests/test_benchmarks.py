@@ -76,6 +76,8 @@ def test_every_benchmark_has_a_smoke_test():
 
 
 @pytest.mark.parametrize("script", sorted(SMOKE))
+@pytest.mark.mpi  # communication.py and memory.py start mpirun themselves
+@pytest.mark.toy  # several measure on the toy model
 def test_benchmark_runs_at_smoke_size(script, tmp_path):
     args, needs_mpi, expected = SMOKE[script]
     if needs_mpi:

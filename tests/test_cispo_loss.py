@@ -127,6 +127,7 @@ def test_bad_algorithm_combinations(overrides, words):
     assert "\n" not in str(err.value) and all(w in str(err.value) for w in words)
 
 
+@pytest.mark.subprocess
 def test_help_lists_the_new_keys_with_ranges():
     import subprocess
     import sys

@@ -34,6 +34,7 @@ def test_every_console_command_is_probed():
 
 
 @pytest.mark.parametrize("name,module,function", ENTRY_POINTS)
+@pytest.mark.subprocess
 def test_help_without_torch(name, module, function):
     proc = subprocess.run([sys.executable, "-c", PROBE.format(**locals())], cwd=REPO,
                           capture_output=True, text=True, timeout=120,
@@ -49,6 +50,7 @@ def test_help_without_torch(name, module, function):
     ("hpc-sft", ["sft.steps = 40", "task.max_new_tokens = 8"]),
     ("hpc-eval", ["eval.n_samples = 8", "model.path = 'toy'"]),
 ])
+@pytest.mark.subprocess
 def test_job_help_lists_config_keys_and_preemption_code(name, keys):
     module, function = next((m, f) for n, m, f in ENTRY_POINTS if n == name)
     proc = subprocess.run([sys.executable, "-c", PROBE.format(**locals())], cwd=REPO,

@@ -446,6 +446,9 @@ def assert_one_error_line(proc, *words):
         assert word in errors[0], errors[0]
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.xdist_group("sft_run")  # one worker runs it once
 def test_cli_external_link_in_the_run_file_is_refused_under_mpirun(sft_run, tmp_path, outside):
     out = copy_run(sft_run, tmp_path)
     shutil.rmtree(out / "checkpoints")  # no copy to restore: the run file itself is opened
@@ -457,6 +460,8 @@ def test_cli_external_link_in_the_run_file_is_refused_under_mpirun(sft_run, tmp_
     assert_one_error_line(proc, "sft.h5", "external link")
 
 
+@pytest.mark.toy
+@pytest.mark.xdist_group("sft_run")  # one worker runs it once
 def test_cli_crafted_newest_checkpoint_falls_back(sft_run, tmp_path, outside):
     out = copy_run(sft_run, tmp_path)
     ckpts = str(out / "checkpoints")
@@ -476,6 +481,8 @@ def test_cli_crafted_newest_checkpoint_falls_back(sft_run, tmp_path, outside):
         "step-00000003.safetensors"
 
 
+@pytest.mark.toy
+@pytest.mark.xdist_group("sft_run")  # one worker runs it once
 def test_cli_link_at_the_lock_is_one_line(sft_run, tmp_path, outside):
     out = copy_run(sft_run, tmp_path)
     os.remove(out / ".lock")
@@ -840,7 +847,8 @@ SKELETON_CRAFTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(SKELETON_CRAFTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n.startswith("15M")
+                                  else n for n in SKELETON_CRAFTS])
 def test_a_crafted_skeleton_falls_back(name, tmp_path, capsys, valid_method_state):
     skeleton, tensors, words = SKELETON_CRAFTS[name]
     ckpts = run_dir(tmp_path) / "checkpoints"
@@ -923,6 +931,9 @@ def _fingerprint(folder) -> dict:
 
 
 @pytest.mark.parametrize("resume", [False, True], ids=["fresh", "resume"])
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.xdist_group("sft_run")  # one worker runs it once
 def test_cli_run_out_a_symbolic_link_to_another_run_is_one_line(sft_run, tmp_path, resume):
     """run.out naming a link to another run folder, on 2 ranks: one line, nothing written."""
     other = copy_run(sft_run, tmp_path)
@@ -934,6 +945,8 @@ def test_cli_run_out_a_symbolic_link_to_another_run_is_one_line(sft_run, tmp_pat
     assert _fingerprint(other) == before
 
 
+@pytest.mark.toy
+@pytest.mark.xdist_group("sft_run")  # one worker runs it once
 def test_cli_essa_in_a_finished_sft_folder_is_one_line(sft_run, tmp_path):
     """Another method's run folder: refused, not pruned (checkpoint retention used to delete
     the other run's checkpoints and the job exited 0)."""
@@ -950,6 +963,9 @@ def test_cli_essa_in_a_finished_sft_folder_is_one_line(sft_run, tmp_path):
         {k: v for k, v in before.items() if k != ".lock"}
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.xdist_group("sft_run")  # one worker runs it once
 def test_cli_checkpoints_as_a_file_on_resume_is_one_line_on_2_ranks(sft_run, tmp_path):
     out = copy_run(sft_run, tmp_path)
     shutil.rmtree(out / "checkpoints")

@@ -17,6 +17,7 @@ def run(capsys, *args):
     return code, captured.out, captured.err
 
 
+@pytest.mark.toy
 def test_gsm8k_test_file_is_clean(shared_data, capsys):
     path = os.path.join(shared_data, "gsm8k", "test.jsonl")
     code, out, _ = run(capsys, "check", path, "task.name=gsm8k", f"model.path={toy_model_path()}",
@@ -27,6 +28,7 @@ def test_gsm8k_test_file_is_clean(shared_data, capsys):
         assert line in out
 
 
+@pytest.mark.toy
 def test_problems_are_counted_with_their_lines(tmp_path, capsys):
     rows = [{"question": "1+1?", "answer": "1+1=2\n#### 2"},
             {"question": "2+2?", "answer": "no final line"},

@@ -47,6 +47,7 @@ def adapted():
     return adapted_toy()
 
 
+@pytest.mark.toy
 def test_prompts_have_mixed_lengths_and_rows_stop_early(toy, prompts):
     model, tok = toy
     lengths = {len(tok(p)["input_ids"]) for p in prompts}
@@ -56,6 +57,7 @@ def test_prompts_have_mixed_lengths_and_rows_stop_early(toy, prompts):
 
 
 @pytest.mark.parametrize("batch_size", [4, 7, 64])
+@pytest.mark.toy
 def test_greedy_tokens_equal_hf_generate(toy, prompts, batch_size):
     model, tok = toy
     ref = generate_tokens(model, tok, prompts, MAX_NEW, batch_size=batch_size, engine="hf")
@@ -63,6 +65,7 @@ def test_greedy_tokens_equal_hf_generate(toy, prompts, batch_size):
                            engine="engine") == ref
 
 
+@pytest.mark.toy
 def test_fixed_length_prompts_equal_hf_generate(toy):
     model, tok = toy
     fixed = [f"{a}+{b}=" for a, b in zip(range(10, 40), range(60, 90))]
@@ -70,6 +73,7 @@ def test_fixed_length_prompts_equal_hf_generate(toy):
         generate(model, tok, fixed, MAX_NEW, engine="hf", batch_size=8)
 
 
+@pytest.mark.toy
 def test_per_row_limits_stop_rows_and_admit_waiting_ones(toy, prompts):
     """Rows with their own max_new end early and free their slot; every row still equals its
     HF completion cut at its limit."""
@@ -81,6 +85,7 @@ def test_per_row_limits_stop_rows_and_admit_waiting_ones(toy, prompts):
     assert out == [r[:n] for r, n in zip(ref, limits)]
 
 
+@pytest.mark.toy
 def test_peft_adapter_is_one_member(adapted, toy, prompts):
     model, tok = adapted
     ref = generate_tokens(model, tok, prompts, MAX_NEW, engine="hf", batch_size=16)
@@ -89,6 +94,7 @@ def test_peft_adapter_is_one_member(adapted, toy, prompts):
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.toy
 def test_members_per_row_equal_one_at_a_time_hf(adapted, prompts, k):
     """k members' rows interleaved in one continuous batch give each member's HF completions
     (the reference: member_completions, peft's arithmetic under MemberLora)."""
@@ -102,6 +108,7 @@ def test_members_per_row_equal_one_at_a_time_hf(adapted, prompts, k):
 
 
 @pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.toy
 def test_essa_fitness_equals_reference_path(adapted, prompts, k):
     model, tok = adapted
     space = SingularValueSpace.from_peft(model)
@@ -118,6 +125,7 @@ def test_essa_fitness_equals_reference_path(adapted, prompts, k):
     assert np.array_equal(fitness["engine"], fitness["hf"])
 
 
+@pytest.mark.toy
 def test_sampled_tokens_equal_hf_and_do_not_depend_on_batching(toy, prompts):
     model, tok = toy
     kw = dict(do_sample=True, temperature=1.5, top_p=0.95, num_return_sequences=4, seed=11)
@@ -151,6 +159,7 @@ def test_top_p_filter_is_transformers_rule():
         assert torch.equal(top_p_filter(logits, p), TopPLogitsWarper(p)(None, logits.clone()))
 
 
+@pytest.mark.toy
 def test_no_prompts_no_rows(toy):
     """A rank whose share of the problems is empty decodes nothing on either path."""
     for path in ("engine", "hf"):
@@ -161,6 +170,8 @@ def test_buckets_are_powers_of_two_capped():
     assert [bucket(n, 64) for n in (1, 2, 3, 9, 64, 100)] == [1, 2, 4, 16, 64, 64]
 
 
+@pytest.mark.mpi
+@pytest.mark.slow
 def test_engine_under_mpirun_and_pass_at_k_independent_of_ranks(tmp_path):
     """Each of 2 ranks checks engine = HF greedy for k = 1, 3, 8 members on its share; sampled
     evaluation gives the same pass@k curve at 1, 2 and 3 ranks."""
@@ -175,6 +186,7 @@ def test_engine_under_mpirun_and_pass_at_k_independent_of_ranks(tmp_path):
     assert curves[1] == curves[0] and curves[2] == curves[0]
 
 
+@pytest.mark.subprocess
 def test_gpu_check_engine_smoke_on_cpu(tmp_path):
     """``gpu_check.py --device cpu --tiny``: engine and HF rows with the bound, JSON written."""
     proc = run_cli(["benchmarks/gpu_check.py", str(tmp_path), "--device", "cpu", "--tiny"],
@@ -196,6 +208,9 @@ def test_gpu_check_engine_smoke_on_cpu(tmp_path):
             sum(step["phases_s"].values()))
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.slow
 def test_essa_run_equals_reference_path(toy_adapter, tmp_path):
     """A whole ESSA run (2 ranks, 3 members per pass): fitness of every generation and the final
     mean are the same on the engine as on HF generate."""

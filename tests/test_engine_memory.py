@@ -66,6 +66,7 @@ def budget_gib_for(model, slots: int, max_len: int, k: int = 0) -> float:
     return engine_bytes(shape, slots, length, k, 4) / GIB
 
 
+@pytest.mark.toy
 def test_bytes_formula_equals_the_engine_tensors():
     """KV cache, stacked members and fp32 logits of a built engine are the formula's bytes."""
     model, tok = adapted_toy()
@@ -147,6 +148,7 @@ def test_slots_within_is_the_most_that_fit():
 
 @pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("limit", ["engine_memory_gib", "engine_slots"])
+@pytest.mark.toy
 def test_small_budget_decodes_in_waves_with_the_same_completions(toy, prompts, sampled, limit):
     """16 prompts x 4 samples asked for at once; a budget of 5 slots (or engine_slots=3) decodes
     them in waves through those slots, with the completions of the unlimited engine."""
@@ -162,6 +164,7 @@ def test_small_budget_decodes_in_waves_with_the_same_completions(toy, prompts, s
     assert engine_of(model).slots == (5 if limit == "engine_memory_gib" else 3)
 
 
+@pytest.mark.toy
 def test_an_engine_is_resized_to_each_phase(toy, prompts):
     """A phase of 64 rows builds 64 slots; the next phase of 8 rows gets an 8-slot engine (not
     the earlier 64), which its own smaller calls keep."""
@@ -177,6 +180,7 @@ def test_an_engine_is_resized_to_each_phase(toy, prompts):
     assert engine_of(model) is small
 
 
+@pytest.mark.toy
 def test_budget_without_room_for_one_row_is_one_line(toy):
     model, tok = toy
     configure(ModelConfig(engine_memory_gib=1e-6))
@@ -185,6 +189,7 @@ def test_budget_without_room_for_one_row_is_one_line(toy):
 
 
 @pytest.mark.parametrize("replay", [CheckedStep, PerturbedStep])
+@pytest.mark.toy
 def test_self_check_on_first_capture(toy, prompts, replay):
     """An exact "captured" step passes the check and keeps replaying; a perturbed one is caught
     at its first shape: graphs go off (recorded) and decoding goes on eagerly, with the
@@ -212,6 +217,7 @@ ESSA_ARGS = ["model.path=toy", "task.n_train=200", "task.n_eval=32", "essa.popul
              "eval.n_samples=8", "eval.batch_size=16", "run.progress=false"]
 
 
+@pytest.mark.toy
 def test_essa_engine_after_start_evaluation_holds_the_scoring_need(toy_adapter, tmp_path):
     """The start evaluation decodes 16 prompts x 8 samples (128 slots) and releases that engine
     at its end, as the first generation's scoring (16 prompts, one member per pass) needs
@@ -229,6 +235,8 @@ def test_essa_engine_after_start_evaluation_holds_the_scoring_need(toy_adapter, 
     assert scoring["kv_bytes"] == scoring["memory"]["kv_cache"] < evaluation["kv_bytes"] / 4
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
 def test_essa_job_with_a_perturbed_captured_step(toy_adapter, tmp_path):
     """Two ranks, every engine self-checked, rank 1's "captured" step perturbed: rank 0 prints
     one line, both ranks turn graphs off, the run completes and its file says why."""

@@ -2,6 +2,7 @@
 and the exported adapter."""
 
 import numpy as np
+import pytest
 
 from conftest import our_lines, run_cli, run_mpi
 from hpc.runtime.runstore import RunFile
@@ -16,6 +17,9 @@ def essa_args(adapter, out, *extra, model="toy"):
             "eval.batch_size=16", "run.progress=false", f"run.out={out}", *extra]
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.slow
 def test_rank_count_invariance(toy_adapter, tmp_path):
     runs = {}
     for n in (1, 2, 4):
@@ -33,6 +37,7 @@ def test_rank_count_invariance(toy_adapter, tmp_path):
         assert sorted(set(owners.tolist())) == list(range(n))
 
 
+@pytest.mark.mpi
 def test_bytes_per_generation_do_not_grow_with_the_model(tiny_models, tmp_path):
     per_gen = {}
     for name, (model_dir, adapter, n_params) in tiny_models.items():
@@ -45,6 +50,9 @@ def test_bytes_per_generation_do_not_grow_with_the_model(tiny_models, tmp_path):
     assert per_gen["small"] == per_gen["large"] == [8 * P, 8 * P]
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.slow
 def test_resume_equals_uninterrupted(toy_adapter, tmp_path):
     full = tmp_path / "full"
     assert run_mpi(2, essa_args(toy_adapter, full, "essa.generations=4")).returncode == 0
@@ -68,6 +76,7 @@ def _one_error_line(proc, *words):
         assert word in lines[0]
 
 
+@pytest.mark.mpi
 def test_population_smaller_than_ranks(tiny_models, tmp_path):
     model_dir, adapter, _ = tiny_models["small"]
     out = tmp_path / "run"
@@ -76,6 +85,7 @@ def test_population_smaller_than_ranks(tiny_models, tmp_path):
     assert not (out / "essa.h5").exists()
 
 
+@pytest.mark.mpi
 def test_adapter_missing_a_target_module(tiny_models, tmp_path):
     model_dir, adapter, _ = tiny_models["small"]
     out = tmp_path / "run"
@@ -84,6 +94,7 @@ def test_adapter_missing_a_target_module(tiny_models, tmp_path):
     assert not (out / "essa.h5").exists()
 
 
+@pytest.mark.mpi
 def test_non_lora_adapter(tiny_models, tmp_path):
     from peft import IA3Config, get_peft_model
 
@@ -101,11 +112,15 @@ def test_non_lora_adapter(tiny_models, tmp_path):
     assert not (out / "essa.h5").exists()
 
 
+@pytest.mark.toy
 def test_missing_model_path_single_process(toy_adapter, tmp_path):
     proc = run_cli(essa_args(toy_adapter, tmp_path / "run", model=str(tmp_path / "nowhere")))
     _one_error_line(proc, "nowhere")
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.slow
 def test_learning_and_exported_adapter(toy_adapter, tmp_path):
     """ESSA climbs its objective (seed 0, 2 ranks) without losing held-out accuracy, and the
     exported mean adapter, loaded by plain transformers + peft, scores what the trainer

@@ -234,6 +234,7 @@ def test_members_that_fit_a_qwen2_5_1_5b_in_bf16():
     assert members_that_fit(config, 2, lora, 2 * 2 ** 30, 96, 32, 128) == 1
 
 
+@pytest.mark.mpi
 def test_batched_equals_one_at_a_time_under_mpirun(tmp_path):
     out = tmp_path / "batched.json"
     proc = run_mpi(2, ["tests/mpi/batched_check.py", str(out)], timeout=120)
@@ -247,6 +248,7 @@ def test_batched_equals_one_at_a_time_under_mpirun(tmp_path):
         assert r["distinct_completions"] == r["members"]
 
 
+@pytest.mark.subprocess
 def test_gpu_check_runs_on_cpu_without_cma_or_math_verify(tmp_path):
     """benchmarks/gpu_check.py (the GPU machine has no cma, math-verify, MPI or h5py) on the
     tiny shape; 12 prompts per member, so the exact variant must agree token for token."""
@@ -278,6 +280,7 @@ def test_gpu_check_runs_on_cpu_without_cma_or_math_verify(tmp_path):
     assert step["rows"] == 256 and step["total_s"] == pytest.approx(sum(step["phases_s"].values()))
 
 
+@pytest.mark.subprocess
 def test_host_ops_benchmark_prints_the_counts():
     proc = run_cli(["benchmarks/host_ops.py", "--model", "qwen2.5-1.5b", "--ks", "2",
                     "--prompts", "4", "--tokens", "2", "--repeats", "1"], timeout=300)

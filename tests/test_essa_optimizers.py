@@ -115,6 +115,7 @@ np.savez(out_path, asked=np.stack(asked), mean=opt.mean)
 
 
 @pytest.mark.parametrize("name", ["cma", "sep-cma"])
+@pytest.mark.subprocess
 def test_resume_in_another_process_is_bitwise(name, tmp_path):
     """pycma keys asked solutions by hash(bytes), which each process salts differently."""
     reference = make_optimizer(name, 10, 6, 0.5, 11)

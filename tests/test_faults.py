@@ -101,6 +101,9 @@ def run_and_signal(args, h5, group, after_rows, sig, to_ranks=False, only_rank=N
 
 
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.slow
 def test_essa_preemption_then_resume_is_bitwise(toy_adapter, tmp_path, sig):
     full, part = tmp_path / "full", tmp_path / "part"
     assert run_mpi(2, essa_args(toy_adapter, full, 8)).returncode == 0
@@ -124,6 +127,9 @@ def test_essa_preemption_then_resume_is_bitwise(toy_adapter, tmp_path, sig):
     assert np.array_equal(a.group("final")["mean"], b.group("final")["mean"])
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.slow
 def test_fgrpo_preemption_then_resume_is_bitwise(toy_adapter, tmp_path):
     """The interrupted run also moves its AdamW moments to host memory around every rollout
     (fgrpo.offload=optimizer, restored state included after the resume): still bitwise."""
@@ -142,6 +148,9 @@ def test_fgrpo_preemption_then_resume_is_bitwise(toy_adapter, tmp_path):
         assert np.array_equal(a.group("metrics")[key], b.group("metrics")[key]), key
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.slow
 def test_preemption_during_a_refill_resumes_bitwise(toy_adapter, tmp_path):
     """DAPO's dynamic sampling at temperature 0.1: most groups are uniform, so every step
     spends most of its time in refill rounds (asserted on the uninterrupted run) and SIGUSR1
@@ -166,6 +175,9 @@ def test_preemption_during_a_refill_resumes_bitwise(toy_adapter, tmp_path):
         assert np.array_equal(a[key], b[key]), key
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.slow
 def test_fsdp2_preemption_then_resume_is_bitwise(toy_adapter, tmp_path):
     """fgrpo.parallelism=fsdp2, full fine-tuning: every rank writes its shard of the fp32
     masters and AdamW moments (torch.distributed.checkpoint); SIGTERM to every rank (as Slurm at preemption), then --resume
@@ -196,6 +208,9 @@ def test_fsdp2_preemption_then_resume_is_bitwise(toy_adapter, tmp_path):
     assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.slow
 def test_sft_preemption_then_resume_is_bitwise(tmp_path):
     """SFT with LoRA dropout (so torch's RNG is part of the state) stopped by SIGUSR1, then
     resumed: the losses and the adapter equal an uninterrupted run's."""
@@ -222,6 +237,9 @@ def test_sft_preemption_then_resume_is_bitwise(tmp_path):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.slow
 def test_sigterm_to_mpirun_loses_only_the_step_in_flight(toy_adapter, tmp_path):
     """Open MPI 5's mpirun (PRRTE) passes SIGTERM to the ranks and SIGKILLs them 0.25 s later
     (fixed in PRRTE): the step in flight is lost unless it ends within that time. What is kept:
@@ -268,6 +286,9 @@ def test_no_checkpoint_folder_means_fresh_start(tmp_path):
     assert load_latest(str(tmp_path / "none")) is None
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.slow
 def test_damaged_run_file_is_restored_from_the_checkpoint_on_resume(toy_adapter, tmp_path):
     """A run file that a failed write left unreadable (here: cut in half) comes back from the
     copy in the last checkpoint; the resumed run completes with every step."""
@@ -289,6 +310,8 @@ def test_damaged_run_file_is_restored_from_the_checkpoint_on_resume(toy_adapter,
     assert np.array_equal(run.group("metrics")["reward_mean"][:2], before)
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
 def test_damaged_run_file_without_a_copy_ends_every_rank(toy_adapter, tmp_path):
     """No checkpoint to restore from: rank 0 alone finds the damage, so it must end the job
     (exit 2, one line), not leave rank 1 waiting in the next collective."""
@@ -307,6 +330,8 @@ def test_damaged_run_file_without_a_copy_ends_every_rank(toy_adapter, tmp_path):
                      f"copy of it in a checkpoint; move it away to start a new one"]
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
 def test_killed_rank_ends_the_job_and_resume_works(toy_adapter, tmp_path):
     out = tmp_path / "run"
     h5 = str(out / "essa.h5")
@@ -324,6 +349,8 @@ def test_killed_rank_ends_the_job_and_resume_works(toy_adapter, tmp_path):
     assert run.group("essa")["step"].tolist() == list(range(1, 7))
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
 def test_hung_rank_is_named_and_the_job_aborted(toy_adapter, tmp_path):
     out = tmp_path / "run"
     h5 = str(out / "essa.h5")
@@ -340,6 +367,8 @@ def test_hung_rank_is_named_and_the_job_aborted(toy_adapter, tmp_path):
     assert list(run.attrs["lost_hosts"]) == [socket.gethostname()]
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
 def test_hung_rank_is_named_in_fgrpo(toy_adapter, tmp_path):
     """F-GRPO's token-count all-gather ran before its arrival check: the probe saw the anonymous
     "collective 'metrics' did not complete" in 2 of 3 runs."""
@@ -374,6 +403,8 @@ def test_nan_gradient_step_is_skipped():
     assert not torch.equal(w.detach(), torch.ones(3))
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
 def test_disk_full_mid_run(toy_adapter, tmp_path):
     """The output folder is a 1 MiB tmpfs: the run starts (min_free_mb=0), its first
     checkpoint does not fit; the job ends with one line naming it, exit 2, and the run file
@@ -462,6 +493,10 @@ def _same_end(full, part):
 
 
 @pytest.mark.parametrize("step", [2, 7, 8, 10, 14, 16, 18])
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.slow
+@pytest.mark.xdist_group("essa_20")  # one worker runs the reference once
 def test_essa_resumed_from_a_checkpoint_of_20_generations_is_bitwise(essa_20, toy_adapter,
                                                                      tmp_path, step):
     """The job resumed from checkpoint ``step`` (the later ones deleted, as if it had been
@@ -479,6 +514,10 @@ def test_essa_resumed_from_a_checkpoint_of_20_generations_is_bitwise(essa_20, to
     _same_end(essa_20, part)
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.slow
+@pytest.mark.xdist_group("essa_20")  # one worker runs the reference once
 def test_essa_sigusr1_after_generation_7_then_resume_is_bitwise(essa_20, toy_adapter,
                                                                 tmp_path):
     part = tmp_path / "part"
@@ -508,6 +547,7 @@ main()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
+@pytest.mark.subprocess
 def test_a_stop_signal_after_the_final_line_leaves_exit_0(sig):
     """Signals sent again and again from the final ``run:`` line until the process is gone
     (a preemption that comes as the job ends): exit 0, not 138 or 143."""

@@ -14,6 +14,7 @@ from hpc.runtime.runstore import RunFile
 
 @pytest.mark.parametrize("loss_type", ["token-mean", "seq-mean-token-mean",
                                        "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+@pytest.mark.mpi
 def test_ddp_gradient_equals_single_process(tmp_path, loss_type):
     grads = {}
     for n in (1, 2):
@@ -32,6 +33,9 @@ def fgrpo_args(adapter, out, *extra):
             "eval.every=0", "eval.n_samples=2", "run.progress=false", f"run.out={out}", *extra]
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.slow
 def test_learning_on_the_toy_task(toy_adapter, tmp_path):
     out = tmp_path / "run"
     proc = run_mpi(2, fgrpo_args(toy_adapter, out, "fgrpo.steps=80", "fgrpo.batch_prompts=32",
@@ -51,6 +55,9 @@ def test_learning_on_the_toy_task(toy_adapter, tmp_path):
     assert pass1[-1] >= pass1[0] + 0.05, pass1
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.slow
 def test_resume_equals_uninterrupted(toy_adapter, tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     assert run_mpi(2, fgrpo_args(toy_adapter, full, "fgrpo.steps=4")).returncode == 0
@@ -74,6 +81,8 @@ def test_resume_equals_uninterrupted(toy_adapter, tmp_path):
     ("fgrpo.loss_type=seq-sum", ["fgrpo.loss_type", "not one of"]),
     ("fgrpo.clip_ratio_c=0.5", ["fgrpo.clip_ratio_c", "or > 1"]),
 ])
+@pytest.mark.mpi
+@pytest.mark.toy
 def test_bad_options_exit_2(tmp_path, override, words):
     out = tmp_path / "run"
     proc = run_mpi(2, fgrpo_args("unused", out, override))
@@ -97,6 +106,7 @@ def test_bad_options_exit_2(tmp_path, override, words):
                                     "fgrpo.overlong_filter=true", "fgrpo.beta=0.1"]],
                          ids=["full-finetune-kl", "lora-kl-mu2-batch-std", "cispo-kl-mu2",
                               "dapo-overlong-filter"])
+@pytest.mark.mpi
 def test_variants_run_and_log(tiny_models, tmp_path, extra):
     """Full fine-tuning with a frozen reference copy, and LoRA with the adapter-disabled
     reference, several inner iterations and batch std scaling, both under mpirun -n 2."""
@@ -113,6 +123,8 @@ def test_variants_run_and_log(tiny_models, tmp_path, extra):
     assert RunFile(str(out / "fgrpo.h5")).group("bytes")["grad_allreduce"].min() > 0
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
 def test_token_budget_stops_the_run_and_counts_every_completion_token(toy_adapter, tmp_path):
     """run.max_generated_tokens ends the run at the first step whose running total reaches it;
     the loop's count (all ranks) equals the completion tokens the step trained on; training
@@ -139,6 +151,8 @@ def test_token_budget_stops_the_run_and_counts_every_completion_token(toy_adapte
     (["fgrpo.space=sv", "fgrpo.alpha=0"], ["fgrpo.alpha"]),
     (["fgrpo.algorithm=cispo", "fgrpo.clip_ratio_c=3"], ["fgrpo.clip_ratio_c", "cispo"]),
 ])
+@pytest.mark.mpi
+@pytest.mark.toy
 def test_bad_space_combinations_exit_2(tmp_path, overrides, words):
     out = tmp_path / "run"
     proc = run_mpi(2, fgrpo_args("unused", out, *overrides))
@@ -149,6 +163,8 @@ def test_bad_space_combinations_exit_2(tmp_path, overrides, words):
     assert not out.exists()
 
 
+@pytest.mark.mpi
+@pytest.mark.slow
 def test_singular_value_space_trains_resumes_and_exports(tiny_models, tmp_path):
     """fgrpo.space=sv under mpirun -n 2: only ESSA's offsets are trained (trainable count =
     the space's dim), a resumed run ends with the uninterrupted one's adapter bit for bit, and
@@ -183,6 +199,9 @@ def test_singular_value_space_trains_resumes_and_exports(tiny_models, tmp_path):
     assert all(torch.equal(trained[full][n], trained[part][n]) for n in trained[full])
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.slow
 def test_dynamic_sampling_is_the_same_on_one_and_three_ranks(toy_adapter, tmp_path):
     """DAPO's refill under mpirun -n 3 equals -n 1 bitwise: steps, rewards, filtered counts,
     rounds, shortfalls and focal weights. The learning rate is 0, so the policy stays the

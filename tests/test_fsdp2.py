@@ -57,6 +57,9 @@ def relative(a, b):
 
 @pytest.mark.parametrize("ranks", [2, 3])
 @pytest.mark.parametrize("mode", ["lora", "full"])
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.slow
 def test_fsdp2_equals_ddp_step_by_step(tmp_path, ranks, mode):
     extra = ["fgrpo.full_finetune=true", "fgrpo.learning_rate=1e-4"] if mode == "full" else []
     outs = {}
@@ -86,6 +89,8 @@ def test_fsdp2_equals_ddp_step_by_step(tmp_path, ranks, mode):
         previous = a
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
 def test_full_finetune_export_loads_in_transformers_and_reproduces_accuracy(tmp_path):
     """An FSDP2 full fine-tune's export is a save_pretrained folder: plain transformers loads
     it, and hpc-eval on it logs the run's final accuracy."""
@@ -115,6 +120,8 @@ def assert_one_line(stderr, words):
     assert not any("Traceback" in line for line in lines), lines
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
 def test_resume_with_another_parallelism_is_refused(tmp_path):
     out = tmp_path / "run"
     proc = run_mpi(2, fgrpo_args(out, "fgrpo.parallelism=fsdp2", "fgrpo.steps=1"))
@@ -125,6 +132,8 @@ def test_resume_with_another_parallelism_is_refused(tmp_path):
     assert_one_line(proc.stderr, "resume with the parallelism that wrote it")
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
 def test_uneven_prompts_over_ranks_exit_2(tmp_path):
     proc = run_mpi(2, fgrpo_args(tmp_path / "run", "fgrpo.parallelism=fsdp2",
                                  "fgrpo.batch_prompts=5"))
@@ -164,6 +173,7 @@ def _bf16_full_finetune(masters: bool, steps: int = 120, lr: float = 1e-6):
     return changed, master_moved, total / n / (steps * lr)
 
 
+@pytest.mark.slow
 def test_bf16_full_finetune_at_lr_1e6_moves_its_weights():
     """At lr 1e-6 an AdamW step (about lr per weight) is far below half a bf16 ulp at the
     weights' scale (~6e-5 at 0.02). With fp32 masters every master moves every step, the bf16
@@ -178,6 +188,8 @@ def test_bf16_full_finetune_at_lr_1e6_moves_its_weights():
     assert old_travelled < 0.1
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
 def test_bf16_lora_with_reference_kl_runs(tmp_path):
     """bf16 compute over fp32 shards, LoRA, a KL term (whose reference pass freezes the LoRA
     factors for a moment through peft's disable_adapter): the gradients come back in fp32."""
@@ -189,6 +201,7 @@ def test_bf16_lora_with_reference_kl_runs(tmp_path):
     assert metrics["step"].tolist() == [1, 2] and metrics["kl"][-1] > 0
 
 
+@pytest.mark.mpi
 def test_offload_moves_the_state_while_decoding_and_changes_nothing(tmp_path):
     """fgrpo.offload (hpc.models.offload): while the model decodes, optimizer moves the AdamW
     moments and DDP's fp32 master copies off the device and state also FSDP2's shards (their

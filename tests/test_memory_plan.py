@@ -275,6 +275,7 @@ def test_hpc_plan_prints_both_methods(tmp_path, capsys):
     assert out.count(": fits") == 2 and "DOES NOT FIT" not in out
 
 
+@pytest.mark.subprocess
 def test_job_that_cannot_fit_ends_before_loading_weights(tmp_path):
     """The real start of an ESSA job, its device reported as CUDA: one line, exit 2, no run
     folder (the model folder has no weights, so loading them would fail differently)."""
@@ -321,6 +322,7 @@ def planned_bytes(case, cfg, ranks):
 
 @pytest.mark.parametrize("size,case,overrides", TRACKED,
                          ids=[f"{s}-{c}-{'-'.join(o) or 'cluster'}" for s, c, o in TRACKED])
+@pytest.mark.slow
 def test_plan_within_15_percent_of_torch_tracker(tmp_path, size, case, overrides):
     """hpc-plan against torch's MemTracker running the engine (ESSA scoring, evaluation) and an
     F-GRPO step (rollout, accumulate_gradients, all-reduce, optimizer_step) of the real shape on
@@ -344,6 +346,7 @@ SHARDED = [  # (size, overrides, ranks): fgrpo.parallelism=fsdp2 at the cluster 
 
 @pytest.mark.parametrize("size,overrides,ranks", SHARDED,
                          ids=[f"{s}-{'-'.join(o)}-{r}" for s, o, r in SHARDED])
+@pytest.mark.slow
 def test_sharded_plan_within_15_percent_of_torch_tracker(tmp_path, size, overrides, ranks):
     """FSDP2 over torch's fake process group: the model sharded by shard_model, the rollout
     decoding inside parallelize.decoding (gathered weights, fgrpo.offload as the job resolves
@@ -359,6 +362,7 @@ def test_sharded_plan_within_15_percent_of_torch_tracker(tmp_path, size, overrid
 
 
 @pytest.mark.parametrize("case", ["fgrpo", "after_evaluation"])
+@pytest.mark.slow
 def test_tracker_peak_is_linear_in_layers(tmp_path, case):
     """What the plan-vs-tracker test relies on: at the 1.5B shape (shorter sequences), the peak
     measured at all 28 layers equals the line through 2 and 4 layers (within 0.5%)."""
@@ -436,6 +440,7 @@ def job_peaks(tmp_path, size, case, overrides):
 
 @pytest.mark.parametrize("size,case,overrides", JOBS,
                          ids=[f"{s}-{c}-{'-'.join(o) or 'cluster'}" for s, c, o in JOBS])
+@pytest.mark.slow
 def test_whole_job_peak_within_5_percent_of_the_plan(tmp_path, size, case, overrides):
     """memory_tracker's essa_job / fgrpo_job: the start evaluation, two steps (scoring, or
     rollout, training and AdamW step), a periodic evaluation, the final evaluation and the
@@ -451,6 +456,7 @@ HANDOVERS = [("32B", "essa_job", ("model.quantize=int8",), 1.2),  # 69.5 GiB, pl
 
 @pytest.mark.parametrize("size,case,overrides,above", HANDOVERS,
                          ids=[f"{s}-{c}" for s, c, _, _ in HANDOVERS])
+@pytest.mark.slow
 def test_whole_job_sees_the_legacy_handover_peak(tmp_path, size, case, overrides, above):
     """The same test with engines changing hands as before the fix (the old engine alive
     while the next is built, an evaluation's kept until the next phase replaced it): its

@@ -23,6 +23,9 @@ import pytest
 from conftest import MPI_ENV, REPO, our_lines, require
 from test_slurm import ENDED, job_info, job_log, wait_for
 
+# the cluster's environment is taken when it comes up: every test here sees the toy cache
+pytestmark = [pytest.mark.slurm, pytest.mark.toy]
+
 CLUSTER = os.path.join(REPO, "jobscripts", "local-slurm", "cluster.sh")
 CHECK = os.path.join(REPO, "tests", "mpi", "rendezvous_check.py")
 NET = "10.221.7"  # the test cluster's subnet, ports and names: apart from a user's own cluster
@@ -152,6 +155,7 @@ def matrix(cluster, toy_model):
 
 @pytest.mark.parametrize("launcher", ["srun", "mpirun"])
 @pytest.mark.parametrize("name", ["sft", "essa", "fgrpo-ddp", "fgrpo-fsdp2"])
+@pytest.mark.slow
 def test_two_nodes_equal_one_node_bitwise(matrix, name, launcher):
     method = name.split("-")[0]
     one, two = matrix[(name, "1x4", "mpirun")], matrix[(name, "2x2", launcher)]
@@ -324,6 +328,7 @@ def _steps_left(env, node) -> list:
     return [n for n in names if n == "slurmstepd"]
 
 
+@pytest.mark.slow
 def test_lost_node_requeues_and_resumes_to_the_uninterrupted_result(cluster, toy_model):
     """Without GPUs: Slurm 22.05 cannot create a step of a job requeued after losing a node
     while the job holds GRES ("Invalid generic resource (gres) specification"; slurmctld:

@@ -80,6 +80,7 @@ def test_sft_masks_the_templated_prompt(chat_folder):
     assert plain_labels[0, -1] == tok.eos_token_id
 
 
+@pytest.mark.mpi
 def test_chat_without_template_is_one_line_exit_2(tiny_models, tmp_path):
     model_dir, _, _ = tiny_models["small"]
     proc = run_cli(["-m", "hpc.evaluate", f"model.path={model_dir}", "task.prompt_format=chat",

@@ -28,6 +28,7 @@ def _quantised(linear) -> bool:
     return type(linear.weight).__name__ == "Int8Tensor"
 
 
+@pytest.mark.toy
 def test_int8_greedy_completions_of_the_toy_stay_close():
     """Measured on 256 held-out arith problems (benchmarks/quantization.py, 2026-12-01): 99.6%
     of the greedy completions identical, accuracy equal. Asserted on 128: >= 95% identical and
@@ -54,6 +55,7 @@ def test_int8_greedy_completions_of_the_toy_stay_close():
     assert abs(out["fp32"][1] - out["int8"][1]) <= 0.03, (out["fp32"][1], out["int8"][1])
 
 
+@pytest.mark.toy
 def test_generation_copy_leaves_the_training_weights_alone():
     """F-GRPO/SFT: the training forward runs on the unquantised weights, generation on the
     quantised copy, which decodes as the in-place quantised model does; LoRA stays on top."""
@@ -79,6 +81,9 @@ def test_generation_copy_leaves_the_training_weights_alone():
     assert generate_tokens(peft, tok, prompts, 8) == generate_tokens(reference, tok, prompts, 8)
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.slow
 def test_essa_int8_under_mpirun_rank_invariant_and_resumable(toy_adapter, tmp_path):
     """ESSA with model.quantize=int8: bitwise the same fitness and mean on 1 and 3 ranks, and
     a run stopped after 2 generations on 2 ranks and resumed to 4 equals them."""
@@ -104,6 +109,7 @@ def test_essa_int8_under_mpirun_rank_invariant_and_resumable(toy_adapter, tmp_pa
                               runs[1].group("final")["mean"][-1]), key
 
 
+@pytest.mark.toy
 def test_fgrpo_int8_runs(toy_adapter, tmp_path):
     """F-GRPO with model.quantize=int8: rollouts and evaluation from the quantised copy, the
     LoRA trained on the unquantised model; the run ends and its adapter is saved."""
@@ -115,6 +121,7 @@ def test_fgrpo_int8_runs(toy_adapter, tmp_path):
     assert (out / "adapter" / "adapter_config.json").exists()
 
 
+@pytest.mark.mpi
 def test_int4_on_cpu_is_one_line_exit_2(tiny_models, tmp_path):
     model_dir, adapter, _ = tiny_models["small"]
     proc = run_mpi(2, essa_args(adapter, tmp_path / "run", "model.quantize=int4",

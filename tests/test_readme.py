@@ -181,6 +181,7 @@ def test_no_page_speaks_of_how_the_software_was_made(page):
 
 
 @pytest.mark.parametrize("page", PAGES)
+@pytest.mark.subprocess
 def test_commands_shown_exist_and_answer_help_with_their_flags(page):
     for tokens in _commands(page):
         name, args = tokens[0], tokens[1:]

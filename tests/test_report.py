@@ -110,6 +110,7 @@ def test_phase_kinds_and_accuracy_column_come_from_the_run_file(tmp_path):
     assert row["best_heldout"] == pytest.approx(0.6) and row["time_to_target_s"] == 8.0
 
 
+@pytest.mark.subprocess
 def test_reads_file_of_running_job(tmp_path):
     """Another process holds the file open for writing, mid-step, with no final eval."""
     path = tmp_path / "running.h5"

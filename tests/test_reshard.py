@@ -7,6 +7,7 @@ import os
 import shutil
 
 import numpy as np
+import pytest
 
 from conftest import our_lines, run_mpi
 from hpc.runtime.checkpoint import list_checkpoints, load_latest, step_of
@@ -102,6 +103,9 @@ def assert_state_close(a, b, rtol):
     assert worst[0] < rtol, worst
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.slow
 def test_fsdp2_preempted_on_4_ranks_resumes_on_2_and_3(tmp_path):
     """On 2 ranks from a folder whose step-2 sharded state is damaged (it falls back to step
     1, with a warning), on 3 from one cut back to step 1."""
@@ -133,6 +137,9 @@ def test_fsdp2_preempted_on_4_ranks_resumes_on_2_and_3(tmp_path):
             "step-00000001", "step-00000002"]
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.slow
 def test_ddp_fgrpo_resumes_on_another_rank_count(tmp_path):
     """Weights within 5e-5 (measured 1e-5): the gradient sums run in another order, and in
     AdamW's first steps an entry whose moments nearly cancel turns their last-bit difference
@@ -146,6 +153,9 @@ def test_ddp_fgrpo_resumes_on_another_rank_count(tmp_path):
     assert_state_close(trained_state(out), trained_state(whole), 5e-5)
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.slow
 def test_sft_resumes_on_another_rank_count(tmp_path):
     whole = tmp_path / "whole"
     run_ok(1, sft_args(whole))
@@ -156,6 +166,9 @@ def test_sft_resumes_on_another_rank_count(tmp_path):
     assert_state_close(trained_state(out), trained_state(whole), 1e-5)
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.slow
 def test_essa_resumes_on_another_rank_count_bitwise(toy_adapter, tmp_path):
     whole = tmp_path / "whole"
     run_ok(2, essa_args(toy_adapter, whole))

@@ -44,6 +44,9 @@ def one_error_line(proc, *words):
     return lines[0]
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.slow
 def test_a_planted_pickle_checkpoint_runs_no_code(toy_adapter, tmp_path):
     out = tmp_path / "run"
     assert run_mpi(2, essa_args(toy_adapter, out, 1)).returncode == 0
@@ -58,6 +61,7 @@ def test_a_planted_pickle_checkpoint_runs_no_code(toy_adapter, tmp_path):
     assert RunFile(str(out / "essa.h5")).group("essa")["step"].tolist() == [1]
 
 
+@pytest.mark.subprocess
 def test_a_pickle_under_the_new_name_is_refused(tmp_path):
     marker = tmp_path / "code-ran"
     plant_pickle(tmp_path / "step-00000001.safetensors", marker)
@@ -66,6 +70,9 @@ def test_a_pickle_under_the_new_name_is_refused(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.slow
 def test_a_checkpoint_with_missing_keys_is_one_line(toy_adapter, tmp_path):
     out = tmp_path / "run"
     assert run_mpi(2, essa_args(toy_adapter, out, 1)).returncode == 0
@@ -77,6 +84,9 @@ def test_a_checkpoint_with_missing_keys_is_one_line(toy_adapter, tmp_path):
     one_error_line(proc, "has no entry 'method'")
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.slow
 def test_resume_of_a_missing_run_is_an_error(toy_adapter, tmp_path):
     out = tmp_path / "typo"
     proc = run_mpi(2, essa_args(toy_adapter, out, 1) + ["--resume"])
@@ -88,6 +98,9 @@ def test_resume_of_a_missing_run_is_an_error(toy_adapter, tmp_path):
     assert os.listdir(out) == []
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.slow
 def test_a_second_job_on_the_same_folder_stops_before_touching_it(toy_adapter, tmp_path):
     mpirun = mpirun_path()
     require(mpirun is not None, "mpirun")

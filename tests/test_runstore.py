@@ -74,6 +74,7 @@ def test_truncate_after_for_resume(tmp_path):
     assert m["step"].tolist() == [0, 1, 2, 3] and m["x"].tolist() == [0, 1, 2, 30]
 
 
+@pytest.mark.subprocess
 def test_sigkill_leaves_readable_file(tmp_path):
     path = str(tmp_path / "killed.h5")
     env = dict(os.environ, PYTHONPATH=REPO)
@@ -130,6 +131,7 @@ main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
 """
 
 
+@pytest.mark.subprocess
 def test_disk_full_while_writing_rows_then_resume(tmp_path, capsys):
     """A run file on a 2 MiB tmpfs that a 1 MiB file half fills: each seed's writer ends with
     one line and exit 2 when the disk is full (whatever HDF5 was writing), no traceback. After
@@ -259,6 +261,7 @@ for step in range(1, 100000):
 """
 
 
+@pytest.mark.subprocess
 def test_readers_during_a_run_see_whole_rows(tmp_path):
     """h5py readers (RunFile, as hpc-report reads) while a writer appends rows as fast as it
     can: every read that succeeds holds whole rows only (every column as long as ``step``,

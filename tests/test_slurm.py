@@ -166,6 +166,7 @@ def _sweep(args, tmp_path, **variables):
     return proc
 
 
+@pytest.mark.subprocess
 def test_sweep_dry_run_prints_one_sbatch_line_per_size_and_method(tmp_path):
     proc = _sweep(["--dry-run", "configs/exp.yaml", "task.ops=+-*", "run.seed=3"], tmp_path,
                   RUN_ROOT="runs/sweep-test")
@@ -190,6 +191,7 @@ def test_sweep_dry_run_prints_one_sbatch_line_per_size_and_method(tmp_path):
     assert sorted(seen) == [(m, g) for m in ("essa", "fgrpo") for g in (16, 32, 64, 128)]
 
 
+@pytest.mark.subprocess
 def test_sweep_gives_each_method_its_own_section_keys(tmp_path):
     """A job refuses another method's key on its command line, so the sweep sends each key of
     a method's section to that method's jobs only, and refuses one no job of it would read."""
@@ -205,6 +207,7 @@ def test_sweep_gives_each_method_its_own_section_keys(tmp_path):
     assert proc.returncode == 2 and proc.stdout == "" and "sft.steps=3" in proc.stderr
 
 
+@pytest.mark.subprocess
 def test_sweep_passes_run_root_with_a_comma_through_the_environment(tmp_path):
     """Inside --export=ALL,RUN_ROOT=... a comma ended the value and injected a variable."""
     fake = tmp_path / "bin" / "sbatch"
@@ -223,6 +226,7 @@ def test_sweep_passes_run_root_with_a_comma_through_the_environment(tmp_path):
     assert "--export=ALL " in args + " " and "EVIL" not in args
 
 
+@pytest.mark.subprocess
 def test_sweep_rejects_a_partial_node_before_printing_anything(tmp_path):
     proc = _sweep(["--dry-run"], tmp_path, GPU_COUNTS="16 12", GPUS_PER_NODE="8")
     assert proc.returncode == 2
@@ -231,6 +235,8 @@ def test_sweep_rejects_a_partial_node_before_printing_anything(tmp_path):
 
 
 @pytest.mark.parametrize("launcher", ["mpirun", "srun"])
+@pytest.mark.slurm
+@pytest.mark.toy
 def test_sft_job_writes_its_run_file(slurm, toy_model, tmp_path, launcher):
     if launcher == "srun":
         require(srun_pmix_works(slurm), "srun --mpi=pmix (Debian: apt-get install libpmix-dev)")
@@ -252,6 +258,8 @@ def test_sft_job_writes_its_run_file(slurm, toy_model, tmp_path, launcher):
 
 
 @pytest.mark.parametrize("method", ["sft", "essa", "fgrpo", "eval"])
+@pytest.mark.slurm
+@pytest.mark.toy
 def test_user_error_fails_the_job_and_is_not_requeued(slurm, tmp_path, method):
     rc, jobid = sbatch(slurm, method, ["run.seed=-1"], tmp_path)
     log = job_log(tmp_path, method, jobid)
@@ -286,6 +294,8 @@ def _starts(run) -> list:
 
 
 @pytest.mark.parametrize("launcher", ["mpirun", "srun"])
+@pytest.mark.slurm
+@pytest.mark.toy
 def test_usr1_before_time_limit_checkpoints_requeues_and_resumes(slurm, tmp_path, launcher):
     jobid, run, runs = _start_stand_in(slurm, tmp_path, launcher)
     # What Slurm does at `--signal=B:USR1@120`: SIGUSR1 to the batch shell alone.
@@ -311,6 +321,8 @@ def test_usr1_before_time_limit_checkpoints_requeues_and_resumes(slurm, tmp_path
     assert "requeueing" in log
 
 
+@pytest.mark.slurm
+@pytest.mark.toy
 def test_cancelled_job_stays_cancelled_despite_checkpoint_exit(slurm, tmp_path):
     # srun passes Slurm's SIGTERM to the ranks, which then checkpoint and exit 3.
     jobid, run, runs = _start_stand_in(slurm, tmp_path, "srun")
@@ -341,6 +353,7 @@ def _job_outside_slurm(tmp_path, trainer_text: str) -> tuple:
     return script, env
 
 
+@pytest.mark.mpi
 def test_term_trap_passes_sigusr1_to_mpirun_so_the_step_finishes(tmp_path):
     """run_job (common.sh) outside Slurm, with the real mpirun: SIGTERM to the batch shell must
     reach the ranks as SIGUSR1. The trap used to pass SIGTERM on, and PRRTE's mpirun SIGKILLs
@@ -364,6 +377,7 @@ def test_term_trap_passes_sigusr1_to_mpirun_so_the_step_finishes(tmp_path):
 
 
 @pytest.mark.parametrize("status,rc", [("preempted", 1), ("running", 1), ("complete", 0)])
+@pytest.mark.mpi
 def test_launcher_exit_0_counts_as_done_only_when_the_run_file_says_complete(tmp_path, status,
                                                                               rc):
     """run_job (common.sh) outside Slurm, with the real mpirun: ranks that exit 0 at once
@@ -389,6 +403,8 @@ def test_launcher_exit_0_counts_as_done_only_when_the_run_file_says_complete(tmp
         assert f"done: {tmp_path / 'runs'}/fgrpo-42" in proc.stdout
 
 
+@pytest.mark.slurm
+@pytest.mark.toy
 def test_sigterm_to_the_batch_shell_lets_mpirun_ranks_finish_the_step(slurm, tmp_path):
     """The TERM trap used to pass SIGTERM to mpirun, which (PRRTE) SIGKILLs its ranks 0.25 s
     after SIGTERM: the step in flight was lost. It now sends SIGUSR1."""
@@ -403,6 +419,8 @@ def test_sigterm_to_the_batch_shell_lets_mpirun_ranks_finish_the_step(slurm, tmp
     assert (run / "checkpoints" / "step-00000001.safetensors").exists()
 
 
+@pytest.mark.slurm
+@pytest.mark.toy
 def test_user_error_after_mpi_start_under_srun_exits_2(slurm, toy_model, tmp_path):
     """srun --kill-on-bad-exit SIGTERMs the slower ranks of an agreed exit: 143 instead of 2."""
     require(srun_pmix_works(slurm), "srun --mpi=pmix (Debian: apt-get install libpmix-dev)")
@@ -424,6 +442,9 @@ def _metric_steps(path) -> list:
 
 
 @pytest.mark.parametrize("launcher", ["mpirun", "srun"])
+@pytest.mark.slurm
+@pytest.mark.toy
+@pytest.mark.slow
 def test_fgrpo_job_preempted_by_usr1_resumes_to_all_steps_without_gap(slurm, toy_model, tmp_path,
                                                                       launcher):
     if launcher == "srun":

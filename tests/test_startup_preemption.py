@@ -17,6 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import pytest
 from safetensors.numpy import load_file
 
 from conftest import MPI_ENV, REPO, mpirun_path, require
@@ -118,6 +119,9 @@ def assert_same_run(method, full, part):
         assert x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x), name
 
 
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.slow
 def test_signal_during_startup_requeues_and_resume_is_bitwise(toy_adapter, tmp_path):
     """ESSA and F-GRPO, each chain beside an uninterrupted run, all at once: the chains wait
     for their signals most of the time."""

@@ -3,13 +3,14 @@
 Completions of very different lengths share a batch and end at the end-of-turn token, and the
 exported adapters, loaded by plain transformers + peft, score what the jobs logged."""
 import os
+import time
 
 import numpy as np
 import pytest
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import SHARED_DATA, require, run_mpi
+from conftest import SHARED_DATA, charge_shared_build, require, run_mpi
 from hpc.data.prompts import chat_messages
 from hpc.data.rewards import math_reward
 from hpc.data.wordproblems import word_problems
@@ -18,6 +19,9 @@ from hpc.models.generation import generate_tokens
 from hpc.toys.toy_chat import CORPUS_ENV, IM_END, toy_chat_model_path
 from hpc.runtime.runstore import RunFile
 from hpc.runtime.world import split_evenly
+
+# one worker: the module's chat model and its SFT run are built once
+pytestmark = [pytest.mark.mpi, pytest.mark.toy, pytest.mark.xdist_group("toy_chat")]
 
 N_EVAL, EVAL_BATCH, MAX_NEW = 32, 16, 144
 CHAT = ["model.path=toy-chat", "task.name=wordprob", "task.prompt_format=chat",
@@ -32,7 +36,10 @@ def toy_chat():
     module-scoped twin of conftest's ``shared_data`` fixture)."""
     require(os.path.isdir(SHARED_DATA), f"the shared data folder {SHARED_DATA}")
     os.environ[CORPUS_ENV] = os.path.join(SHARED_DATA, "gsm8k", "train.jsonl")
-    return toy_chat_model_path()
+    began = time.monotonic()
+    folder = toy_chat_model_path()  # built once per machine, like the toy model
+    charge_shared_build(time.monotonic() - began)
+    return folder
 
 
 @pytest.fixture(scope="module")

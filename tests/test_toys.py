@@ -34,6 +34,7 @@ def short_build(tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow
 def test_a_slowed_machine_builds_the_same_model_bitwise(tmp_path, monkeypatch):
     """Each step sleeps and every clock read jumps 1000 s (any wall-clock budget would end
     the build after its first step): the weights are the same bytes. Both builds train in
@@ -66,6 +67,8 @@ def test_a_slowed_machine_builds_the_same_model_bitwise(tmp_path, monkeypatch):
     assert info["build_seconds"] >= 1000  # the clock is reported, never obeyed
 
 
+@pytest.mark.subprocess
+@pytest.mark.xdist_group("short_build")  # one worker builds it once
 def test_the_cached_build_is_checked(short_build, tmp_path):
     short = {"version": toy.VERSION, "steps": SHORT}
     assert cache.check_built(short_build, short, "REBUILD")["steps"] == SHORT
@@ -89,6 +92,7 @@ def test_the_cached_build_is_checked(short_build, tmp_path):
         cache.check_built(str(damaged), short, "REBUILD")
 
 
+@pytest.mark.subprocess
 def test_an_interrupted_build_is_never_cached(tmp_path):
     """Ctrl-C while the pinned child trains (at its first probe line): the child is ended and
     nothing is left behind."""
@@ -104,6 +108,8 @@ def test_an_interrupted_build_is_never_cached(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.subprocess
+@pytest.mark.xdist_group("short_build")  # one worker builds it once
 def test_build_is_atomic_and_loadable(short_build, tmp_path, monkeypatch):
     monkeypatch.setenv("HPC_CACHE", str(tmp_path))
     final = toy.cache_dir()
@@ -129,6 +135,7 @@ def test_build_is_atomic_and_loadable(short_build, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("command", [["-m", "hpc.toys.toy"],
                                      ["-m", "hpc.evaluate", "model.path=toy", "task.n_eval=4"]])
+@pytest.mark.subprocess
 def test_a_cache_of_another_build_is_refused_in_one_line(tmp_path, command):
     """What an earlier build (a fixed step count) left where this version's cache goes."""
     folder = tmp_path / toy.VERSION

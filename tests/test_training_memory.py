@@ -165,6 +165,8 @@ def fgrpo_losses(args, out, *memory):
 
 
 @pytest.mark.parametrize("setup", ["lora", "full"])
+@pytest.mark.mpi
+@pytest.mark.toy
 def test_fgrpo_checkpointed_and_chunked_equals_the_reference_path(setup, request, tmp_path):
     """F-GRPO on the toy under mpirun -n 2 (KL to the reference and mu = 2, so the frozen
     log-probs go through the chunks too), LoRA from the SFT adapter and full fine-tuning of

@@ -8,6 +8,7 @@ from hpc.runtime.world import split_evenly
 
 
 @pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.mpi
 def test_world_under_mpirun(tmp_path, n):
     out = tmp_path / "report.json"
     proc = run_mpi(n, ["tests/mpi/world_check.py", str(out)], timeout=240)
