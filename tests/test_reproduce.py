@@ -1,5 +1,7 @@
 """The papers' reproduction experiment: a miniature of jobscripts/reproduce.sh end to end (real
-mpirun, one seed, few steps, k up to 8), and the summary's statistics on known numbers."""
+mpirun on one rank: what is tested here is the experiment's wiring, rank invariance is
+tests/test_essa.py's and tests/test_fgrpo.py's; one seed, few steps, k up to 8), and the
+summary's statistics on known numbers."""
 import json
 import os
 import subprocess
@@ -18,9 +20,11 @@ TOKENS = 3000
 MINI = {"SEEDS": "0", "GAMMAS": "0 1", "STEPS": "2", "SAMPLES": "8", "N_EVAL": "8",
         "METHOD_EVAL": "8", "TRAIN_S": "1", "TOKENS": str(TOKENS), "ESSA_EVERY": "1",
         "FGRPO_EVERY": "2", "ESSA_EVERY_T": "1", "FGRPO_EVERY_T": "2",
-        "FAMILY_TOKENS": "300", "FAMILY_EVAL": "8", "FAMILY_SAMPLES": "8"}
+        "FAMILY_TOKENS": "300", "FAMILY_EVAL": "8", "FAMILY_SAMPLES": "8", "RANKS": "1"}
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_miniature_experiment_writes_runs_summary_and_plots(tmp_path):
     out = tmp_path / "rep"
     env = dict(os.environ, OUT=str(out), PYTHON=sys.executable, **MINI)

@@ -39,28 +39,23 @@ def _require_supported(capability: str) -> None:
         pytest.skip(f"this CPU has no {capability} kernels (it runs {HERE})")
 
 
-def _capability_under(env: dict) -> str:
-    proc = run_cli(["-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
-                   env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout.split()[-1]
-
-
-SHORT = 100  # steps of the builds compared byte for byte: the caller's kernels, step by step
+SHORT = 20  # steps of the builds compared byte for byte: the caller's kernels, step by step
 
 
 @pytest.fixture(scope="session")
 def pinned_builds(tmp_path_factory) -> dict:
     """``{capability: toy_info}`` of a ``SHORT``-step pinned build (``toy.build_toy``, what
-    ``hpc-toy`` runs) started under each capability this CPU supports."""
+    ``hpc-toy`` runs) started under each capability this CPU supports, by a caller that reports
+    the kernels it runs itself."""
     infos = {}
     for capability in SUPPORTED:
         env = _env(capability, tmp_path_factory.mktemp(f"toy-{capability}"))
-        assert _capability_under(env) == capability.upper()  # the caller's kernels differ
         folder = os.path.join(env["HPC_CACHE"], toy.VERSION)
-        proc = run_cli(["-c", f"from hpc.toys import toy; toy.build_toy({folder!r}, {SHORT}, "
+        proc = run_cli(["-c", f"import torch; print(torch.backends.cpu.get_cpu_capability()); "
+                              f"from hpc.toys import toy; toy.build_toy({folder!r}, {SHORT}, "
                               f"log=lambda msg: None)"], env=env, timeout=TIMEOUT_S)
         assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.split()[0] == capability.upper()  # the caller's kernels differ
         infos[capability] = dict(cache.check_built(folder, {"version": toy.VERSION,
                                                             "steps": SHORT}, "REBUILD"),
                                  sha_now=cache.weights_sha256(folder))
@@ -74,6 +69,9 @@ def _show(name: str, info: dict) -> None:
 
 
 @pytest.mark.parametrize("capability", ORDER)
+@pytest.mark.subprocess
+@pytest.mark.slow
+@pytest.mark.xdist_group("pinned_builds")  # one worker builds them once
 def test_the_pinned_build_is_the_same_under_every_kernel(pinned_builds, capability):
     _require_supported(capability)
     info, reference = pinned_builds[capability], pinned_builds["default"]
@@ -83,6 +81,8 @@ def test_the_pinned_build_is_the_same_under_every_kernel(pinned_builds, capabili
     assert info["probe_accuracy"] == reference["probe_accuracy"]
 
 
+@pytest.mark.toy
+@pytest.mark.slow
 def test_other_rounding_ends_at_the_same_accuracy(tmp_path):
     """The full build trained in the caller's process on its AVX2 kernels against the cached
     (pinned) toy: other weights and another last step, the same held-out accuracy within
