@@ -12,19 +12,31 @@ from hpc.models.loading import load_model
 from hpc.runtime.runstore import RunFile
 
 
-@pytest.mark.parametrize("loss_type", ["token-mean", "seq-mean-token-mean",
-                                       "seq-mean-token-sum", "seq-mean-token-sum-norm"])
-@pytest.mark.mpi
-def test_ddp_gradient_equals_single_process(tmp_path, loss_type):
+LOSS_TYPES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+              "seq-mean-token-sum-norm"]
+
+
+@pytest.fixture(scope="module")
+def ddp_gradients(tmp_path_factory):
+    """{ranks: {loss_type: LoRA gradients}} of tests/mpi/fgrpo_grad.py on 1 and 2 ranks (one
+    run per rank count computes every loss type)."""
     grads = {}
     for n in (1, 2):
-        path = tmp_path / f"g{n}.pt"
-        proc = run_mpi(n, ["tests/mpi/fgrpo_grad.py", str(path), loss_type], timeout=240)
+        out = tmp_path_factory.mktemp(f"grads-{n}")
+        proc = run_mpi(n, ["tests/mpi/fgrpo_grad.py", str(out), *LOSS_TYPES], timeout=240)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        grads[n] = torch.load(path)
-    assert any(g.abs().sum() > 0 for g in grads[1])
-    for single, ddp in zip(grads[1], grads[2]):
-        torch.testing.assert_close(ddp, single, rtol=1e-5, atol=1e-7)
+        grads[n] = {loss: torch.load(out / f"{loss}.pt") for loss in LOSS_TYPES}
+    return grads
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.mpi
+@pytest.mark.xdist_group("ddp_gradients")  # one worker runs them once
+def test_ddp_gradient_equals_single_process(ddp_gradients, loss_type):
+    single, ddp = ddp_gradients[1][loss_type], ddp_gradients[2][loss_type]
+    assert any(g.abs().sum() > 0 for g in single)
+    for one, two in zip(single, ddp):
+        torch.testing.assert_close(two, one, rtol=1e-5, atol=1e-7)
 
 
 def fgrpo_args(adapter, out, *extra):

@@ -1,6 +1,7 @@
 """Run folders and checkpoints under real mpirun: no code from a checkpoint, one job per folder,
 no silent fresh start on a mistyped --resume."""
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,12 +45,21 @@ def one_error_line(proc, *words):
     return lines[0]
 
 
+@pytest.fixture(scope="module")
+def finished_run(toy_adapter, tmp_path_factory):
+    """A finished 1-generation ESSA run on 2 ranks, with its checkpoint (each test copies it)."""
+    out = tmp_path_factory.mktemp("essa-1") / "run"
+    proc = run_mpi(2, essa_args(toy_adapter, out, 1))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
 @pytest.mark.mpi
 @pytest.mark.toy
-@pytest.mark.slow
-def test_a_planted_pickle_checkpoint_runs_no_code(toy_adapter, tmp_path):
+@pytest.mark.xdist_group("finished_run")  # one worker runs it once
+def test_a_planted_pickle_checkpoint_runs_no_code(finished_run, toy_adapter, tmp_path):
     out = tmp_path / "run"
-    assert run_mpi(2, essa_args(toy_adapter, out, 1)).returncode == 0
+    shutil.copytree(finished_run, out)
     ckpts = out / "checkpoints"
     for path in list_checkpoints(str(ckpts)):
         os.remove(path)
@@ -72,10 +82,10 @@ def test_a_pickle_under_the_new_name_is_refused(tmp_path):
 
 @pytest.mark.mpi
 @pytest.mark.toy
-@pytest.mark.slow
-def test_a_checkpoint_with_missing_keys_is_one_line(toy_adapter, tmp_path):
+@pytest.mark.xdist_group("finished_run")  # one worker runs it once
+def test_a_checkpoint_with_missing_keys_is_one_line(finished_run, toy_adapter, tmp_path):
     out = tmp_path / "run"
-    assert run_mpi(2, essa_args(toy_adapter, out, 1)).returncode == 0
+    shutil.copytree(finished_run, out)
     ckpts = str(out / "checkpoints")
     for path in list_checkpoints(ckpts):
         os.remove(path)

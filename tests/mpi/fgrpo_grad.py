@@ -2,9 +2,11 @@
 
 Every rank builds the same tiny LoRA model and the same 4 groups x G=4 rollouts (seeded),
 keeps its contiguous share of the groups, runs the trainer's accumulate_gradients (micro-batch
-of 3 sequences, so accumulation is exercised too) and the gradient all-reduce. Rank 0 saves
-the LoRA gradients to argv[1] (torch.save); argv[2] is the loss_type.
+of 3 sequences, so accumulation is exercised too) and the gradient all-reduce, once for each
+loss_type of argv[2:] (one model load for all). Rank 0 saves the LoRA gradients of each to
+``argv[1]/LOSS_TYPE.pt`` (torch.save).
 """
+import os
 import sys
 from types import SimpleNamespace
 
@@ -39,11 +41,14 @@ rows = slice(g0 * G, (g0 + counts[world.rank]) * G)
 my_rewards = rewards[g0:g0 + counts[world.rank]]
 mine = Rollouts(ids[rows], attn[rows], cmask[rows], my_rewards, torch.zeros_like(my_rewards),
                 lengths[rows], torch.zeros(rows.stop - rows.start, dtype=torch.bool))
-cfg = SimpleNamespace(fgrpo=FGRPOConfig(loss_type=sys.argv[2], micro_batch=3, gamma=1.0),
-                      model=ModelConfig())
 adv = group_advantages(mine.rewards, "group", 1.0).advantages.reshape(-1)
 params = [p for p in model.parameters() if p.requires_grad]
-accumulate_gradients(model, mine, adv, cfg, world, max_new_tokens=T)
-all_reduce_mean_([p.grad for p in params], world)
-if world.is_root:
-    torch.save([p.grad.clone() for p in params], sys.argv[1])
+for loss_type in sys.argv[2:]:
+    cfg = SimpleNamespace(fgrpo=FGRPOConfig(loss_type=loss_type, micro_batch=3, gamma=1.0),
+                          model=ModelConfig())
+    for p in params:
+        p.grad = None
+    accumulate_gradients(model, mine, adv, cfg, world, max_new_tokens=T)
+    all_reduce_mean_([p.grad for p in params], world)
+    if world.is_root:
+        torch.save([p.grad.clone() for p in params], os.path.join(sys.argv[1], f"{loss_type}.pt"))
