@@ -81,13 +81,15 @@ def toy_model(cluster):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def submit(env, method, args, layout, gpus=True, **variables) -> str:
+def submit(env, method, args, layout, gpus=True, after=None, **variables) -> str:
     """sbatch jobscripts/slurm/METHOD.sbatch on ``layout`` (nodes x ranks per node), with a
-    stand-in GPU per rank unless ``gpus`` is false."""
+    stand-in GPU per rank unless ``gpus`` is false; with ``after`` (a job id), it starts once
+    that job completed, and is cancelled if that job fails."""
     nodes, per_node = LAYOUTS[layout]
+    depends = [f"--dependency=afterok:{after}", "--kill-on-invalid-dep=yes"] if after else []
     cmd = ["sbatch", "--parsable", f"--chdir={REPO}", f"--output={env['runs']}/slurm-%x-%j.out",
            f"--nodes={nodes}", f"--ntasks-per-node={per_node}",
-           f"--gpus-per-node={per_node if gpus else 0}", "--export=ALL",
+           f"--gpus-per-node={per_node if gpus else 0}", "--export=ALL", *depends,
            f"jobscripts/slurm/{method}.sbatch", *args]
     proc = subprocess.run(cmd, env=dict(env, RUN_ROOT=env["runs"], **variables), cwd=REPO,
                           capture_output=True, text=True, timeout=60)
@@ -135,22 +137,22 @@ def assert_same_run(a: str, b: str, method: str) -> None:
 def matrix(cluster, toy_model):
     """Every method on one node x 4 ranks (mpirun) and on 2 nodes x 2 ranks under srun and
     under mpirun, all submitted at once (Slurm packs them); ESSA starts from the 1x4 SFT
-    adapter. {(method, layout, launcher): run folder}."""
+    adapter, its jobs held by a dependency until that SFT job completed.
+    {(method, layout, launcher): run folder}."""
     methods = {"sft": ("sft", SFT), "fgrpo-ddp": ("fgrpo", FGRPO),
                "fgrpo-fsdp2": ("fgrpo", FGRPO + ["fgrpo.parallelism=fsdp2"])}
     cases = [("1x4", "mpirun"), ("2x2", "srun"), ("2x2", "mpirun")]
-
-    def run(selected):
-        jobs = {(name, layout, launcher): submit(cluster, script, args, layout,
-                                                 LAUNCHER=launcher)
-                for name, (script, args) in selected.items() for layout, launcher in cases}
-        wait_ended(cluster, list(jobs.values()))
-        return {key: completed(cluster, selected[key[0]][0], j) for key, j in jobs.items()}
-
-    runs = run(methods)
-    adapter = os.path.join(runs[("sft", "1x4", "mpirun")], "adapter")
-    runs.update(run({"essa": ("essa", ESSA + [f"lora.adapter={adapter}"])}))
-    return runs
+    scripts = {name: script for name, (script, _) in methods.items()} | {"essa": "essa"}
+    jobs = {(name, layout, launcher): submit(cluster, script, args, layout, LAUNCHER=launcher)
+            for name, (script, args) in methods.items() for layout, launcher in cases}
+    sft = jobs[("sft", "1x4", "mpirun")]
+    adapter = os.path.join(cluster["runs"], f"sft-{sft}", "adapter")
+    jobs.update({("essa", layout, launcher): submit(cluster, "essa",
+                                                    ESSA + [f"lora.adapter={adapter}"], layout,
+                                                    after=sft, LAUNCHER=launcher)
+                 for layout, launcher in cases})
+    wait_ended(cluster, list(jobs.values()))
+    return {key: completed(cluster, scripts[key[0]], j) for key, j in jobs.items()}
 
 
 @pytest.mark.parametrize("launcher", ["srun", "mpirun"])
