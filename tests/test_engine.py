@@ -171,6 +171,7 @@ def test_buckets_are_powers_of_two_capped():
 
 
 @pytest.mark.mpi
+@pytest.mark.toy
 @pytest.mark.slow
 def test_engine_under_mpirun_and_pass_at_k_independent_of_ranks(tmp_path):
     """Each of 2 ranks checks engine = HF greedy for k = 1, 3, 8 members on its share; sampled

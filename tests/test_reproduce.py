@@ -23,7 +23,8 @@ MINI = {"SEEDS": "0", "GAMMAS": "0 1", "STEPS": "2", "SAMPLES": "8", "N_EVAL": "
         "FAMILY_TOKENS": "300", "FAMILY_EVAL": "8", "FAMILY_SAMPLES": "8", "RANKS": "1"}
 
 
-@pytest.mark.subprocess
+@pytest.mark.mpi  # reproduce.sh starts its jobs under mpirun
+@pytest.mark.toy
 @pytest.mark.slow
 def test_miniature_experiment_writes_runs_summary_and_plots(tmp_path):
     out = tmp_path / "rep"

@@ -166,6 +166,12 @@ def _set_cache(value: str | None) -> None:
         os.environ["HPC_CACHE"] = value
 
 
+def without_group(nodeid: str) -> str:
+    """``nodeid`` without the ``@GROUP`` that ``--dist loadgroup`` appends for xdist_group."""
+    at = nodeid.rfind("@")
+    return nodeid[:at] if at > nodeid.rfind("]") and at > nodeid.rfind("::") else nodeid
+
+
 def read_slow_list(path: str = SLOW_LIST) -> tuple[float, dict]:
     """(the calibration's seconds on the reference machine, {node id pattern: why})."""
     reference, allowed = None, {}
@@ -208,8 +214,8 @@ class Budget:
     def pytest_runtest_logreport(self, report):
         shared = sum(v for k, v in report.user_properties if k == "shared_build_s")
         self.shared_s += shared
-        self.seconds[report.nodeid] = (self.seconds.get(report.nodeid, 0.0) + report.duration
-                                       - shared)
+        nodeid = without_group(report.nodeid)
+        self.seconds[nodeid] = self.seconds.get(nodeid, 0.0) + report.duration - shared
 
     def over(self) -> list:
         """[(node id, seconds here, seconds at the reference speed)] over LIMIT_S, unlisted."""
