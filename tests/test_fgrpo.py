@@ -140,9 +140,9 @@ def test_variants_run_and_log(tiny_models, tmp_path, extra):
 def test_token_budget_stops_the_run_and_counts_every_completion_token(toy_adapter, tmp_path):
     """run.max_generated_tokens ends the run at the first step whose running total reaches it;
     the loop's count (all ranks) equals the completion tokens the step trained on; training
-    seconds exclude the held-out evaluations."""
+    seconds exclude the held-out evaluations; the step the budget ends is evaluated too."""
     out = tmp_path / "run"
-    proc = run_mpi(2, fgrpo_args(toy_adapter, out, "fgrpo.steps=50", "eval.every=1",
+    proc = run_mpi(2, fgrpo_args(toy_adapter, out, "fgrpo.steps=50", "eval.every=3",
                                  "task.n_eval=16", "run.max_generated_tokens=2000"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = RunFile(str(out / "fgrpo.h5"))
@@ -151,7 +151,10 @@ def test_token_budget_stops_the_run_and_counts_every_completion_token(toy_adapte
     rows = 16 * 8  # fgrpo.batch_prompts x fgrpo.num_generations, over both ranks
     assert np.array_equal(np.diff(tokens, prepend=0), m["completion_length"] * rows)
     assert tokens[-1] >= 2000 > tokens[-2] and len(tokens) < 50
-    assert np.array_equal(held["generated_tokens"], tokens)
+    steps = m["step"]
+    due = [s for s in steps if s % 3 == 0] + ([steps[-1]] if steps[-1] % 3 else [])
+    assert held["step"].tolist() == due, (held["step"], steps)
+    assert np.array_equal(held["generated_tokens"], tokens[np.asarray(due) - 1])
     assert np.all(held["train_s"] < held["wall_s"]) and np.all(np.diff(m["train_s"]) > 0)
     assert json.loads(run.attrs["metrics"])[-3:] == ["generated_tokens", "train_s", "wall_s"]
 

@@ -333,14 +333,18 @@ def run_loop(job: Job, method: Method) -> dict:
         metrics = method.step(step)
         step += 1
         # with the tokens, whether this rank's engine self-check failed (until graphs are off)
-        sent = [take_generated_tokens(), not graphs_off and bool(graph_check_failure())]
+        # and whether a time budget is spent (rank 0's answer decides)
+        train_s, wall_s = time.perf_counter() - t0 - overhead, time.perf_counter() - t0
+        sent = [take_generated_tokens(), not graphs_off and bool(graph_check_failure()),
+                out_of_budget(cfg.run, wall_s, train_s)]
         gathered = world.allgather(np.array(sent, dtype=np.int64), tag="control")
         tokens += int(gathered[:, 0].sum())
         graphs_off = graphs_off or share_graph_check(world, store, gathered[:, 1])
-        metrics.update(generated_tokens=tokens, train_s=time.perf_counter() - t0 - overhead,
-                       wall_s=time.perf_counter() - t0)
+        metrics.update(generated_tokens=tokens, train_s=train_s, wall_s=wall_s)
+        # the last step is evaluated whether the step count or a budget ends the run
+        last = bool(gathered[0, 2]) or 0 < cfg.run.max_generated_tokens <= tokens
         reached = False
-        if _due(cfg.eval.every, step, total):
+        if _due(cfg.eval.every, step, total) or last:
             begin = time.perf_counter()
             with timer.phase("eval"):
                 row = method.heldout()

@@ -167,7 +167,8 @@ class TaskConfig:
 
 @dataclass
 class EvalConfig:
-    every: int = param(10, "held-out evaluation every this many steps/generations (0 = end only)",
+    every: int = param(10, "held-out evaluation every this many steps/generations (0 = end "
+                       "only); the last step is always evaluated, also when a budget ends the run",
                        min=0, max=1_000_000)
     n_samples: int = param(8, "sampled completions per prompt for pass@k (k = 1..n)",
                            min=1, max=1024)
