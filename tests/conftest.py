@@ -13,8 +13,9 @@ import time
 import pytest
 from filelock import FileLock
 
-from tiers import (charge_shared_build, pytest_addoption, pytest_configure,  # noqa: F401
-                   pytest_runtest_makereport, pytest_runtest_protocol)
+from tiers import (charge_shared_build, pytest_addoption,  # noqa: F401
+                   pytest_collection_modifyitems, pytest_configure, pytest_runtest_makereport,
+                   pytest_runtest_protocol)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -110,3 +110,32 @@ def test_the_slow_list_names_a_reason_for_every_entry():
     reference, allowed = tiers.read_slow_list()
     assert reference > 0 and allowed
     assert all(pattern.startswith("tests/test_") and "::" in pattern for pattern in allowed)
+
+
+def test_slow_list_lines_name_one_test_or_every_parametrisation():
+    assert tiers.on_list("tests/test_a.py::test_b", "tests/test_a.py::test_b")
+    assert not tiers.on_list("tests/test_a.py::test_bc", "tests/test_a.py::test_b")
+    assert tiers.on_list("tests/test_a.py::test_b[srun]", "tests/test_a.py::test_b[*]")
+    assert not tiers.on_list("tests/test_a.py::test_bc[srun]", "tests/test_a.py::test_b[*]")
+    assert tiers.without_group("tests/test_a.py::test_b[x]@grp") == "tests/test_a.py::test_b[x]"
+    assert tiers.without_group("tests/test_a.py::test_b[x@y]") == "tests/test_a.py::test_b[x@y]"
+
+
+@pytest.mark.subprocess  # the calibration step is a child Python
+def test_the_budget_fails_a_test_over_the_limit_that_is_not_listed(inner, monkeypatch):
+    monkeypatch.setattr(tiers, "LIMIT_S", 0.2)
+    inner.makepyfile(test_inner="""
+        import time
+
+        def test_quick():
+            pass
+
+        def test_over():
+            time.sleep(0.5)
+    """)
+    result = inner.runpytest_inprocess("-p", "no:cacheprovider", "--budget=fail")
+    result.assert_outcomes(passed=2)
+    assert result.ret != 0
+    result.stdout.fnmatch_lines(["*OVER BUDGET: test_inner.py::test_over took*",
+                                 "*the budget check failed*"])
+    assert "test_quick took" not in result.stdout.str()

@@ -8,9 +8,9 @@ Marks (registered in pytest.ini, which also sets ``--strict-markers``):
 - ``toy``: needs the built-in toy models from the cache (built once, minutes) or the shared
   SFT adapter trained from the toy (tests/conftest.py ``toy_adapter``), both made in child
   processes;
-- ``slow``: takes over 30 s on 2 CPU cores.
+- ``slow``: takes over 30 s on 2 CPU cores; also an in-process test over 5 s.
 
-``make check`` runs the tests that none of ``mpi``, ``slurm``, ``toy`` or ``slow`` marks.
+``make check`` runs the tests that none of these marks: the in-process tier.
 
 The guard: while a test runs (its setup, call and teardown, so a session fixture's work counts
 for the first test that asks for it), every ``subprocess.Popen`` is classified by its program
@@ -27,7 +27,6 @@ reason is reported; ``fail`` also fails the run.
 """
 from __future__ import annotations
 
-import fnmatch
 import os
 import subprocess
 import sys
@@ -134,6 +133,25 @@ def _forbidden_cache(config) -> str:
     return os.path.join(blocker, "cache")
 
 
+def pytest_collection_modifyitems(items):
+    """Long tests first, so that the workers do not end on one while the others wait: the
+    modules that hold a test of the slow list, then those with a slow test, then the rest, and
+    in each module its listed, then slow tests first. A module's tests stay together (its
+    fixtures are set up once), and every worker sorts alike, as xdist requires."""
+    _, allowed = read_slow_list()
+
+    def rank(item) -> int:
+        if any(on_list(without_group(item.nodeid), pattern) for pattern in allowed):
+            return 0
+        return 1 if item.get_closest_marker("slow") else 2
+
+    modules: dict = {}
+    for item in items:
+        modules[item.module] = min(modules.get(item.module, 2), rank(item))
+    order = {module: i for i, module in enumerate(modules)}
+    items.sort(key=lambda item: (modules[item.module], order[item.module], rank(item)))
+
+
 USER_CACHE = os.environ.get("HPC_CACHE")  # what the toy-marked tests see
 
 
@@ -170,6 +188,14 @@ def without_group(nodeid: str) -> str:
     """``nodeid`` without the ``@GROUP`` that ``--dist loadgroup`` appends for xdist_group."""
     at = nodeid.rfind("@")
     return nodeid[:at] if at > nodeid.rfind("]") and at > nodeid.rfind("::") else nodeid
+
+
+def on_list(nodeid: str, pattern: str) -> bool:
+    """Whether a slow-list line names ``nodeid``: the node id itself, or ``NAME[*]`` for every
+    parametrisation of NAME."""
+    if pattern.endswith("[*]"):
+        return nodeid.startswith(pattern[:-2])
+    return nodeid == pattern
 
 
 def read_slow_list(path: str = SLOW_LIST) -> tuple[float, dict]:
@@ -224,7 +250,7 @@ class Budget:
                       key=lambda row: -row[1])
 
     def listed(self, nodeid: str) -> bool:
-        return any(fnmatch.fnmatchcase(nodeid, pattern) for pattern in self.allowed)
+        return any(on_list(nodeid, pattern) for pattern in self.allowed)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtestloop(self, session):
