@@ -9,15 +9,17 @@ import argparse
 import dataclasses
 import os
 
-from hpc.runtime.cli import EXIT_CODES_HELP, job_command
+from hpc.runtime.cli import EXIT_CODES_HELP, TASK_FILES, job_command
 from hpc.runtime.config import JobConfig, load_config
 from hpc.runtime.errors import UserError, user_errors_exit
 
 sft = job_command("hpc-sft", "hpc.sft_config:SFTJobConfig", "hpc.sft:main",
-                  "LoRA SFT stage: writes <run.out>/adapter (peft format) and sft.h5.")
+                  "LoRA SFT stage: writes <run.out>/adapter (peft format) and sft.h5.",
+                  check_ref=TASK_FILES)
 evaluate = job_command("hpc-eval", "hpc.runtime.config:JobConfig", "hpc.evaluate:main",
                        "Greedy accuracy and pass@k of model.path (+ lora.adapter) on the "
-                       "task's held-out split: writes eval.h5.")
+                       "task's held-out split: writes eval.h5.",
+                       check_ref=TASK_FILES)
 
 
 def plan_job_class():

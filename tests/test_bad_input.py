@@ -390,13 +390,14 @@ def _started_job(tmp_path, ranks):
         [mpirun, "-n", str(ranks), "--oversubscribe", sys.executable, "-m", "fgrpo",
          "run.progress=false", "fgrpo.steps=100000", "eval.every=0", "task.n_eval=4",
          "eval.n_samples=1", f"run.out={tmp_path / 'run'}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
+        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "stderr.txt", "w"), cwd=REPO,
         env=dict(os.environ, **MPI_ENV, **{STARTUP_DELAY_ENV: "3600"}))
     for _ in range(600):
         if (tmp_path / "run").exists() or proc.poll() is not None:
             break
         time.sleep(0.5)
-    assert proc.poll() is None and (tmp_path / "run").exists(), proc.returncode
+    assert proc.poll() is None and (tmp_path / "run").exists(), \
+        (proc.returncode, (tmp_path / "stderr.txt").read_text()[-3000:])
     return proc
 
 
@@ -435,3 +436,114 @@ def test_no_rank_outlives_a_killed_rank(tmp_path):
     os.kill(ranks[1], signal.SIGKILL)
     assert proc.wait(timeout=120) != 0
     assert _wait_gone(tmp_path) == []
+
+
+def alias_bomb(levels: int) -> str:
+    """A "billion laughs" YAML flow list: level i holds nine aliases of level i - 1, so
+    ``levels`` = 9 expands to 9^9 strings in under 300 characters."""
+    items = ["&a0 [" + ", ".join(["lol"] * 9) + "]"]
+    items += [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, levels)]
+    return "[" + ", ".join(items) + f", [*a{levels - 1}]]"
+
+
+BOMB_CASES = [  # (config file text or None, overrides)
+    ("essa:\n  population: BOMB\n", []),  # an int key
+    ("lora:\n  targets: BOMB\n", []),
+    ("fgrpo:\n  num_generations: BOMB\n", []),  # another method's section, checked and skipped
+    (None, ["essa.population=BOMB"]),
+    (None, ["lora.targets=BOMB"]),
+]
+
+
+@pytest.mark.parametrize("text, overrides", BOMB_CASES,
+                         ids=["int-key", "lora.targets", "other-method", "override-int",
+                              "override-list"])
+@pytest.mark.parametrize("levels", [6, 9])
+def test_alias_bombs_are_refused_while_loading_with_a_short_line(tmp_path, text, overrides,
+                                                                 levels):
+    """A YAML alias bomb took 2 minutes and a MemoryError (the error line formatted its full
+    repr before cutting it); 9^6 was refused with a 3,138,878-character line. Its expanded size
+    is counted while it loads, without expanding it."""
+    bomb = alias_bomb(levels)
+    path = None
+    if text is not None:
+        path = tmp_path / "bomb.yaml"
+        path.write_text(text.replace("BOMB", bomb))
+    with pytest.raises(UserError) as err:
+        load_config(ESSAJobConfig, str(path) if path else None,
+                    [o.replace("BOMB", bomb) for o in overrides])
+    message = str(err.value)
+    assert "more than 65536 values once its aliases" in message, message
+    assert len(message) < 300, len(message)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("essa:\n  population: &a [*a]\n", ["alias refers to the value that holds it"]),
+    ("essa:\n  population: " + "9" * 5000 + "\n", ["an integer of 5000 digits"]),
+    ("task:\n  system_prompt: \"be brief \\ud800\"\n", ["task.system_prompt", "character 10",
+                                                        "U+D800", "lone surrogate"]),
+    ("lora:\n  targets: [q_proj, \"\\udfff\"]\n", ["lora.targets", "U+DFFF"]),
+    ("essa:\n  population: [" + ", ".join(["x" * 60] * 1000) + "]\n",
+     ["essa.population", "expected an integer"]),
+])
+def test_values_an_error_line_cannot_show_in_full_are_cut_first(tmp_path, text, words):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError) as err:
+        load_config(ESSAJobConfig, str(path))
+    message = str(err.value)
+    assert all(w in message for w in words) and len(message) < 300, message
+
+
+def test_an_override_that_is_not_utf8_is_one_line():
+    """A command-line byte that is not UTF-8 reaches Python as a lone surrogate
+    (surrogateescape)."""
+    with pytest.raises(UserError, match=r"task.system_prompt.*character 3 .*U\+DCE7"):
+        load_config(ESSAJobConfig, None, [b"task.system_prompt=ol\xe7".decode(
+            "utf-8", "surrogateescape")])
+
+
+@pytest.mark.parametrize("where", ["file", "override"])
+@pytest.mark.mpi
+def test_alias_bomb_under_mpirun(tmp_path, where):
+    bomb = alias_bomb(9)
+    args = ["lora.adapter=unused"]
+    if where == "file":
+        config = tmp_path / "c.yaml"
+        config.write_text(f"essa:\n  population: {bomb}\n")
+        args.append(str(config))
+    else:
+        args.append(f"lora.targets={bomb}")
+    refused(job(tmp_path, "essa", *args, ranks=2), tmp_path, "once its aliases")
+
+
+SURROGATE_ROW = '{"question": "What is 1+1? \\ud800", "answer": "1+1=2\\n#### 2"}\n'
+GOOD_ROW = '{"question": "What is 2+2?", "answer": "2+2=4\\n#### 4"}\n'
+
+
+@pytest.mark.parametrize("method", ["essa", "fgrpo"])
+@pytest.mark.parametrize("bad", ["train", "eval"])
+@pytest.mark.mpi
+def test_a_lone_surrogate_in_a_question_is_one_line_before_the_run_file(tmp_path, method, bad):
+    """A ``\\ud800`` escape reached the tokenizer (TypeError, exit 1) after the run file was
+    created, which stayed ``running`` with no rows."""
+    files = {}
+    for part in ("train", "eval"):
+        files[part] = tmp_path / f"{part}.jsonl"
+        files[part].write_text(GOOD_ROW * 3 + (SURROGATE_ROW if part == bad else GOOD_ROW))
+    proc = job(tmp_path, method, "task.name=gsm8k", f"task.train_path={files['train']}",
+               f"task.eval_path={files['eval']}", "lora.adapter=unused", ranks=2)
+    refused(proc, tmp_path, f"{files[bad]} line 4, column 28", "\\ud800", "lone surrogate",
+            run_file=f"{method}.h5")
+
+
+def test_data_check_reports_a_lone_surrogate(tmp_path, capsys):
+    from hpc.data.check import main
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(GOOD_ROW + SURROGATE_ROW)
+    with pytest.raises(SystemExit) as stop:
+        main(["check", str(data), "task.name=gsm8k"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1, err
+    assert f"{data} line 2, column 28: \\ud800 is a lone surrogate" in err[0]

@@ -68,12 +68,47 @@ def read_jsonl(path: str) -> list:
                                     f"({getattr(err, 'msg', err)})") from None
                 if not isinstance(row, dict):
                     raise UserError(f"{path} line {number}: expected a JSON object")
+                if "\\u" in line:  # only a JSON escape can make text that is not Unicode
+                    _check_unicode(row, line, path, number)
                 rows.append((number, row))
     except (OSError, UnicodeDecodeError) as err:
         raise UserError(f"cannot read task data file {path}: {err}") from None
     if not rows:
         raise UserError(f"task data file {path} has no rows")
     return rows
+
+
+_ESCAPE = re.compile(r"\\(?:u([0-9a-fA-F]{4})|.)")
+
+
+def _check_unicode(row: dict, line: str, path: str, number: int) -> None:
+    """UserError naming the file, line and column of a lone surrogate in ``row`` (a JSON
+    ``\\ud800`` escape without its pair): Python keeps it in the string, and the tokenizer
+    refuses it (a TypeError) after the run file exists."""
+    try:
+        json.dumps(row, ensure_ascii=False).encode("utf-8")
+        return
+    except UnicodeEncodeError:
+        pass
+    column, high = None, None  # the column of an unpaired high surrogate escape
+    for escape in _ESCAPE.finditer(line):
+        code = int(escape.group(1), 16) if escape.group(1) else None
+        is_low = code is not None and 0xDC00 <= code <= 0xDFFF
+        if high is not None and not (is_low and escape.start() == high[1]):
+            column, code = high[0], high[2]
+            break
+        high = None
+        if code is not None and 0xD800 <= code <= 0xDBFF:
+            high = (escape.start() + 1, escape.end(), code)
+        elif is_low:
+            column = escape.start() + 1
+            break
+    if column is None and high is not None:
+        column, code = high[0], high[2]
+    where = f"column {column}: \\u{code:04x}" if column else "a \\u escape"
+    raise UserError(f"{path} line {number}, {where} is a lone surrogate (half of a UTF-16 "
+                    f"pair), which no tokenizer takes; write the character itself, or both "
+                    f"halves of its pair")
 
 
 def _row(line: str):
@@ -206,3 +241,11 @@ def load_file_task(cfg) -> Task:
              if cfg.train_path else Split([], [], []))
     evaluation = _split(cfg.name, cfg.eval_path, cfg.n_eval)
     return Task(cfg.name, train=train, eval=evaluation, reward_fn=_REWARDS[cfg.name])
+
+
+def check_task_files(cfg) -> None:
+    """Read and check every row of job config ``cfg``'s task files (a file task only), as
+    :func:`load_file_task` does, torch-free: a job's entry point runs this before its imports,
+    so a bad row ends the job in about a second, not after the model is loaded."""
+    if cfg.task.name in _ROW_READERS:
+        load_file_task(cfg.task)

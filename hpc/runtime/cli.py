@@ -89,13 +89,20 @@ def job_help(prog: str, about: str, job_cls) -> str:
     return "\n".join(lines)
 
 
-def job_command(prog: str, config_ref: str, run_ref: str, about: str):
+# The jobs' check before their imports: every row of the task's data files (hpc.data, named here
+# by reference only, and imported when a job starts, not when --help is answered).
+TASK_FILES = "hpc.data.mathdata:check_task_files"
+
+
+def job_command(prog: str, config_ref: str, run_ref: str, about: str,
+                check_ref: str | None = None):
     """A console entry point: ``--help`` from the config class at ``config_ref``; anything else
     installs the preemption handler (:func:`hpc.runtime.preempt.stop_signals`: a signal from
     here on is honoured at the job's next safe point, however long the imports and the model
-    loading take), reads the command line and the config (a mistake in either ends here, in
-    about a second, before torch is imported), then runs ``run_ref`` (``'module:function'``,
-    called with the arguments; it reads them again)."""
+    loading take), reads the command line and the config and runs the torch-free check at
+    ``check_ref`` (if given) on it (the jobs: every row of the task's data files): a mistake
+    in any ends here, in about a second, before torch is imported; then runs ``run_ref``
+    (``'module:function'``, called with the arguments; it reads them again)."""
 
     def main(argv=None):
         argv = sys.argv[1:] if argv is None else list(argv)
@@ -105,7 +112,9 @@ def job_command(prog: str, config_ref: str, run_ref: str, about: str):
         stop_signals()
         try:
             config_path, overrides, _ = parse_args(prog, argv)
-            load_config(_load(config_ref), config_path, overrides)
+            cfg = load_config(_load(config_ref), config_path, overrides)
+            if check_ref:
+                _load(check_ref)(cfg)
         except UserError as err:
             exit_user_error(err)
         return _load(run_ref)(argv)

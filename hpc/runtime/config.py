@@ -23,27 +23,51 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from hpc.runtime.errors import UserError
+from hpc.runtime.errors import UserError, shown
 
 MAX_CONFIG_BYTES = 2 ** 20  # a config file: a few KiB; read no further than this
 MAX_VALUE_CHARS = 2 ** 16   # one value (a path, a system prompt), a file's or an override's
 MAX_LIST_ITEMS = 1024       # items of a list key (module names)
 MAX_YAML_DEPTH = 16         # a config nests 3 levels (section, key, list)
+MAX_YAML_NODES = 2 ** 16    # values in a document with every alias expanded: a config has
+                            # ~10^2; a "billion laughs" alias bomb 10^9 in a few hundred bytes
+MAX_INT_DIGITS = 64         # an integer literal: every integer key's maximum has < 20 digits
+
+
+class BoundExceeded(yaml.composer.ComposerError):
+    """YAML that :class:`StrictLoader` refuses for its size, not its syntax."""
 
 
 class StrictLoader(yaml.SafeLoader):
     """PyYAML's safe loader that refuses what the safe loader accepts without a word: a key
-    given twice in one mapping (the safe loader keeps the last) and nesting deeper than
-    MAX_YAML_DEPTH (the composer recurses per level: 100k ``[`` would end in RecursionError).
-    Both raise a :class:`yaml.MarkedYAMLError` whose ``problem_mark`` is the offending line."""
+    given twice in one mapping (the safe loader keeps the last), nesting deeper than
+    MAX_YAML_DEPTH (the composer recurses per level: 100k ``[`` would end in RecursionError),
+    a document of more than MAX_YAML_NODES values once its aliases are expanded (an alias
+    bomb: cheap to load, since aliases share one object, but every walk over it or repr of it
+    expands it) or an alias to itself, and an integer of more than MAX_INT_DIGITS digits
+    (Python refuses to convert 4,300 with a bare ValueError). Each raises a
+    :class:`yaml.MarkedYAMLError` whose ``problem_mark`` is the offending line."""
 
     _depth = 0
+
+    def compose_document(self):
+        node = super().compose_document()
+        _expanded_size(node, {})
+        return node
+
+    def construct_yaml_int(self, node):
+        digits = sum(c.isdigit() for c in node.value)
+        if digits > MAX_INT_DIGITS:
+            raise BoundExceeded(
+                None, None, f"an integer of {digits} digits, more than {MAX_INT_DIGITS}",
+                node.start_mark)
+        return super().construct_yaml_int(node)
 
     def compose_node(self, parent, index):
         self._depth += 1
         try:
             if self._depth > MAX_YAML_DEPTH:
-                raise yaml.composer.ComposerError(
+                raise BoundExceeded(
                     None, None, f"nested more than {MAX_YAML_DEPTH} levels deep",
                     self.peek_event().start_mark)
             return super().compose_node(parent, index)
@@ -62,12 +86,38 @@ class StrictLoader(yaml.SafeLoader):
                         where = (f"line {line + 1}" if lines[key] == line + 1 else
                                  f"lines {lines[key]} and {line + 1}")
                         raise yaml.constructor.ConstructorError(
-                            None, None, f"key {key!r:.80} is given twice ({where}); YAML "
+                            None, None, f"key {shown(key)} is given twice ({where}); YAML "
                             f"would keep only the last", key_node.start_mark)
                     lines[key] = line + 1
                 except TypeError:  # an unhashable key: the safe loader names it below
                     continue
         return super().construct_mapping(node, deep)
+
+
+StrictLoader.add_constructor("tag:yaml.org,2002:int", StrictLoader.construct_yaml_int)
+
+
+def _expanded_size(node, sizes: dict) -> int:
+    """Values under ``node`` with every alias expanded (``sizes``: memo by node id, None while
+    a node is being counted); BoundExceeded past MAX_YAML_NODES or for an alias to itself. Each
+    node is visited once, so a bomb costs its few hundred nodes, not their expansion; the
+    error marks the first value past the limit."""
+    if id(node) in sizes:
+        if sizes[id(node)] is None:
+            raise BoundExceeded(None, None, "an alias refers to the value that "
+                                              "holds it", node.start_mark)
+        return sizes[id(node)]
+    sizes[id(node)] = None
+    children = (node.value if isinstance(node, yaml.SequenceNode) else
+                [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode)
+                else [])
+    total = 1 + sum(_expanded_size(child, sizes) for child in children)
+    if total > MAX_YAML_NODES:
+        raise BoundExceeded(
+            None, None, f"more than {MAX_YAML_NODES} values once its aliases (*name) are "
+            f"expanded; a config holds a few hundred", node.start_mark)
+    sizes[id(node)] = total
+    return total
 
 
 def _yaml_error_text(err: yaml.YAMLError) -> str:
@@ -266,10 +316,10 @@ def _coerce(key: str, value, ftype, meta):
         if isinstance(value, bool):
             out = value
         else:
-            raise UserError(f"config key '{key}': expected true/false, got {value!r}")
+            raise UserError(f"config key '{key}': expected true/false, got {shown(value)}")
     elif ftype is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise UserError(f"config key '{key}': expected an integer, got {value!r}")
+            raise UserError(f"config key '{key}': expected an integer, got {shown(value)}")
         out = value
     elif ftype is float:
         if isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
@@ -278,13 +328,13 @@ def _coerce(key: str, value, ftype, meta):
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise UserError(f"config key '{key}': expected a number, got {value!r}")
+            raise UserError(f"config key '{key}': expected a number, got {shown(value)}")
         out = float(value)
         if not math.isfinite(out):
-            raise UserError(f"config key '{key}': expected a finite number, got {value!r}")
+            raise UserError(f"config key '{key}': expected a finite number, got {shown(value)}")
     elif ftype is str:
         if isinstance(value, (dict, list)) or value is None:
-            raise UserError(f"config key '{key}': expected a string, got {value!r:.80}")
+            raise UserError(f"config key '{key}': expected a string, got {shown(value)}")
         if isinstance(value, bool) and {"on", "off"} <= set(meta.get("choices") or ()):
             value = "on" if value else "off"  # YAML 1.1 reads on/off (yes/no, true/false) as bools
         out = str(value)
@@ -292,19 +342,19 @@ def _coerce(key: str, value, ftype, meta):
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise UserError(f"config key '{key}': expected a list of strings, got {value!r:.80}")
+            raise UserError(f"config key '{key}': expected a list of strings, got {shown(value)}")
         if not 1 <= len(value) <= MAX_LIST_ITEMS:
             raise UserError(f"config key '{key}': {len(value)} items; it needs 1 to "
                             f"{MAX_LIST_ITEMS}")
         for item in value:
-            _check_length(key, item)
+            _check_text(key, item)
         out = list(value)
     else:  # pragma: no cover - a declaration error, not a user error
         raise TypeError(f"unsupported config type {ftype} for {key}")
     if isinstance(out, str):
-        _check_length(key, out)
+        _check_text(key, out)
     if meta.get("choices") is not None and out not in meta["choices"]:
-        raise UserError(f"config key '{key}': {out!r:.80} is not one of {meta['choices']}")
+        raise UserError(f"config key '{key}': {shown(out)} is not one of {meta['choices']}")
     if meta.get("min") is not None and out < meta["min"]:
         raise UserError(f"config key '{key}': {out} is below the minimum {meta['min']}")
     if meta.get("above") is not None and not out > meta["above"]:
@@ -314,20 +364,32 @@ def _coerce(key: str, value, ftype, meta):
     return out
 
 
-def _check_length(key: str, text: str) -> None:
+def _check_text(key: str, text: str) -> None:
+    """UserError for a value longer than MAX_VALUE_CHARS or not encodable as UTF-8 (a lone
+    surrogate: a YAML ``"\\ud800"`` escape, or a byte of a command line that is not UTF-8),
+    which no tokenizer, file name or HDF5 attribute takes."""
     if len(text) > MAX_VALUE_CHARS:
-        raise UserError(f"config key '{key}': a value of {len(text)} characters, more than "
+        raise UserError(f"config key '{key:.80}': a value of {len(text)} characters, more than "
                         f"{MAX_VALUE_CHARS}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise UserError(f"config key '{key:.80}': character {err.start + 1} of the value is "
+                        f"U+{ord(text[err.start]):04X}, a lone surrogate (half of a UTF-16 "
+                        f"pair), which is not text") from None
 
 
 def _parse_override(text: str):
     if "=" not in text:
         raise UserError(f"override '{text:.80}' is not of the form section.key=value")
     key, raw = text.split("=", 1)
-    _check_length(key.strip(), raw)
+    _check_text(key.strip(), raw)
     try:
         value = yaml.load(raw, Loader=StrictLoader) if raw != "" else ""
-    except yaml.YAMLError:
+    except BoundExceeded as err:
+        raise UserError(f"override '{key.strip():.80}': {_yaml_error_text(err)}"
+                        ) from None
+    except yaml.YAMLError:  # text YAML cannot read is a string value
         value = raw
     return key.strip(), value
 
@@ -344,7 +406,7 @@ def _set(cfg, key: str, value, from_file: bool = False) -> None:
     sections = {f.name: f for f in dataclasses.fields(cfg)}
     if section_name in method_sections() and section_name not in sections:
         if not from_file:
-            raise UserError(f"config key '{key}' is not read by this job (its sections: "
+            raise UserError(f"config key '{key:.80}' is not read by this job (its sections: "
                             f"{', '.join(sections)}); a config file may hold the sections of "
                             f"other methods, the command line only this job's keys")
         _set_field(method_sections()[section_name].load()(), section_name, name, value)
@@ -376,7 +438,7 @@ def load_config(job_cls, path: str | None = None, overrides: list[str] = ()):
         data = _read_config_file(path)
         for section_name, values in data.items():
             if not isinstance(values, dict):
-                raise UserError(f"config section '{section_name!s:.80}' in {path} must be a "
+                raise UserError(f"config section {shown(section_name)} in {path} must be a "
                                 f"mapping")
             for name, value in values.items():
                 _set(cfg, f"{section_name}.{name}", value, from_file=True)

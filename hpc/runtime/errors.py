@@ -1,6 +1,7 @@
 """User mistakes end a job with one line and exit code 2 on every rank; never a traceback."""
 import functools
 import os
+import reprlib
 import signal
 import sys
 import time
@@ -23,6 +24,33 @@ class UserError(Exception):
         super().__init__(message)
         self.same_on_all_ranks = same_on_all_ranks
         self.abort_peers = not same_on_all_ranks
+
+
+SHOWN_CHARS = 80  # the most characters of a bad value an error line shows
+
+
+class _Bounded(reprlib.Repr):
+    """reprlib's bounded repr, whose integers too are cut before they are formatted (a
+    10^5-digit integer's full repr is 10^5 characters, and past 4,300 digits a ValueError)."""
+
+    def repr_int(self, x, level):
+        if x.bit_length() > 256:
+            return f"<an integer of {x.bit_length()} bits>"
+        return super().repr_int(x, level)
+
+
+_SHOWN = _Bounded()
+_SHOWN.maxstring = _SHOWN.maxother = _SHOWN.maxlong = SHOWN_CHARS
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 6
+_SHOWN.maxlevel = 3
+
+
+def shown(value) -> str:
+    """``value``'s repr for an error line, at most about SHOWN_CHARS characters, cut before it is
+    formatted: a YAML alias bomb (a list of a billion items sharing nine objects) or a 64 KiB
+    string costs what its first items cost, never its full repr."""
+    text = _SHOWN.repr(value)
+    return text if len(text) <= SHOWN_CHARS + 3 else text[:SHOWN_CHARS] + "..."
 
 
 _RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
