@@ -67,12 +67,13 @@ class GradientMethod(Method):
                 "optimizer": self.opt.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Checked first: one tensor per trained parameter, of its shape and a float dtype; an
+        """Checked first: one tensor per trained parameter, of its shape and dtype; an
         optimizer state torch accepts (its ValueError, e.g. other parameter groups, is one
         line)."""
         shapes = [tuple(p.shape) for p in self.params]
-        saved = tensors(state["params"], "checkpoint", "params", shapes)
-        adam_state(state["optimizer"], "checkpoint", shapes)
+        dtypes = [p.dtype for p in self.params]
+        saved = tensors(state["params"], "checkpoint", "params", shapes, dtypes)
+        adam_state(state["optimizer"], "checkpoint", shapes, dtypes)
         try:
             self.opt.load_state_dict(state["optimizer"])
         except (ValueError, KeyError, TypeError) as err:

@@ -805,6 +805,17 @@ ADAM_CRAFTS = {
     "NaN parameter": (lambda s: _nan_at(s["params"][0]), "params[0]"),
     "infinite moment": (lambda s: s["optimizer"]["state"][0]["exp_avg"].view(-1).__setitem__(
         0, float("inf")), "exp_avg"),
+    # accepted before: load_state_dict casts a moment to its parameter's dtype, another model
+    "bfloat16 exp_avg": (lambda s: s["optimizer"]["state"][0].__setitem__(
+        "exp_avg", s["optimizer"]["state"][0]["exp_avg"].bfloat16()),
+                         "'optimizer.state[0].exp_avg' is torch.bfloat16, where the job keeps "
+                         "torch.float32"),
+    "float16 exp_avg_sq": (lambda s: s["optimizer"]["state"][1].__setitem__(
+        "exp_avg_sq", s["optimizer"]["state"][1]["exp_avg_sq"].half()), "exp_avg_sq"),
+    "bfloat16 step": (lambda s: s["optimizer"]["state"][0].__setitem__(
+        "step", s["optimizer"]["state"][0]["step"].bfloat16()), "keeps float32"),
+    "float64 parameter": (lambda s: s["params"].__setitem__(1, s["params"][1].double()),
+                          "'params[1]' is torch.float64"),
 }
 
 
@@ -912,6 +923,25 @@ def test_checkpoints_as_a_file_is_one_line(tmp_path):
     one_line(caught.value, "checkpoints", "not a folder")
 
 
+def test_a_failed_checkpoint_write_says_what_is_left(tmp_path, valid_method_state):
+    """checkpoints/ replaced by a file mid-run said "earlier checkpoints are intact" when none
+    was left; a write that fails beside earlier checkpoints names the newest left."""
+    ckpts = run_dir(tmp_path) / "checkpoints"
+    save_checkpoint(str(ckpts), 1, loop_state(1, None, valid_method_state))
+    shutil.rmtree(ckpts)
+    ckpts.write_text("not a folder")
+    with pytest.raises(UserError) as caught:
+        save_checkpoint(str(ckpts), 2, loop_state(2, None, valid_method_state))
+    one_line(caught.value, "no longer a folder", "no checkpoint of this run is left")
+    assert "intact" not in str(caught.value)
+    ckpts.unlink()
+    save_checkpoint(str(ckpts), 1, loop_state(1, None, valid_method_state))
+    os.mkdir(ckpts / "step-00000002.safetensors")  # the name the next write needs is taken
+    with pytest.raises(UserError) as caught:
+        save_checkpoint(str(ckpts), 2, loop_state(2, None, valid_method_state))
+    one_line(caught.value, "1 earlier checkpoint(s) are left", "step-00000001.safetensors")
+
+
 def test_lock_as_a_folder_is_one_line(tmp_path):
     from hpc.runtime.readback import run_folder_entries
 
@@ -985,3 +1015,81 @@ def test_openai_es_moments_nan_or_negative_are_one_line(key, value):
     with pytest.raises(UserError) as caught:
         make_optimizer("openai-es", DIM, POP, 0.1, seed=0).load_state_dict(state)
     one_line(caught.value, f"'{key}'")
+
+
+PAD = 250 * 2 ** 20  # a checkpoint's JSON at the size limit (readback.MAX_JSON_BYTES, 256 MiB)
+EXTRA_LIMIT = 2 * 2 ** 30  # what reading one may take on top of the process, file included
+_READ_UNDER_A_LIMIT = r"""
+import resource, sys
+from hpc.runtime.checkpoint import load_latest
+def vm(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+before = vm("VmRSS:")
+resource.setrlimit(resource.RLIMIT_AS, (vm("VmSize:") + int(sys.argv[2]),) * 2)
+state = load_latest(sys.argv[1])
+extra = vm("VmHWM:") - before  # (ru_maxrss would count the parent's pages from the fork)
+print(f"step {state['step']} extra {extra}")
+"""
+
+
+def _padded_header(checkpoint: bytes) -> bytes:
+    """``checkpoint`` with PAD spaces (JSON whitespace) at the end of its safetensors header."""
+    (n,) = struct.unpack("<Q", checkpoint[:8])
+    header = checkpoint[8:8 + n] + b" " * PAD
+    return struct.pack("<Q", len(header)) + header + checkpoint[8 + n:]
+
+
+def _padded_skeleton(checkpoint: bytes, pad: int = PAD) -> bytes:
+    """``checkpoint`` with ``pad`` spaces inside its skeleton's JSON (a string of ``pad`` bytes
+    in the header), written as safetensors writes a header (which refuses one over 100 MB)."""
+    import json as json_module
+
+    (n,) = struct.unpack("<Q", checkpoint[:8])
+    header = json_module.loads(checkpoint[8:8 + n])
+    header["__metadata__"]["skeleton"] += " " * pad
+    text = json_module.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + checkpoint[8 + n:]
+
+
+def _skeleton_90_mib(checkpoint: bytes) -> bytes:
+    return _padded_skeleton(checkpoint, 90 * 2 ** 20)
+
+
+@pytest.mark.parametrize("craft, words", [
+    (_padded_header, "not a readable safetensors file"),  # safetensors' own 100 MB limit
+    (_padded_skeleton, "not a readable safetensors file"),
+    (_skeleton_90_mib, None),  # a valid checkpoint, 90 MiB of it whitespace: read
+    (lambda _: _skeleton_file(SKELETON_CRAFTS["15M-item list"][0], {"t0": np.zeros(2)}),
+     "JSON values"),
+], ids=["header", "skeleton", "skeleton-90-MiB", "15M-item-list"])
+@pytest.mark.subprocess
+def test_json_at_the_size_limit_is_read_in_bounded_memory(tmp_path, valid_method_state, craft,
+                                                         words):
+    """A header padded with 200 MiB, a skeleton with 90 MiB and a 15M-item list ended in
+    MemoryError (the regex that blanked JSON strings took ~120 bytes a byte): each is read
+    (step 2 holds step 1's state, padded) or refused (a warning, then step 1) under a 2 GiB
+    limit on the process's address space, and peaks below it."""
+    import subprocess
+    import sys
+
+    ckpts = run_dir(tmp_path) / "checkpoints"
+    run_bytes = make_run_file(str(tmp_path / "make.h5"))
+    save_checkpoint(str(ckpts), 1, loop_state(1, run_bytes, valid_method_state))
+    first = (ckpts / "step-00000001.safetensors").read_bytes()
+    plant_raw(ckpts, 2, craft(first))
+    proc = subprocess.run([sys.executable, "-c", _READ_UNDER_A_LIMIT, str(ckpts),
+                           str(EXTRA_LIMIT)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    done, extra = proc.stdout.split()[1], int(proc.stdout.split()[3])
+    assert done == "1", proc.stdout + proc.stderr[-1000:]
+    assert extra < EXTRA_LIMIT, extra
+    warnings = [line for line in proc.stderr.splitlines() if line.strip()]
+    if words:
+        assert len(warnings) == 1 and "step-00000002" in warnings[0] and words in warnings[0], \
+            warnings
+    else:
+        assert warnings == [], warnings
+    print(f"{craft.__name__}: extra peak {extra / 2 ** 20:.0f} MiB")

@@ -250,8 +250,9 @@ class TrainedWeights:
                 tuple(s.shape) != shape for s, shape in zip(saved, shapes)):
             raise UserError("the checkpoint's weights do not match this job's model and rank "
                             "count; resume with the model and number of ranks that wrote it")
-        tensors(saved, "checkpoint", "params", shapes)
-        opt = adam_state(state["optimizer"], "checkpoint", shapes)
+        dtypes = [m.dtype for m in self.masters]
+        tensors(saved, "checkpoint", "params", shapes, dtypes)
+        opt = adam_state(state["optimizer"], "checkpoint", shapes, dtypes)
         try:
             self.opt.load_state_dict({
                 "state": {i: {k: self._as_param(self.masters[int(i)], v) for k, v in s.items()}

@@ -48,11 +48,11 @@ def _sha_path(path: str) -> str:
 def save_checkpoint(directory: str, step: int, state: dict, keep: int = 3) -> str:
     """Write ``state`` for ``step`` atomically with its sha256; keep the newest ``keep``."""
     refuse_link(directory)
-    os.makedirs(directory, exist_ok=True)
     tensors, skeleton = flatten(state)
     data = save_tensors(tensors, metadata={"format": FORMAT, "skeleton": json.dumps(skeleton)})
     path = _path(directory, step)
     try:
+        os.makedirs(directory, exist_ok=True)
         write_bytes(_sha_path(path), hashlib.sha256(data).hexdigest().encode())
         write_bytes(path, data)
     except (OSError, UserError) as err:
@@ -61,7 +61,7 @@ def save_checkpoint(directory: str, step: int, state: dict, keep: int = 3) -> st
         if isinstance(err, UserError):  # a symbolic link planted at one of the names
             raise
         raise UserError(f"cannot write checkpoint {path} ({len(data) / 2 ** 20:.1f} MiB): "
-                        f"{err.strerror or err}; earlier checkpoints are intact",
+                        f"{err.strerror or err}; {left_in(directory, path)}",
                         same_on_all_ranks=False) from None
     dir_fd = os.open(directory, os.O_RDONLY)
     try:
@@ -75,6 +75,19 @@ def save_checkpoint(directory: str, step: int, state: dict, keep: int = 3) -> st
             except FileNotFoundError:
                 pass
     return path
+
+
+def left_in(directory: str, failed: str = "") -> str:
+    """What a failed write (of checkpoint ``failed``, if one) leaves to resume from in
+    ``directory``, for its error line."""
+    if os.path.lexists(directory) and not os.path.isdir(directory):
+        return (f"{directory} is no longer a folder (something replaced it), so no checkpoint "
+                f"of this run is left to resume from")
+    paths = [p for p in list_checkpoints(directory) if p != failed and os.path.isfile(p)]
+    if not paths:
+        return f"no checkpoint is left in {directory} to resume from"
+    return (f"{len(paths)} earlier checkpoint(s) are left to resume from, the newest "
+            f"{os.path.basename(paths[-1])}")
 
 
 def step_of(path: str) -> int:
@@ -95,7 +108,7 @@ def _decode(path: str, data: bytes) -> dict:
 
     try:
         (header_len,) = struct.unpack("<Q", data[:8])
-        header = bounded_json(data[8:8 + header_len])
+        header = bounded_json(memoryview(data)[8:8 + header_len])  # no copy of the bytes
         metadata = (header.get("__metadata__") if isinstance(header, dict) else None) or {}
         tensors = load_tensors(data)
     except (struct.error, ValueError, AttributeError, SafetensorError) as err:

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from hpc.runtime.atomic import open_plain, refuse_link
-from hpc.runtime.checkpoint import list_checkpoints, step_of
+from hpc.runtime.checkpoint import left_in, list_checkpoints, step_of
 from hpc.runtime.errors import UserError
 from hpc.runtime.readback import bad_field, count
 
@@ -91,16 +91,22 @@ def save_sharded(ckpt_dir: str, world, step: int, state: dict) -> dict | None:
     ``get_state_dict`` returns) for ``step`` into ``<ckpt_dir>/sharded/step-<NNNNNNNN>``.
     Returns on rank 0 the manifest for the step's checkpoint (``folder``, ``ranks``,
     ``files``: {name: sha256}), None on the other ranks. A failed write is a UserError on
-    every rank; earlier checkpoints stay intact."""
+    every rank, naming what is left to resume from."""
     root, name = sharded_root(ckpt_dir), folder_name(step)
-    tmp = None
+    tmp, error = None, None
     if world.is_root:
         refuse_link(ckpt_dir)
         refuse_link(root)
-        os.makedirs(root, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root)
-        os.chmod(tmp, 0o755)
-    tmp = world.comm.bcast(tmp, root=0)
+        try:
+            os.makedirs(root, exist_ok=True)
+            tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root)
+            os.chmod(tmp, 0o755)
+        except OSError as err:
+            error = f"cannot write the sharded checkpoint of step {step} in {root} " \
+                    f"({err.strerror or err}); {left_in(ckpt_dir)}"
+    tmp, error = world.comm.bcast((tmp, error), root=0)
+    if error:
+        raise UserError(error)
     try:
         mine, error = {}, None
         try:
@@ -116,7 +122,7 @@ def save_sharded(ckpt_dir: str, world, step: int, state: dict) -> dict | None:
         errors = [e for _, e in gathered if e is not None]
         if errors:
             raise UserError(f"cannot write the sharded checkpoint of step {step} in {root} "
-                            f"({errors[0]}); earlier checkpoints are intact")
+                            f"({errors[0]}); {left_in(ckpt_dir)}")
         if not world.is_root:
             return None
         files = {f: sha for part, _ in gathered for f, sha in part.items()}

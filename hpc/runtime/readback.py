@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 
 import numpy as np
 
@@ -21,7 +20,9 @@ MAX_JSON_DEPTH = 64             # a checkpoint skeleton nests ~3 levels per leve
 MAX_JSON_ITEMS = 2 ** 22        # values in one document: a skeleton of a 32B model's optimizer
                                 # has ~10^4, CMA-ES histories ~10^5; 15M empty lists take GiBs
 MAX_STEP = 2 ** 40              # steps, generations: far beyond any run, far below int64
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+SCAN_CHUNK = 2 ** 22            # bytes :func:`bounded_json` scans at once (its arrays: ~20x this)
+_QUOTE, _BACKSLASH, _COMMA = ord('"'), ord("\\"), ord(",")
+_OPEN, _CLOSE = (ord("["), ord("{")), (ord("]"), ord("}"))
 
 
 def bad_field(source: str, field: str, why: str) -> UserError:
@@ -30,23 +31,79 @@ def bad_field(source: str, field: str, why: str) -> UserError:
                      f"program")
 
 
+class _Scan:
+    """Nesting depth and value count of JSON text fed in chunks: brackets and commas outside
+    strings, a quote preceded by an odd run of backslashes escaped. State carried between
+    chunks: the depth, whether inside a string, the backslashes the last chunk ended with."""
+
+    def __init__(self):
+        self.depth = self.deepest = self.commas = 0
+        self.in_string, self.backslashes = 0, 0
+
+    def feed(self, chunk: np.ndarray) -> None:
+        """Scan ``chunk`` (uint8, the next bytes of the document)."""
+        n = chunk.size
+        if n == 0:
+            return
+        backslash = chunk == _BACKSLASH
+        quote = chunk == _QUOTE
+        if backslash.any():
+            index = np.arange(n, dtype=np.int32)
+            # the index of the last byte before each position that is not a backslash (the
+            # previous chunk's trailing backslashes sit at negative indices)
+            last_other = np.maximum.accumulate(
+                np.where(backslash, np.int32(-1 - self.backslashes), index))
+            run = np.empty(n, dtype=np.int32)  # backslashes right before each position
+            run[0] = self.backslashes
+            run[1:] = index[:-1] - last_other[:-1]
+            quote &= run % 2 == 0
+            del run, last_other, index
+        elif self.backslashes % 2:
+            quote[0] = False
+        quotes = int(np.count_nonzero(quote))
+        outside = ((np.cumsum(quote, dtype=np.int32) + self.in_string) % 2 == 0 if quotes else
+                   np.full(n, not self.in_string))
+        opens = ((chunk == _OPEN[0]) | (chunk == _OPEN[1])) & outside
+        closes = ((chunk == _CLOSE[0]) | (chunk == _CLOSE[1])) & outside
+        if opens.any() or closes.any():
+            depth = np.cumsum(opens.view(np.int8) - closes.view(np.int8), dtype=np.int32)
+            self.deepest = max(self.deepest, self.depth + int(depth.max()))
+            self.depth += int(depth[-1])
+        self.commas += int(np.count_nonzero((chunk == _COMMA) & outside))
+        self.in_string = (self.in_string + quotes) % 2
+        if not backslash[-1]:
+            self.backslashes = 0
+        elif backslash.all():
+            self.backslashes += n
+        else:  # the first byte from the end that is not a backslash
+            self.backslashes = int(np.argmin(backslash[::-1]))
+
+
 def bounded_json(text):
-    """``json.loads(text)`` (str or bytes); ValueError (with the reason) for malformed JSON, more
-    than MAX_JSON_BYTES, nesting deeper than MAX_JSON_DEPTH or more than MAX_JSON_ITEMS values
-    (counted by their commas), never a RecursionError or a MemoryError."""
-    data = text.encode() if isinstance(text, str) else bytes(text)
-    if len(data) > MAX_JSON_BYTES:
-        raise ValueError(f"{len(data)} bytes of JSON, more than {MAX_JSON_BYTES}")
-    brackets = np.frombuffer(_JSON_STRING.sub(b'""', data), dtype=np.uint8)
-    depth = np.cumsum(np.isin(brackets, (ord("["), ord("{"))).astype(np.int64) -
-                      np.isin(brackets, (ord("]"), ord("}"))))
-    if depth.size and depth.max() > MAX_JSON_DEPTH:
-        raise ValueError(f"JSON nested {int(depth.max())} levels deep, more than "
-                         f"{MAX_JSON_DEPTH}")
-    values = int(np.count_nonzero(brackets == ord(","))) + 1
-    if values > MAX_JSON_ITEMS:
-        raise ValueError(f"{values} JSON values, more than {MAX_JSON_ITEMS}")
-    return json.loads(data)
+    """``json.loads(text)`` (str, bytes or a memoryview of UTF-8 bytes); ValueError (with the
+    reason) for malformed JSON, more than MAX_JSON_BYTES, nesting deeper than MAX_JSON_DEPTH or
+    more than MAX_JSON_ITEMS values (counted by their commas), never a RecursionError or a
+    MemoryError. The limits are checked before parsing, by a scan in SCAN_CHUNK pieces, so the
+    memory it takes is the text as a str (1 byte a character for ASCII, which checkpoints
+    are), about 20 SCAN_CHUNK of scan arrays (80 MiB), and the parsed value."""
+    if not isinstance(text, str) and len(text) > MAX_JSON_BYTES:
+        raise ValueError(f"{len(text)} bytes of JSON, more than {MAX_JSON_BYTES}")
+    scan, size = _Scan(), 0
+    for start in range(0, len(text), SCAN_CHUNK):
+        piece = text[start:start + SCAN_CHUNK]
+        if isinstance(piece, str):  # quotes, backslashes, brackets are ASCII: any cut will do
+            piece = piece.encode("utf-8", "surrogatepass")
+            size += len(piece)
+            if size > MAX_JSON_BYTES:
+                raise ValueError(f"more than {MAX_JSON_BYTES} bytes of JSON")
+        scan.feed(np.frombuffer(piece, dtype=np.uint8))
+        del piece
+        if scan.deepest > MAX_JSON_DEPTH:
+            raise ValueError(f"JSON nested {scan.deepest} levels deep, more than "
+                             f"{MAX_JSON_DEPTH}")
+        if scan.commas >= MAX_JSON_ITEMS:
+            raise ValueError(f"more than {MAX_JSON_ITEMS} JSON values")
+    return json.loads(text if isinstance(text, str) else str(text, "utf-8"))
 
 
 def count(value, source: str, field: str, maximum: int = MAX_STEP) -> int:
@@ -87,8 +144,9 @@ def finite(value: np.ndarray, source: str, field: str) -> np.ndarray:
     return value
 
 
-def tensors(value, source: str, field: str, shapes: list) -> list:
-    """``value`` as a list of finite float torch tensors of ``shapes`` (tuples), one each."""
+def tensors(value, source: str, field: str, shapes: list, dtypes: list) -> list:
+    """``value`` as a list of finite torch tensors of ``shapes`` (tuples) and ``dtypes`` (torch
+    float dtypes), one each."""
     import torch
 
     if not (isinstance(value, list) and len(value) == len(shapes) and all(
@@ -97,6 +155,10 @@ def tensors(value, source: str, field: str, shapes: list) -> list:
         want = (f"a float tensor of shape {shapes[0]}" if len(shapes) == 1 else
                 f"{len(shapes)} float tensors of the trained parameters' shapes")
         raise bad_field(source, field, f"is not {want}")
+    for i, (t, dtype) in enumerate(zip(value, dtypes)):
+        if t.dtype != dtype:
+            where = field if len(shapes) == 1 else f"{field}[{i}]"
+            raise bad_field(source, where, f"is {t.dtype}, where the job keeps {dtype}")
     for i, t in enumerate(value):
         if not torch.isfinite(t).all():
             raise bad_field(source, f"{field}[{i}]", "holds NaN or infinite values")
@@ -106,10 +168,13 @@ def tensors(value, source: str, field: str, shapes: list) -> list:
 MAX_LR = 10.0  # the largest learning rate the configs accept (fgrpo.learning_rate, sft.lr)
 
 
-def adam_state(value, source: str, shapes: list) -> dict:
-    """``value`` as a torch Adam/AdamW ``state_dict()`` over parameters of ``shapes``: per
-    parameter ``step`` (a finite number >= 0), ``exp_avg`` (finite, the parameter's shape) and
-    ``exp_avg_sq`` (finite, >= 0, the parameter's shape); param groups whose ``params`` are the
+def adam_state(value, source: str, shapes: list, dtypes: list) -> dict:
+    """``value`` as a torch Adam/AdamW ``state_dict()`` over parameters of ``shapes`` and
+    ``dtypes``, as the optimizer creates it: per parameter ``step`` (a finite number >= 0; a
+    tensor: float32 or float64, which count steps exactly), ``exp_avg`` (finite) and
+    ``exp_avg_sq`` (finite, >= 0), each of the parameter's shape and dtype (``load_state_dict``
+    would cast a bfloat16 moment to the parameter's dtype without a word: another model);
+    param groups whose ``params`` are the
     indices 0..n-1, ``lr`` in [0, MAX_LR], ``betas`` two numbers in [0, 1), ``eps`` > 0 and
     ``weight_decay`` >= 0, all finite."""
     import torch
@@ -144,10 +209,14 @@ def adam_state(value, source: str, shapes: list) -> dict:
         if not isinstance(moments, dict):
             raise bad_field(source, where, "is not a dict of moments")
         step = moments.get("step")
+        if isinstance(step, torch.Tensor) and step.dtype not in (torch.float32, torch.float64):
+            raise bad_field(source, f"{where}.step", f"is a {step.dtype} tensor; the optimizer "
+                                                     f"keeps float32")
         amount(step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step,
                source, f"{where}.step")
         for name in ("exp_avg", "exp_avg_sq"):
-            tensors([moments.get(name)], source, f"{where}.{name}", [shapes[index]])
+            tensors([moments.get(name)], source, f"{where}.{name}", [shapes[index]],
+                    [dtypes[index]])
         if (moments["exp_avg_sq"] < 0).any():
             raise bad_field(source, f"{where}.exp_avg_sq", "holds negative values")
     return value
