@@ -506,15 +506,27 @@ def test_an_override_that_is_not_utf8_is_one_line():
 @pytest.mark.parametrize("where", ["file", "override"])
 @pytest.mark.mpi
 def test_alias_bomb_under_mpirun(tmp_path, where):
+    """On 2 ranks whose address space is limited to 3 GB, as a shared login node limits it."""
+    import resource
+    import subprocess
+    import sys
+
+    from conftest import MPI_ENV, REPO, mpirun_path
+
     bomb = alias_bomb(9)
-    args = ["lora.adapter=unused"]
+    args = ["lora.adapter=unused", "run.progress=false", f"run.out={tmp_path / 'run'}"]
     if where == "file":
         config = tmp_path / "c.yaml"
         config.write_text(f"essa:\n  population: {bomb}\n")
         args.append(str(config))
     else:
         args.append(f"lora.targets={bomb}")
-    refused(job(tmp_path, "essa", *args, ranks=2), tmp_path, "once its aliases")
+    require(mpirun_path() is not None, "mpirun")
+    proc = subprocess.run(
+        [mpirun_path(), "-n", "2", "--oversubscribe", sys.executable, "-m", "essa", *args],
+        capture_output=True, text=True, timeout=120, cwd=REPO, env=dict(os.environ, **MPI_ENV),
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (3 * 10 ** 9,) * 2))
+    refused(proc, tmp_path, "once its aliases")
 
 
 SURROGATE_ROW = '{"question": "What is 1+1? \\ud800", "answer": "1+1=2\\n#### 2"}\n'
