@@ -21,7 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
+from hpc.models.base_model import check_base
 from hpc.models.generation import configure as configure_generation, set_planned_budget
+from hpc.models.loading import model_folder
 from hpc.models.memory_plan import check_job_memory, planned_engine_budget
 from hpc.models.quantize import check_quantize
 from hpc.runtime.atomic import open_plain
@@ -195,6 +197,8 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
         world.rendezvous = agree(world, "nccl" if device.type == "cuda" else "gloo")
     on_all_ranks(world, lambda: check_quantize(cfg.model.quantize, cfg.model.dtype, device))
     on_all_ranks(world, lambda: check_cached(cfg.model.path))
+    on_all_ranks(world, lambda: check_base(cfg.lora.adapter, cfg.model.path, model_folder,
+                                           cfg.lora.allow_other_base))
     on_all_ranks(world, lambda: check_job_memory(cfg, method, world.size, device.type))
     set_planned_budget(on_all_ranks(world, lambda: planned_engine_budget(
         cfg, method, world.size, device.type)))

@@ -15,6 +15,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from hpc.models.base_model import record_base
 from hpc.runtime.atomic import replaced_dir
 from hpc.runtime.errors import UserError
 
@@ -207,6 +208,8 @@ def _check_finite(peft_model, adapter_dir: str) -> None:
 def save_adapter(peft_model, out_dir: str) -> None:
     """Save the LoRA adapter in standard PEFT format (``adapter_config.json`` +
     ``adapter_model.safetensors``) into ``out_dir``: written to a temporary sibling folder,
-    then renamed, so a reader never sees a half-written adapter. Replaces an existing one."""
+    then renamed, so a reader never sees a half-written adapter. Replaces an existing one.
+    Beside it, ``base_model.json`` names the model it adapts (:mod:`hpc.models.base_model`)."""
     with replaced_dir(out_dir) as tmp:
         peft_model.save_pretrained(tmp)
+        record_base(tmp, peft_model.peft_config[peft_model.active_adapter].base_model_name_or_path)

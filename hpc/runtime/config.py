@@ -191,6 +191,9 @@ class LoraConfig:
     targets: list = param(["q_proj", "k_proj", "v_proj", "o_proj"], "adapted module names")
     dropout: float = param(0.0, "LoRA dropout during SFT", min=0.0, max=1.0)
     adapter: str = param("", "existing peft adapter folder to start from ('' = fresh LoRA)")
+    allow_other_base: bool = param(False, "load lora.adapter although its base_model.json "
+                                   "records another base model than model.path (the job "
+                                   "refuses it otherwise, before any weights load)")
 
 
 @dataclass
