@@ -212,10 +212,12 @@ def test_fsdp2_preemption_then_resume_is_bitwise(toy_adapter, tmp_path):
 @pytest.mark.slow
 def test_sft_preemption_then_resume_is_bitwise(tmp_path):
     """SFT with LoRA dropout (so torch's RNG is part of the state) stopped by SIGUSR1, then
-    resumed: the losses and the adapter equal an uninterrupted run's."""
+    resumed: the losses and the adapter equal an uninterrupted run's. The resume names no
+    folder, only the default run.out's kind ({method}-{jobid}): it takes the newest unfinished
+    run, not the complete one beside it."""
     from safetensors.torch import load_file
 
-    full, part = tmp_path / "full", tmp_path / "part"
+    full, part = tmp_path / "sft-20261201-090000", tmp_path / "sft-20261201-080000"
     done = run_mpi(2, sft_args(full, 30))
     assert done.returncode == 0, done.stderr[-3000:]
     h5 = str(part / "sft.h5")
@@ -226,8 +228,9 @@ def test_sft_preemption_then_resume_is_bitwise(tmp_path):
     assert stopped.attrs["status"] == "preempted"
     assert 2 <= stopped.group("metrics")["step"][-1] < 30
     assert not (part / "adapter").exists()
-    resumed = run_mpi(2, sft_args(part, 30) + ["--resume"])
+    resumed = run_mpi(2, sft_args(tmp_path / "{method}-{jobid}", 30) + ["--resume"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"--resume: the newest unfinished sft run is {part}\n" in resumed.stdout
     a, b = RunFile(str(full / "sft.h5")), RunFile(h5)
     assert b.attrs["status"] == "complete"
     assert b.group("metrics")["step"].tolist() == list(range(1, 31))

@@ -136,3 +136,48 @@ def test_a_second_job_on_the_same_folder_stops_before_touching_it(toy_adapter, t
     # The lock went with its holder: the next job may use the folder.
     resumed = run_mpi(2, essa_args(toy_adapter, out, len(steps) + 1) + ["--resume"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+
+def _run_file(folder, method, status, mtime):
+    from hpc.runtime.runstore import RunStore
+
+    folder.mkdir(parents=True)
+    store = RunStore(str(folder / f"{method}.h5"), True, {"method": method})
+    store.close(status)
+    os.utime(folder / f"{method}.h5", (mtime, mtime))
+
+
+def test_resume_without_a_folder_takes_the_newest_unfinished_run(tmp_path):
+    """run.out's default names a new folder per job outside Slurm ({jobid} is the start
+    time), so --resume with it finds the newest unfinished run of the method it names:
+    complete runs, other methods' runs and a run whose job still holds its lock are passed
+    over."""
+    import fcntl
+
+    from hpc.job.lifecycle import newest_unfinished
+
+    runs = tmp_path / "runs"
+    _run_file(runs / "essa-1", "essa", "preempted", 1_000)
+    _run_file(runs / "essa-2", "essa", "running", 2_000)  # killed: never closed
+    _run_file(runs / "essa-3", "essa", "complete", 3_000)
+    _run_file(runs / "fgrpo-4", "fgrpo", "preempted", 4_000)
+    (runs / "essa-0" / "checkpoints").mkdir(parents=True)  # no run file yet, a checkpoint
+    os.utime(runs / "essa-0" / "checkpoints", (500, 500))
+    template = f"{runs}/{{method}}-{{jobid}}"
+    assert newest_unfinished(template, "essa") == str(runs / "essa-2")
+    with open(runs / "essa-2" / ".lock", "w") as held:  # a job runs there
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert newest_unfinished(template, "essa") == str(runs / "essa-1")
+    assert newest_unfinished(template, "fgrpo") == str(runs / "fgrpo-4")
+    with pytest.raises(UserError, match=r"no unfinished sft run in .*/runs/sft-\*"):
+        newest_unfinished(template, "sft")
+
+
+@pytest.mark.subprocess
+def test_resume_with_no_unfinished_run_is_one_line(tmp_path):
+    from conftest import run_cli
+
+    proc = run_cli(["-m", "essa", "lora.adapter=unused", "run.progress=false",
+                    f"run.out={tmp_path}/runs/{{method}}-{{jobid}}", "--resume"], timeout=120)
+    one_error_line(proc, "--resume", "no unfinished essa run")
+    assert not (tmp_path / "runs").exists()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import errno
 import fcntl
+import glob
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+import h5py
 import numpy as np
 from tqdm import tqdm
 
@@ -145,6 +147,46 @@ def _lock_run_folder(out_dir: str, job_id: str) -> None:
     _held_lock = fh
 
 
+def _unfinished(folder: str, method: str) -> float | None:
+    """The time a run of ``method`` in ``folder`` last wrote, if it is unfinished (its run file
+    not ``complete``, or only checkpoints) and no job holds the folder; None otherwise."""
+    run_file, ckpts = os.path.join(folder, f"{method}.h5"), os.path.join(folder, "checkpoints")
+    if os.path.isfile(run_file):
+        try:
+            with h5py.File(run_file, "r", locking=False) as f:
+                status = f.attrs.get("status", b"")
+        except (OSError, RuntimeError, KeyError, ValueError):
+            status = b""  # damaged: --resume restores it from the checkpoint
+        if (status.decode() if isinstance(status, bytes) else str(status)) == "complete":
+            return None
+        written = os.path.getmtime(run_file)
+    elif os.path.isdir(ckpts):
+        written = os.path.getmtime(ckpts)
+    else:
+        return None
+    lock = os.path.join(folder, LOCK_FILE)
+    if os.path.isfile(lock) and not os.path.islink(lock):
+        with open(lock) as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
+                return None  # a job is running there
+    return written
+
+
+def newest_unfinished(template: str, method: str) -> str:
+    """``--resume`` where run.out names a new folder per job (``{jobid}`` outside Slurm): the
+    folder of the newest unfinished run of ``method`` among those ``template`` names; one line
+    if there is none."""
+    pattern = template.replace("{jobid}", "*").format(method=method)
+    found = [(when, folder) for folder in glob.glob(pattern)
+             if (when := _unfinished(folder, method)) is not None]
+    if not found:
+        raise UserError(f"--resume: no unfinished {method} run in {pattern} (every one is "
+                        f"complete, in use or absent); give run.out=<its folder>")
+    return max(found)[1]
+
+
 def _check_resumable(out_dir: str, method: str) -> None:
     """``--resume`` needs a run of ``method`` in ``out_dir`` (a run file or checkpoints)."""
     if not os.path.isdir(out_dir):
@@ -204,6 +246,12 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
         cfg, method, world.size, device.type)))
     job_id = _job_id(world)
     out_dir = run_folder(cfg.run.out, method, job_id)
+    if resume and "{jobid}" in cfg.run.out and not os.environ.get("SLURM_JOB_ID"):
+        # a job id of this start's time names no earlier run: take the newest unfinished one
+        out_dir = world.comm.bcast(on_all_ranks(world, lambda: newest_unfinished(
+            cfg.run.out, method) if world.is_root else None), root=0)
+        if world.is_root:
+            print(f"--resume: the newest unfinished {method} run is {out_dir}", flush=True)
 
     def claim_folder():
         run_folder_entries(out_dir, method)  # every rank: the folder is shared

@@ -232,7 +232,9 @@ class EvalConfig:
 
 @dataclass
 class RunConfig:
-    out: str = param("runs/{method}-{jobid}", "output folder; {method} and {jobid} are filled in")
+    out: str = param("runs/{method}-{jobid}", "output folder; {method} and {jobid} (Slurm's "
+                     "job id, else the start time) are filled in; --resume outside Slurm with "
+                     "{jobid} in it resumes the newest unfinished run of the method it names")
     seed: int = param(0, "training seed", min=0, max=2**32 - 1)
     max_time_s: float = param(0.0, "stop after this wall time in seconds (0 = no limit)",
                               min=0.0, max=1e8)
