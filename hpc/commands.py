@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 import os
 
-from hpc.runtime.cli import EXIT_CODES_HELP, TASK_FILES, job_command
+from hpc.runtime.cli import EXIT_CODES_HELP, TASK_FILES, OneLineParser, job_command
 from hpc.runtime.config import JobConfig, load_config
 from hpc.runtime.errors import UserError, user_errors_exit
 
@@ -37,7 +37,7 @@ def plan_job_class():
 def plan(argv=None):
     """``hpc-plan``: print the memory plan of a config's model for ESSA and F-GRPO
     (:mod:`hpc.models.memory_plan`)."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="hpc-plan", epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Memory per GPU of ESSA and F-GRPO for model.path, from its config.json "
                     "alone (no weights are read).\nKeys used: model.path, model.dtype, lora.rank, "

@@ -22,7 +22,7 @@ try:
     code = main()
 except SystemExit as stop:
     code = stop.code
-print("EXIT", code or 0, "TORCH", "torch" in sys.modules,
+print("EXIT", code or 0, "SCIPY", "scipy" in sys.modules, "TORCH", "torch" in sys.modules,
       "TRANSFORMERS", "transformers" in sys.modules)
 """
 
@@ -40,8 +40,40 @@ def test_help_without_torch(name, module, function):
                           capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=REPO))
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.rstrip().endswith("EXIT 0 TORCH False TRANSFORMERS False"), proc.stdout
+    assert proc.stdout.rstrip().endswith("EXIT 0 SCIPY False TORCH False TRANSFORMERS False"), \
+        proc.stdout
     assert "exit codes: 0 done; 2 user error" in proc.stdout.replace("\n", " ")
+    assert not re.search(r":[a-z]+:`|``", proc.stdout), proc.stdout  # plain text, no roles
+
+
+@pytest.mark.parametrize("name, argv, words", [
+    ("hpc-report", ["sumary"], ["invalid choice: 'sumary'", "usage: hpc-report"]),
+    ("hpc-report", ["summary", "x.h5", "--plts", "d"], ["unrecognized arguments: --plts"]),
+    ("hpc-scaling", ["--nope"], ["unrecognized arguments: --nope", "see hpc-scaling --help"]),
+    ("hpc-plan", ["--config", "x"], ["unrecognized arguments: --config"]),
+    ("hpc-data", ["chek"], ["invalid choice: 'chek'"]),
+    ("hpc-toy", ["--rebuilt"], ["unrecognized arguments: --rebuilt"]),
+])
+@pytest.mark.subprocess
+def test_a_mistyped_subcommand_or_flag_is_one_line(name, argv, words):
+    module, function = next((m, f) for n, m, f in ENTRY_POINTS if n == name)
+    proc = subprocess.run([sys.executable, "-c", f"from {module} import {function} as main; "
+                           f"main({argv!r})"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and proc.stdout == "" and len(lines) == 1, proc
+    assert lines[0].startswith(f"error: {name}: ") and all(w in lines[0] for w in words), lines
+
+
+@pytest.mark.subprocess
+def test_hpc_scaling_takes_its_config_first_like_every_command():
+    proc = subprocess.run([sys.executable, "-c", "from hpc.analysis.scaling import build_parser, "
+                           "main; print(build_parser().parse_args(['c.yaml']).config_file); "
+                           "main(['a.yaml', '--config', 'b.yaml'])"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.stdout == "c.yaml\n" and proc.returncode == 2, proc
+    assert "two configs, a.yaml and --config b.yaml" in proc.stderr
 
 
 @pytest.mark.parametrize("name,keys", [

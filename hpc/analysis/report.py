@@ -10,13 +10,11 @@ the wall-clock seconds to a target accuracy; writes the same table as CSV and dr
 Both work on files of jobs still running (rows not yet complete are skipped).
 
 ``hpc-report reproduce ROOT [--plots DIR] [--json OUT.json]`` summarises the papers'
-reproduction experiment (:mod:`hpc.analysis.reproduce`).
-
-Nothing here knows a method: each run file names its phases with their kind (``phases``, see
-:data:`hpc.job.loop.PHASE_KINDS`) and the held-out column its accuracy curve follows
-(``heldout_accuracy``). Files written before those attributes existed are read with the names
-the methods used then (:data:`LEGACY_PHASES`).
+reproduction experiment (jobscripts/reproduce.sh).
 """
+# Nothing here knows a method: each run file names its phases with their kind (``phases``, see
+# hpc.job.loop.PHASE_KINDS) and the held-out column its accuracy curve follows
+# (``heldout_accuracy``); files without those attributes are read with LEGACY_PHASES.
 from __future__ import annotations
 
 import csv

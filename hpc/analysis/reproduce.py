@@ -35,7 +35,6 @@ import warnings
 
 import numpy as np
 import yaml
-from scipy import stats
 
 from hpc.runtime.errors import UserError
 from hpc.runtime.runstore import RunFile
@@ -104,12 +103,16 @@ def mean_spread(values) -> str:
     return f"{v.mean():.1f}{spread}"
 
 
-def p_value(test, b, a, **kw) -> float:
-    """``test(b, a).pvalue``; NaN where the seeds leave no variance to test against (3 seeds
-    with equal values are common for greedy accuracy on a few hundred problems)."""
+def p_value(test: str, b, a, **kw) -> float:
+    """``scipy.stats.<test>(b, a).pvalue``; NaN where the seeds leave no variance to test
+    against (3 seeds with equal values are common for greedy accuracy on a few hundred
+    problems). scipy is imported here, not with the module: it takes a second, and every
+    ``hpc-report --help`` would wait for it."""
+    from scipy import stats
+
     with warnings.catch_warnings():  # scipy warns, then answers, when values nearly agree
         warnings.simplefilter("ignore", RuntimeWarning)
-        return float(test(b, a, **kw).pvalue)
+        return float(getattr(stats, test)(b, a, **kw).pvalue)
 
 
 def _p(p: float) -> str:
@@ -148,7 +151,7 @@ def gamma_summary(runs: list) -> tuple:
                 a = np.array([b.passk[k - 1] for b, _ in paired])
                 b = np.array([r.passk[k - 1] for _, r in paired])
                 diff = b - a
-                p = p_value(stats.ttest_rel, b, a)
+                p = p_value("ttest_rel", b, a)
                 tests.append([f"{g:g} vs 0", f"pass@{k}", len(paired),
                               f"{100 * diff.mean():+.1f}", _p(p)])
                 record["gammas"][f"{g:g}"][f"paired_pass@{k}"] = {
@@ -185,7 +188,7 @@ def method_summary(runs: list, group: str) -> tuple:
         _table(head, rows)
     if all(len(by[m]) >= 2 for m in by):
         a, b = (np.array([r.accuracy for r in by[m]]) for m in ("essa", "fgrpo"))
-        p = p_value(stats.ttest_ind, b, a, equal_var=False)
+        p = p_value("ttest_ind", b, a, equal_var=False)
         record["welch_greedy"] = {"fgrpo_minus_essa": float(b.mean() - a.mean()),
                                   "p_value": float(p)}
         text += (f"\nWelch t-test, greedy accuracy F-GRPO - ESSA: "
@@ -195,6 +198,8 @@ def method_summary(runs: list, group: str) -> tuple:
 
 def ci95(values) -> tuple:
     """(mean, half-width of the 95% Student-t confidence interval; NaN for one value)."""
+    from scipy import stats  # here: see p_value
+
     v = np.asarray(values, dtype=np.float64)
     if len(v) < 2:
         return float(v.mean()), float("nan")
@@ -246,7 +251,7 @@ def family_summary(runs: list) -> tuple:
             base = np.array([b.passk[k - 1] for b, _ in paired])
             focal = np.array([r.passk[k - 1] for _, r in paired])
             mean, half = ci95(100 * (focal - base))
-            p = p_value(stats.ttest_rel, focal, base)
+            p = p_value("ttest_rel", focal, base)
             tests.append([f"{name} - {ALGORITHMS[a]}", f"pass@{k}", len(paired),
                           f"{mean:+.1f} ± {half:.1f}", _p(p)])
             arm[f"paired_pass@{k}"] = {"mean_difference": float(mean / 100),

@@ -28,7 +28,7 @@ from hpc.analysis.plan_terms import (QUANTIZE, essa_decoding, grpo_decoding, mod
                                      plan_config)
 from hpc.analysis.report import open_run, phase_kinds, step_timings
 from hpc.models.memory_plan import expected_rounds
-from hpc.runtime.cli import EXIT_CODES_HELP
+from hpc.runtime.cli import EXIT_CODES_HELP, OneLineParser, plain
 from hpc.runtime.errors import UserError, user_errors_exit
 
 
@@ -840,9 +840,11 @@ def paper_comparison(rows: list, w: Workload, cost, net: Network,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hpc-scaling", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=EXIT_CODES_HELP)
+    p = OneLineParser(prog="hpc-scaling", description=plain(__doc__),
+                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXIT_CODES_HELP)
+    p.add_argument("config_file", nargs="?", metavar="CONFIG.yaml",
+                   help="the job config whose memory plan gives each method's weight bytes "
+                        "and concurrency (hpc-plan's; the workload flags override it)")
     p.add_argument("--paper", action="store_true",
                    help="print the paper's figures beside the prediction (the defaults are "
                    "the paper's setting)")
@@ -872,9 +874,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--essa-quantize", choices=list(QUANTIZE), default=None,
                    help="ESSA's weight-only quantised inference (default: model.quantize of "
                         "--config, else the package's default, none)")
-    p.add_argument("--config", metavar="CONFIG.yaml",
-                   help="the job config whose memory plan gives each method's weight bytes "
-                        "and concurrency (hpc-plan's; the workload flags override it)")
+    p.add_argument("--config", metavar="CONFIG.yaml", help="the same as CONFIG.yaml")
     p.add_argument("--concurrency", choices=["plan", "kv"], default="plan",
                    help="plan: weight bytes and concurrent sequences from the memory plan "
                         "(hpc-plan's engine budget); kv: the reference, bf16 weights and a "
@@ -1117,6 +1117,10 @@ def host_offload(args, w: "Workload") -> tuple:
 @user_errors_exit
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if args.config_file and args.config and args.config_file != args.config:
+        raise UserError(f"hpc-scaling: two configs, {args.config_file} and --config "
+                        f"{args.config}; give one")
+    args.config = args.config or args.config_file
     w, cost, net, source, notes, sharding = setup(args)
     rows = predict(sorted(args.gpus), w, cost, net, sharding)
     print("predicted per step and to target (GRPO/ESSA > 1: ESSA reaches the target first)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import re
 import sys
 import textwrap
 
@@ -28,11 +29,19 @@ JOB_EXIT_CODES_HELP = (f"exit codes: 0 done; {EXIT_USER_ERROR} user error (one l
 HELP_FLAGS = ("-h", "--help")
 
 
+_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")  # :mod:`hpc.x` -> hpc.x
+
+
+def plain(doc: str) -> str:
+    """A module docstring as ``--help`` text: Sphinx roles and double backquotes removed."""
+    return _ROLE.sub(r"\1", doc).replace("``", "")
+
+
 def tool_parser(prog: str, doc: str) -> tuple:
     """(parser, subparsers) of a tool with subcommands (``hpc-report``, ``hpc-data``): the
-    module docstring as description, the exit codes as epilog."""
-    parser = argparse.ArgumentParser(prog=prog, description=doc, epilog=EXIT_CODES_HELP,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    module docstring as plain description (:func:`plain`), the exit codes as epilog."""
+    parser = OneLineParser(prog=prog, description=plain(doc), epilog=EXIT_CODES_HELP,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     return parser, parser.add_subparsers(dest="command", required=True)
 
 
@@ -42,16 +51,20 @@ def _load(ref: str):
     return getattr(importlib.import_module(module), name)
 
 
-class _Parser(argparse.ArgumentParser):
-    """A command-line mistake is a UserError (one line from rank 0), not usage on every rank."""
+class OneLineParser(argparse.ArgumentParser):
+    """Every command's parser: a command-line mistake (a misspelt subcommand or flag, a missing
+    argument) is a UserError, one line from rank 0 and exit 2, not usage on every rank; the
+    usage is in the line where it is short, else ``--help`` is named."""
 
     def error(self, message):
-        raise UserError(f"{self.prog}: {message} (usage: {self.format_usage().strip()[7:]})")
+        usage = self.format_usage().strip()[len("usage: "):]
+        hint = f"usage: {usage}" if len(usage) <= 100 else f"see {self.prog} --help"
+        raise UserError(f"{self.prog}: {message} ({hint})")
 
 
 def parse_args(prog: str, argv=None, description: str = ""):
     """A job's command line: (config file or None, overrides, whether ``--resume``)."""
-    parser = _Parser(prog=prog, description=description)
+    parser = OneLineParser(prog=prog, description=description)
     parser.add_argument("items", nargs="*", metavar="CONFIG.yaml | section.key=value",
                         help="an optional YAML config file, then overrides")
     parser.add_argument("--resume", action="store_true",

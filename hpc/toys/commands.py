@@ -2,17 +2,18 @@
 held-out accuracy. Torch-free until the command line is parsed (``--help`` answers at once)."""
 from __future__ import annotations
 
-import argparse
 import importlib
 
-from hpc.runtime.cli import EXIT_CODES_HELP
+from hpc.runtime.cli import EXIT_CODES_HELP, OneLineParser
+from hpc.runtime.errors import user_errors_exit
 
 
 def _toy_command(prog: str, module: str, description: str):
     """An entry point that parses ``--rebuild`` and calls ``module.show`` (imported then)."""
 
+    @user_errors_exit
     def main(argv=None):
-        parser = argparse.ArgumentParser(prog=prog, epilog=EXIT_CODES_HELP, description=description)
+        parser = OneLineParser(prog=prog, epilog=EXIT_CODES_HELP, description=description)
         parser.add_argument("--rebuild", action="store_true", help="delete the cached model first")
         args = parser.parse_args(argv)
         return importlib.import_module(module).show(rebuild=args.rebuild)
