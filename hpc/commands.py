@@ -9,17 +9,17 @@ import argparse
 import dataclasses
 import os
 
-from hpc.runtime.cli import EXIT_CODES_HELP, TASK_FILES, OneLineParser, job_command
+from hpc.runtime.cli import EXIT_CODES_HELP, JOB_INPUTS, OneLineParser, job_command
 from hpc.runtime.config import JobConfig, load_config
 from hpc.runtime.errors import UserError, user_errors_exit
 
 sft = job_command("hpc-sft", "hpc.sft_config:SFTJobConfig", "hpc.sft:main",
                   "LoRA SFT stage: writes <run.out>/adapter (peft format) and sft.h5.",
-                  check_ref=TASK_FILES)
+                  check_ref=JOB_INPUTS)
 evaluate = job_command("hpc-eval", "hpc.runtime.config:JobConfig", "hpc.evaluate:main",
                        "Greedy accuracy and pass@k of model.path (+ lora.adapter) on the "
                        "task's held-out split: writes eval.h5.",
-                       check_ref=TASK_FILES)
+                       check_ref=JOB_INPUTS)
 
 
 def plan_job_class():

@@ -72,6 +72,15 @@ def run_cli(args: list, timeout: float = 300, env: dict | None = None):
                           timeout=timeout, env=full_env, cwd=REPO)
 
 
+def placeholder_adapter(folder) -> str:
+    """A folder that passes a job's input check as a peft adapter (its two files, empty), for
+    tests whose job stops before any adapter loads."""
+    os.makedirs(folder, exist_ok=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        open(os.path.join(folder, name), "w").close()
+    return str(folder)
+
+
 def our_lines(stderr: str) -> list:
     """The lines our program wrote to stderr (mpirun's own banners removed)."""
     lines = []

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import our_lines, require, run_cli, run_mpi
+from conftest import our_lines, placeholder_adapter, require, run_cli, run_mpi
 from essa.config import ESSAJobConfig
 from fgrpo.config import FGRPOJobConfig
 from hpc.runtime.config import load_config
@@ -98,7 +98,8 @@ def test_output_folder_not_writable(tmp_path):
 @pytest.mark.subprocess
 def test_disk_too_full(tmp_path):
     proc = run_cli(["-m", "essa", "run.progress=false", "run.min_free_mb=1e12",
-                    "lora.adapter=unused", f"run.out={tmp_path / 'run'}"], timeout=120)
+                    f"lora.adapter={placeholder_adapter(tmp_path / 'adapter')}",
+                    f"run.out={tmp_path / 'run'}"], timeout=120)
     one_line_exit_2(proc, "MiB free", "run.min_free_mb")
     assert not (tmp_path / "run" / "essa.h5").exists()
 
@@ -234,7 +235,8 @@ def test_non_utf8_config_file_under_mpirun(tmp_path):
 def test_override_after_resume_is_parsed(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("run:\n  progress: false\n")
-    proc = run_mpi(2, ["-m", "essa", str(config), "--resume", "lora.adapter=unused",
+    proc = run_mpi(2, ["-m", "essa", str(config), "--resume",
+                       f"lora.adapter={placeholder_adapter(tmp_path / 'adapter')}",
                        f"run.out={tmp_path / 'none'}"], timeout=120)
     one_line_exit_2(proc, "--resume", "no run folder")  # the overrides were read
 

@@ -72,3 +72,36 @@ def test_a_job_refuses_an_adapter_of_another_base_before_loading(two_bases, tmp_
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "was trained on the model in" in lines[0], lines
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["lora.adapter=no/such/adapter"], ["adapter folder not found: no/such/adapter"]),
+    (["model.path=/no/such/model", "lora.adapter=x"], ["model folder not found: /no/such/model"]),
+    (["lora.adapter=ADAPTER_WITHOUT_WEIGHTS"], ["has no adapter weights"]),
+    (["task.name=gsm8k", "task.eval_path=/no/such.jsonl", "lora.adapter=x"],
+     ["task data file not found"]),
+], ids=["adapter", "model", "adapter-files", "data"])
+@pytest.mark.subprocess
+def test_inputs_are_checked_before_torch_is_imported(tmp_path, overrides, words):
+    """A typo in lora.adapter built the toy, loaded the task and the model (minutes on a
+    cluster model), then said so: the job's inputs are checked first, torch-free."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "adapter_config.json").write_text("{}")
+    argv = [o.replace("ADAPTER_WITHOUT_WEIGHTS", str(half)) for o in overrides]
+    probe = ("import sys\nfrom essa.__main__ import main\n"
+             "try:\n    main(sys.argv[1:])\nexcept SystemExit as stop:\n"
+             "    print('TORCH', 'torch' in sys.modules, stop.code)\n")
+    proc = subprocess.run([sys.executable, "-c", probe, *argv, f"run.out={tmp_path / 'run'}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.stdout.strip() == "TORCH False 2", (proc.stdout, proc.stderr[-2000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and all(w in lines[0] for w in words), lines
+    assert not (tmp_path / "run").exists()

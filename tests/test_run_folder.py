@@ -175,9 +175,10 @@ def test_resume_without_a_folder_takes_the_newest_unfinished_run(tmp_path):
 
 @pytest.mark.subprocess
 def test_resume_with_no_unfinished_run_is_one_line(tmp_path):
-    from conftest import run_cli
+    from conftest import placeholder_adapter, run_cli
 
-    proc = run_cli(["-m", "essa", "lora.adapter=unused", "run.progress=false",
+    proc = run_cli(["-m", "essa", f"lora.adapter={placeholder_adapter(tmp_path / 'a')}",
+                    "run.progress=false",
                     f"run.out={tmp_path}/runs/{{method}}-{{jobid}}", "--resume"], timeout=120)
     one_error_line(proc, "--resume", "no unfinished essa run")
     assert not (tmp_path / "runs").exists()

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer
 
-from hpc.models.loading import check_model_folder, model_folder
+from hpc.models.folders import check_model_folder
+from hpc.models.loading import model_folder
 from hpc.runtime.errors import UserError
 
 _PROBE = "hpc-end-of-turn-probe"

@@ -16,6 +16,7 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hpc.models.base_model import record_base
+from hpc.models.folders import ADAPTER_WEIGHT_FILES, check_adapter_folder, check_model_folder
 from hpc.runtime.atomic import replaced_dir
 from hpc.runtime.errors import UserError
 
@@ -26,11 +27,6 @@ transformers.utils.logging.disable_progress_bar()
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|peft)\b")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "spiece.model")
-ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
 
 def _first_line(err: BaseException) -> str:
@@ -42,25 +38,6 @@ def _resolve_device(device) -> torch.device:
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-def _check_folder(path: str, what: str, needs: list) -> None:
-    """UserError unless ``path`` is a folder holding, for each ``(description, file names)`` of
-    ``needs``, one of those files; the message names the first that is missing."""
-    if not os.path.isdir(path):
-        raise UserError(f"{what} folder not found: {path}")
-    files = set(os.listdir(path))
-    for description, names in needs:
-        if not files.intersection(names):
-            raise UserError(f"{what} folder {path} has no {description}")
-
-
-def check_model_folder(path: str) -> None:
-    """Raise UserError unless ``path`` holds config.json, weights and tokenizer files."""
-    _check_folder(path, "model", [
-        ("config.json", ("config.json",)),
-        (f"weights ({' or '.join(WEIGHT_FILES[::2])})", WEIGHT_FILES),
-        (f"tokenizer files ({', '.join(TOKENIZER_FILES)})", TOKENIZER_FILES)])
 
 
 BUILT_IN_MODELS: dict = {}
@@ -172,9 +149,7 @@ def load_adapter(model, adapter_dir: str, is_trainable: bool = False,
     ``targets`` (when given). On error the base model may already hold injected (empty)
     adapter layers; load it again before reuse.
     """
-    _check_folder(adapter_dir, "adapter", [
-        ("adapter_config.json", ("adapter_config.json",)),
-        (f"adapter weights ({' or '.join(ADAPTER_WEIGHT_FILES)})", ADAPTER_WEIGHT_FILES)])
+    check_adapter_folder(adapter_dir)
     try:
         peft_model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=is_trainable)
     except (RuntimeError, ValueError, KeyError, OSError, SafetensorError) as err:

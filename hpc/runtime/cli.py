@@ -102,9 +102,9 @@ def job_help(prog: str, about: str, job_cls) -> str:
     return "\n".join(lines)
 
 
-# The jobs' check before their imports: every row of the task's data files (hpc.data, named here
-# by reference only, and imported when a job starts, not when --help is answered).
-TASK_FILES = "hpc.data.mathdata:check_task_files"
+# The jobs' check before their imports (hpc.job.inputs: data files, model and adapter folders),
+# named here by reference only: imported when a job starts, not when --help is answered.
+JOB_INPUTS = "hpc.job.inputs:check_inputs"
 
 
 def job_command(prog: str, config_ref: str, run_ref: str, about: str,
@@ -113,7 +113,7 @@ def job_command(prog: str, config_ref: str, run_ref: str, about: str,
     installs the preemption handler (:func:`hpc.runtime.preempt.stop_signals`: a signal from
     here on is honoured at the job's next safe point, however long the imports and the model
     loading take), reads the command line and the config and runs the torch-free check at
-    ``check_ref`` (if given) on it (the jobs: every row of the task's data files): a mistake
+    ``check_ref`` (if given) on it (the jobs: :data:`JOB_INPUTS`): a mistake
     in any ends here, in about a second, before torch is imported; then runs ``run_ref``
     (``'module:function'``, called with the arguments; it reads them again)."""
 
