@@ -46,6 +46,7 @@ SMOKE = {
                            "fgrpo.batch_prompts=2", "fgrpo.num_generations=2",
                            "fgrpo.micro_batch=2"], False,
                           ["essa ", "after_evaluation ", "fgrpo "]),
+    "cli_help.py": (["--repeats", "1"], False, ["python -c pass", "hpc-report", "x python"]),
     "quantization.py": (["--models", "toy", "--n-eval", "8", "--minibatch", "4",
                          "--population", "4", "--members-per-pass", "2"], False,
                         ["toy (arith", "identical completions", "Spearman"]),
