@@ -10,6 +10,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -73,12 +74,15 @@ def lora_model(path: str, device: str = "cpu", seed: int = 1):
 
 def launch_mpi(n: int, argv: list) -> None:
     """Run ``python argv...`` on ``n`` ranks under mpirun (one thread per rank, oversubscribed
-    if needed); RuntimeError with the tail of stderr if it fails."""
+    if needed); RuntimeError with the tail of stderr if it fails. Each launch keeps its session
+    files in a fresh folder: rendezvous files left by a killed mpirun stop a later one given the
+    same pid (exit 213, "The PMIx server's listener thread failed to start")."""
     mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
-               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     cmd = [mpirun if os.path.exists(mpirun) else "mpirun", "-n", str(n), "--oversubscribe",
            sys.executable] + [str(a) for a in argv]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+    with tempfile.TemporaryDirectory(prefix="prte-") as session_base:
+        env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
+                   OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PRTE_MCA_prte_tmpdir_base=session_base)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     if proc.returncode != 0:
         raise RuntimeError(f"mpirun -n {n} {' '.join(cmd[4:])} failed:\n{proc.stderr[-3000:]}")

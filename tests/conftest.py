@@ -3,11 +3,13 @@
 CI sets HPC_TEST_STRICT=1, which turns every such skip into a failure. The tiers' marks, their
 guard and the time budget live in tests/tiers.py (its hooks are registered here).
 """
+import atexit
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -33,6 +35,16 @@ MPI_ENV = {
     "OMP_NUM_THREADS": "1",
     "PYTHONPATH": REPO,
 }
+
+
+# Open MPI's mpirun keeps its PMIx rendezvous files in <base>/ompi.<pid>. A test that kills
+# mpirun leaves them behind, and a later mpirun given the same pid (pid_max is 32768 on such
+# machines, and a suite starts tens of thousands of processes) stops at once: "The PMIx
+# server's listener thread failed to start", exit 213. Every test's launches get a base of
+# their own (fresh_mpirun_session_base below), the shared builds one per pytest worker.
+PRTE_BASE = "PRTE_MCA_prte_tmpdir_base"
+os.environ[PRTE_BASE] = tempfile.mkdtemp(prefix="prte-session-")
+atexit.register(shutil.rmtree, os.environ[PRTE_BASE], True)
 
 
 def require(condition: bool, what: str):
@@ -150,3 +162,12 @@ def _sigterm_disposition_restored():
     before = signal.getsignal(signal.SIGTERM)
     yield
     signal.signal(signal.SIGTERM, before)
+
+
+@pytest.fixture(autouse=True)
+def fresh_mpirun_session_base(monkeypatch):
+    """This test's mpirun session files in a folder of its own, removed after it (PRTE_BASE)."""
+    base = tempfile.mkdtemp(prefix="prte-")
+    monkeypatch.setenv(PRTE_BASE, base)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)

@@ -126,7 +126,7 @@ with h5py.File(sys.argv[1], "r", locking=False) as f:
     fi
   fi
 
-  local launch
+  local launch prte_base=
   case ${LAUNCHER:-srun} in
     srun)
       launch=(srun --mpi="${SRUN_MPI:-pmix}" --kill-on-bad-exit=1)
@@ -135,7 +135,14 @@ with h5py.File(sys.argv[1], "r", locking=False) as f:
       # ever talks to the slurmstepd of its own node.
       export PMIX_MCA_psec=${PMIX_MCA_psec:-native} ;;
     # --bind-to none: leave CPU placement to Slurm, Open MPI would pin each rank to one core.
-    mpirun) launch=(mpirun --bind-to none) ;;
+    # mpirun keeps its session files (PMIx rendezvous files) in <base>/ompi.<pid>; a killed
+    # mpirun (Slurm's SIGKILL at the time limit, kill_hung_launcher) leaves them, and a later
+    # mpirun on that node given the same pid stops at once ("The PMIx server's listener thread
+    # failed to start", exit 213). Each attempt therefore gets a base of its own, removed after.
+    mpirun)
+      launch=(mpirun --bind-to none)
+      prte_base="${PRTE_MCA_prte_tmpdir_base:-${TMPDIR:-/tmp}}/hpc-prte-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"
+      export PRTE_MCA_prte_tmpdir_base=$prte_base ;;
     *) echo "error: LAUNCHER=$LAUNCHER: use srun or mpirun" >&2; return $EXIT_USER_ERROR ;;
   esac
 
@@ -179,6 +186,7 @@ with h5py.File(sys.argv[1], "r", locking=False) as f:
   trap - USR1 TERM
   kill "$watcher" 2>/dev/null
   wait "$watcher" 2>/dev/null
+  if [[ -n $prte_base ]]; then rm -rf "$prte_base"; fi
 
   # A launcher can exit 0 without the ranks having run to the end (srun once did, when slurmd
   # refused a requeued job's credential): a run file that is not complete is then a failure.
