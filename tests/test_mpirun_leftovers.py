@@ -9,7 +9,6 @@ launch a base of its own.
 import contextlib
 import glob
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import pytest
 from conftest import MPI_ENV, PRTE_BASE, REPO, mpirun_path, require, run_mpi
 
 LISTENER_FAILED = "The PMIx server's listener thread failed to start"
-PLANTED = 2000  # stale session folders planted for the pids after this process's
+FIRST_PID = 300  # the kernel hands out pids from here once it wraps at pid_max
 
 
 def killed_mpirun_leftovers(base) -> list:
@@ -43,25 +42,24 @@ def killed_mpirun_leftovers(base) -> list:
     return left
 
 
-def next_pids(count: int) -> list:
-    """The ``count`` pids the kernel hands out after this process's, wrapping at pid_max."""
+def every_pid() -> range:
+    """Every pid a later process may get (the kernel wraps at pid_max to FIRST_PID)."""
     with open("/proc/sys/kernel/pid_max") as f:
-        pid_max = int(f.read())
-    return [300 + (p - pid_max) if p >= pid_max else p
-            for p in range(os.getpid() + 1, os.getpid() + 1 + count)]
+        return range(FIRST_PID, int(f.read()))
 
 
 @pytest.fixture
 def stale_base(tmp_path):
-    """A session base holding a killed mpirun's rendezvous files for each of the next pids."""
+    """A session base holding a killed mpirun's rendezvous files for every pid (hard links),
+    so whatever pid the next mpirun gets (other processes take pids meanwhile) is stale."""
     require(mpirun_path() is not None, "mpirun")
     left = killed_mpirun_leftovers(tmp_path / "killed")
     assert left, "a killed mpirun left no session files: this Open MPI keeps them elsewhere"
     base = tmp_path / "stale"
-    for pid in next_pids(PLANTED):
+    for pid in every_pid():
         os.makedirs(base / f"ompi.{pid}")
         for path in left:
-            shutil.copy(path, base / f"ompi.{pid}")
+            os.link(path, base / f"ompi.{pid}" / os.path.basename(path))
     return base
 
 

@@ -123,7 +123,10 @@ def test_slow_list_lines_name_one_test_or_every_parametrisation():
 
 @pytest.mark.subprocess  # the calibration step is a child Python
 def test_the_budget_fails_a_test_over_the_limit_that_is_not_listed(inner, monkeypatch):
+    """Calibrated at the reference speed (scale 1: a loaded machine's calibration would
+    scale the sleep below the limit), a 0.5 s test over a 0.2 s limit fails the budget."""
     monkeypatch.setattr(tiers, "LIMIT_S", 0.2)
+    monkeypatch.setattr(tiers, "calibration_seconds", lambda: tiers.read_slow_list()[0])
     inner.makepyfile(test_inner="""
         import time
 
