@@ -37,6 +37,11 @@ setup(
     entry_points={
         # each method's config section, checked in experiment files that other methods read
         # (hpc/runtime/config.py)
+        # the model.path names of the built-in models (hpc/models/loading.py)
+        "hpc.built_in_models": [
+            "toy=hpc.toys.toy:toy_model_path",
+            "toy-chat=hpc.toys.toy_chat:toy_chat_model_path",
+        ],
         "hpc.method_sections": [
             "sft=hpc.sft_config:SFTConfig",
             "essa=essa.config:ESSAConfig",

@@ -20,6 +20,7 @@ import torch
 from common import REPO, lora_model, machine, model_path
 from engine_speed import compare, row_lengths, solution_lengths
 
+from hpc.engine.decoder import Decoder
 from hpc.models.adapter_space import SingularValueSpace
 
 LONGEST = 48
@@ -41,16 +42,17 @@ def main(argv=None) -> None:
     prompts = torch.randint(2, model.config.vocab_size, (args.rows, 8),
                             generator=torch.Generator().manual_seed(0))
     hw = {"bandwidth": 1.0, "peak_flops": 1.0}  # no bound on CPU; only the ratios matter
+    decoder = Decoder()
     print(f"machine: {machine()}\n{what}, {lora}, {args.rows} rows")
     print(f"{'k':>3} {'lengths':>7} {'mean len':>8} {'engine tok/s':>12} {'HF tok/s':>9} "
           f"{'engine/HF':>9}")
     for k in args.ks:
         for kind in ("fixed", "spread"):
             lengths = row_lengths(kind, args.rows, LONGEST, scaled)
-            compare(model, space, torch.device("cpu"), args.rows, k, kind, lengths, prompts,
-                    True, hw)  # warm-up of both paths
-            row = compare(model, space, torch.device("cpu"), args.rows, k, kind, lengths,
-                          prompts, True, hw)
+            compare(decoder, model, space, torch.device("cpu"), args.rows, k, kind, lengths,
+                    prompts, True, hw)  # warm-up of both paths
+            row = compare(decoder, model, space, torch.device("cpu"), args.rows, k, kind,
+                          lengths, prompts, True, hw)
             print(f"{k:>3} {kind:>7} {row['mean_length']:>8.1f} "
                   f"{row['engine']['tokens_per_s']:>12.0f} "
                   f"{row['hf_eager']['tokens_per_s']:>9.0f} {row['engine_vs_hf']:>9.2f}")

@@ -29,8 +29,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from essa.member_lora import MemberLora
-from hpc.models.engine import Request
-from hpc.models.generation import run_requests
+from hpc.engine.scheduler import Request
 
 STOP = 1  # the stop token id HF generate is forced to emit at each row's length
 CHARS_PER_TOKEN = 3.5
@@ -92,17 +91,19 @@ def hf_seconds(model, prompts: torch.Tensor, lengths: np.ndarray, device) -> flo
     return seconds
 
 
-def engine_seconds(model, prompts: torch.Tensor, lengths: np.ndarray, device, rows: int,
-                   members: np.ndarray | None = None, factors: dict | None = None) -> float:
-    """Seconds of one engine call decoding every prompt row (``rows`` slots), row i ending
-    after ``lengths[i]`` tokens; ``members`` (rows,) and ``factors`` give per-row members."""
+def engine_seconds(decoder, model, prompts: torch.Tensor, lengths: np.ndarray, device,
+                   rows: int, members: np.ndarray | None = None,
+                   factors: dict | None = None) -> float:
+    """Seconds of one call of ``decoder``'s engine (:class:`hpc.engine.decoder.Decoder`)
+    decoding every prompt row (``rows`` slots), row i ending after ``lengths[i]`` tokens;
+    ``members`` (rows,) and ``factors`` give per-row members."""
     ids = prompts.tolist()
     member = members if members is not None else np.zeros(len(ids), dtype=np.int64)
     requests = [Request(p, int(n), int(m), i) for i, (p, n, m) in
                 enumerate(zip(ids, lengths, member))]
     _sync(device)
     start = time.perf_counter()
-    out = run_requests(model, requests, [], None, rows, factors=factors)
+    out = decoder.run_requests(model, requests, [], None, rows, factors=factors)
     _sync(device)
     seconds = time.perf_counter() - start
     if [len(o) for o in out] != lengths.tolist():
@@ -126,9 +127,10 @@ def stored_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def compare(model, space, device, rows: int, k: int, kind: str, lengths: np.ndarray,
+def compare(decoder, model, space, device, rows: int, k: int, kind: str, lengths: np.ndarray,
             prompts: torch.Tensor, hf: bool, hw: dict) -> dict:
-    """One row of the report: engine (one warm-up call, then timed) and, if ``hf``, HF eager
+    """One row of the report: ``decoder``'s engine (one warm-up call, then timed) and, if
+    ``hf``, HF eager
     generate on the same rows; k members (k = 1: the peft adapter, as F-GRPO and evaluation
     run it; k > 1: ESSA members, interleaved on the engine, member-major under MemberLora on
     HF). ``hw``: ``bandwidth`` (bytes/s) and ``peak_flops`` (FLOP/s) of the bound."""
@@ -140,8 +142,8 @@ def compare(model, space, device, rows: int, k: int, kind: str, lengths: np.ndar
         xs = np.random.default_rng(k).normal(0.0, 0.1, (k, space.dim))
         factors = space.factors_batch(xs)
         members = np.arange(rows) % k
-    engine_seconds(model, prompts, lengths, device, rows, members, factors)  # warm-up
-    seconds = engine_seconds(model, prompts, lengths, device, rows, members, factors)
+    engine_seconds(decoder, model, prompts, lengths, device, rows, members, factors)  # warm-up
+    seconds = engine_seconds(decoder, model, prompts, lengths, device, rows, members, factors)
     bound = bound_seconds(params, weight_bytes, lengths, rows, hw["bandwidth"], hw["peak_flops"])
     row = {"rows": rows, "k": k, "lengths": kind, "useful_tokens": tokens,
            "mean_length": float(lengths.mean()), "max_length": int(lengths.max()),

@@ -57,15 +57,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from common import REPO, TARGETS, machine
 from engine_speed import compare, row_lengths, solution_lengths, stored_bytes
-from hpc.models.engine import Request
-from hpc.models.generation import run_requests
+from hpc.engine.decoder import Decoder
+from hpc.engine.scheduler import Request
 from hpc.models.sampling import Sampling
 
 from essa.batched import members_on_device  # common.py: repo on sys.path
 from essa.member_lora import MemberLora
 from hpc.models.adapter_space import SingularValueSpace
 from hpc.models.loading import attach_lora
-from hpc.models.memory_plan import QWEN25
+from hpc.engine.shape import QWEN25
 from hpc.models.quantize import quantize_base
 
 # Qwen2.5 shapes (config.json of the released models) and a tiny one for CPU runs.
@@ -292,9 +292,9 @@ def members_section(model, space, device, ks, n_prompts, lengths, budget, save) 
     return rows
 
 
-def fgrpo_step(model, device, lengths, engine: bool = False) -> dict:
-    """Seconds per phase of one F-GRPO step on one rank (see the module docstring); with
-    ``engine`` the rollouts are sampled by the decoding engine instead of HF generate."""
+def fgrpo_step(model, device, lengths, decoder: Decoder | None = None) -> dict:
+    """Seconds per phase of one F-GRPO step on one rank (see the module docstring); with a
+    ``decoder`` the rollouts are sampled by its engine instead of HF generate."""
     from transformers import GenerationConfig
 
     from fgrpo.advantages import group_advantages
@@ -324,10 +324,10 @@ def fgrpo_step(model, device, lengths, engine: bool = False) -> dict:
 
     def rollout():
         model.eval()
-        if engine:
+        if decoder is not None:
             requests = [Request(p, new_tokens, 0, i, j) for i, p in enumerate(prompts.tolist())
                         for j in range(G)]
-            new = run_requests(model, requests, [], Sampling(1.0, 1.0, SEED), n * G)
+            new = decoder.run_requests(model, requests, [], Sampling(1.0, 1.0, SEED), n * G)
             return torch.cat([prompts.repeat_interleave(G, 0), torch.tensor(new)],
                              dim=1).to(device)
         with torch.inference_mode():
@@ -364,8 +364,8 @@ def fgrpo_step(model, device, lengths, engine: bool = False) -> dict:
             "shares": {p: s / total for p, s in phases.items()}, "peak_mib": _peak_mib(device)}
 
 
-def engine_rows(model, space, device, args, lengths, plan, seed, budget, save, with_hf: bool,
-                label: str, out: list | None = None) -> list:
+def engine_rows(decoder, model, space, device, args, lengths, plan, seed, budget, save,
+                with_hf: bool, label: str, out: list | None = None) -> list:
     """Rows of :func:`engine_speed.compare` for each (rows, k, lengths kind) of ``plan``, with
     HF eager beside the engine when ``with_hf``, while the budget lasts (what it skips or what
     runs out of memory is a row that says so), appended to ``out`` (saved as they come);
@@ -385,10 +385,11 @@ def engine_rows(model, space, device, args, lengths, plan, seed, budget, save, w
         row_len = row_lengths(kind, rows, fixed if kind == "fixed" else args.cap, pool)
         start = time.perf_counter()
         try:
-            row = compare(model, space, device, rows, k, kind, row_len, prompts, with_hf, hw)
+            row = compare(decoder, model, space, device, rows, k, kind, row_len, prompts,
+                          with_hf, hw)
         except torch.OutOfMemoryError:
             out.append({"rows": rows, "k": k, "lengths": kind, "skipped": "out of memory"})
-            model.__dict__.pop("_decode_engine", None)
+            decoder.release()
             torch.cuda.empty_cache()
             continue
         slowest = max(slowest or 0.0, time.perf_counter() - start)
@@ -398,17 +399,17 @@ def engine_rows(model, space, device, args, lengths, plan, seed, budget, save, w
                   f"the bound" if with_hf else "")
         print(f"  {label}engine rows={rows} k={k} {kind}: {row['engine']['tokens_per_s']:.0f} "
               f"tok/s{versus} ({budget.left():.0f} s left)", flush=True)
-    model.__dict__.pop("_decode_engine", None)  # free its cache for the next shape
+    decoder.release()  # free its cache for the next shape
     return out
 
 
-def engine_section(model, space, device, args, lengths, budget, save) -> list:
+def engine_section(decoder, model, space, device, args, lengths, budget, save) -> list:
     """Engine vs HF eager rows (:func:`engine_rows`) while the budget lasts."""
     middle = args.rows[len(args.rows) // 2]
     plan = [(rows, 1, kind) for rows in args.rows for kind in ("fixed", "spread")]
     plan += [(middle, k, "spread") for k in args.engine_ks if k > 1]
-    return engine_rows(model, space, device, args, lengths, plan, SEED + 2, budget, save,
-                       True, "")
+    return engine_rows(decoder, model, space, device, args, lengths, plan, SEED + 2, budget,
+                       save, True, "")
 
 
 def check_model(name: str, device, ks, n_prompts, budget, save, args=None) -> dict:
@@ -422,6 +423,7 @@ def check_model(name: str, device, ks, n_prompts, budget, save, args=None) -> di
     save(result)
     start = time.perf_counter()
     model, space = build(SHAPES[name], device, dtype)
+    decoder = Decoder()
     _sync(device)
     result["build_s"] = time.perf_counter() - start
     result["parameters"] = sum(p.numel() for p in model.parameters())
@@ -431,13 +433,13 @@ def check_model(name: str, device, ks, n_prompts, budget, save, args=None) -> di
     save(result)
     print(f"{name}: built in {result['build_s']:.0f} s", flush=True)
     if args is not None and args.int8_only:
-        result["int8"] = int8_section(model, space, device, args, lengths, n_prompts, budget,
-                                      lambda: save(result))
+        result["int8"] = int8_section(decoder, model, space, device, args, lengths, n_prompts,
+                                      budget, lambda: save(result))
         return result
     if args is not None and args.engine_only:
-        result["engine"] = engine_section(model, space, device, args, lengths, budget,
-                                          lambda: save(result))
-        result["fgrpo_step"] = engine_fgrpo_steps(model, device, lengths, budget)
+        result["engine"] = engine_section(decoder, model, space, device, args, lengths,
+                                          budget, lambda: save(result))
+        result["fgrpo_step"] = engine_fgrpo_steps(decoder, model, device, lengths, budget)
         save(result)
         return result
     try:
@@ -455,17 +457,18 @@ def check_model(name: str, device, ks, n_prompts, budget, save, args=None) -> di
     result["members"] = members_section(model, space, device, ks, n_prompts, lengths, budget,
                                         lambda: save(result))
     if args is not None and args.engine:
-        result["engine"] = engine_section(model, space, device, args, lengths, budget,
-                                          lambda: save(result))
-        result["fgrpo_step_engine"] = engine_fgrpo_steps(model, device, lengths,
+        result["engine"] = engine_section(decoder, model, space, device, args, lengths,
+                                          budget, lambda: save(result))
+        result["fgrpo_step_engine"] = engine_fgrpo_steps(decoder, model, device, lengths,
                                                          budget)["engine"]
     if args is not None and args.int8:  # last: it quantises the model in place
-        result["int8"] = int8_section(model, space, device, args, lengths, n_prompts, budget,
-                                      lambda: save(result))
+        result["int8"] = int8_section(decoder, model, space, device, args, lengths, n_prompts,
+                                      budget, lambda: save(result))
     return result
 
 
-def int8_section(model, space, device, args, lengths, n_prompts, budget, save) -> dict:
+def int8_section(decoder, model, space, device, args, lengths, n_prompts, budget,
+                 save) -> dict:
     """The INT8 part (module docstring): {"model dtype": {...}, "int8": {...}}, each with
     ``members_that_fit`` (CUDA) and ``engine`` rows of :func:`engine_speed.compare` (no HF).
     Quantises ``model`` in place."""
@@ -475,7 +478,7 @@ def int8_section(model, space, device, args, lengths, n_prompts, budget, save) -
     out = {}
     for weights in ("model dtype", "int8"):
         if weights == "int8":
-            model.__dict__.pop("_decode_engine", None)
+            decoder.release()
             quantize_base(model, "int8")
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -488,8 +491,8 @@ def int8_section(model, space, device, args, lengths, n_prompts, budget, save) -
                          if device.type == "cuda" else None),
             "engine": []}
         save()
-        engine_rows(model, space, device, args, lengths, plan, SEED + 3, budget, save, False,
-                    f"{weights}: ", out=part["engine"])  # the same prompts for both weights
+        engine_rows(decoder, model, space, device, args, lengths, plan, SEED + 3, budget, save,
+                    False, f"{weights}: ", out=part["engine"])  # the same prompts for both weights
     return out
 
 
@@ -516,11 +519,11 @@ def int8_summary(result: dict) -> str:
     return "\n".join(lines)
 
 
-def engine_fgrpo_steps(model, device, lengths, budget) -> dict:
+def engine_fgrpo_steps(decoder, model, device, lengths, budget) -> dict:
     """One F-GRPO step with HF generate rollouts and one with engine rollouts (each after a
     warm-up step), as far as the budget allows: {"hf": ..., "engine": ...}."""
     out = {}
-    for name, engine in (("hf", False), ("engine", True)):
+    for name, engine in (("hf", None), ("engine", decoder)):
         if not budget.fits(60.0):
             out[name] = {"skipped": f"time budget ({budget.left():.0f} s left)"}
             continue
@@ -530,7 +533,7 @@ def engine_fgrpo_steps(model, device, lengths, budget) -> dict:
         except torch.OutOfMemoryError:
             out[name] = {"skipped": "out of memory"}
             torch.cuda.empty_cache()
-    model.__dict__.pop("_decode_engine", None)
+    decoder.release()
     return out
 
 

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -139,7 +140,7 @@ def fake_model(config: dict, cfg, case: str, ranks: int, stack: contextlib.ExitS
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from hpc.models.loading import DTYPES, attach_lora, enable_activation_checkpointing
-    from hpc.models.memory_plan import activation_checkpointing
+    from hpc.plan.memory_plan import activation_checkpointing
     from hpc.models.parallelize import load_dtype, shard_model
 
     training = case in ("fgrpo", "fgrpo_job")
@@ -178,7 +179,7 @@ def fake_model(config: dict, cfg, case: str, ranks: int, stack: contextlib.ExitS
 
 def _member_factors(model, k: int) -> dict:
     """{module: (A (k, r, in), B (k, out, r))} of k members, the adapter's dtype."""
-    from hpc.models.engine import adapter_ranks
+    from hpc.engine.runner import adapter_ranks
 
     out = {}
     for name in adapter_ranks(model):
@@ -188,27 +189,34 @@ def _member_factors(model, k: int) -> dict:
     return out
 
 
-def _decode_pass(model, cfg, rows: int, k: int, budget: int, sampled: bool,
+def tracked_decoder(cfg):
+    """The decoder of a measured job: its engines' slots are set per pass
+    (:func:`_decode_pass`) from the model's full shape, so its byte budget is no limit here;
+    CUDA graphs as the job's config has them (on a GPU their pool is counted)."""
+    from hpc.engine.config import EngineConfig
+    from hpc.engine.decoder import Decoder
+
+    return Decoder(EngineConfig(cuda_graphs=cfg.model.cuda_graphs, planned_budget=1 << 60))
+
+
+def _decode_pass(decoder, model, cfg, rows: int, k: int, budget: int, sampled: bool,
                  members: int = 0) -> None:
-    """One pass as :func:`hpc.models.generation.run_requests` runs it: ``engine_for`` for
-    ``rows`` rows, at most the slots the model's full shape gets within ``budget`` bytes
-    (:func:`hpc.models.memory_plan.engine_slots`; kept on the model), members loaded, one prefill of
-    the rows admitted at once, one decode step over every slot at the full context, and (for
-    ``sampled`` phases) the keyed sampling of its tokens. ``members``: the factors of that many
-    members are made first and live through the pass (ESSA's rank's members)."""
-    from hpc.models.engine import PREFILL_TOKENS, GraphedDecode, engine_for
-    from hpc.models.memory_plan import engine_slots
+    """One pass as :meth:`hpc.engine.decoder.Decoder.run_requests` runs it: ``engine_for``
+    for ``rows`` rows, at most the slots the model's full shape gets within ``budget`` bytes
+    (:func:`hpc.plan.memory_plan.engine_slots`; kept by ``decoder``), members loaded, one
+    prefill of the rows admitted at once, one decode step over every slot at the full context,
+    and (for ``sampled`` phases) the keyed sampling of its tokens. ``members``: the factors of
+    that many members are made first and live through the pass (ESSA's rank's members)."""
+    from hpc.engine.memory import PREFILL_TOKENS
+    from hpc.plan.memory_plan import engine_slots
     from hpc.models.sampling import Sampling, pick_tokens
 
     prompt, seq = _lengths(cfg)
     # the slots the budget gives the model's full shape (not the fewer layers built here)
     slots = engine_slots(_shape(cfg), cfg, rows, k, budget)
     job_part(f"engine of {rows} rows, {k} members")
-    # on a GPU the decode step is captured as the job captures it (its graphs' pool counted)
-    cuda = next(model.parameters()).device.type == "cuda"
-    replay = GraphedDecode if cuda and cfg.model.cuda_graphs else None
-    engine = engine_for(model, rows, seq, k, replay, most=rows, budget_bytes=1 << 60,
-                        max_slots=slots)
+    decoder.config = dataclasses.replace(decoder.config, slots=slots)
+    engine = decoder.engine_for(model, rows, seq, k, most=rows)
     with torch.inference_mode():
         factors = _member_factors(model, max(members, k)) if members or k > 1 else None
         if k:
@@ -235,76 +243,77 @@ def _lengths(cfg) -> tuple:
 
 
 def _shape(cfg):
-    from hpc.models.memory_plan import ModelShape
+    from hpc.engine.shape import ModelShape
 
     return ModelShape.from_folder(cfg.model.path)
 
 
 def _essa_budget(cfg, ranks: int) -> int:
     """The engine budget an ESSA job decodes within (its plan's, as the job takes it)."""
-    from hpc.models.memory_plan import essa_plan
+    from hpc.plan.memory_plan import essa_plan
 
     return essa_plan(_shape(cfg), cfg, ranks, advise=False).engine_budget
 
 
 def essa_scoring_rows(cfg, ranks: int) -> tuple:
     """(rows, k) of a scoring pass (essa.trainer.ESSA.step_decode)."""
-    from hpc.models.memory_plan import essa_members_per_pass
+    from hpc.plan.memory_plan import essa_members_per_pass
 
     k = essa_members_per_pass(cfg, ranks)
     return min(cfg.eval.batch_size, cfg.essa.minibatch) * k, k
 
 
-def essa_pass(model, cfg, ranks: int) -> None:
+def essa_pass(decoder, model, cfg, ranks: int) -> None:
     rows, k = essa_scoring_rows(cfg, ranks)
-    _decode_pass(model, cfg, rows, k, _essa_budget(cfg, ranks), sampled=False)
+    _decode_pass(decoder, model, cfg, rows, k, _essa_budget(cfg, ranks), sampled=False)
 
 
-def evaluation_pass(model, cfg, ranks: int) -> None:
-    from hpc.models.memory_plan import evaluation_rows
+def evaluation_pass(decoder, model, cfg, ranks: int) -> None:
+    from hpc.plan.memory_plan import evaluation_rows
 
-    _decode_pass(model, cfg, evaluation_rows(cfg), 1, _essa_budget(cfg, ranks), sampled=True)
+    _decode_pass(decoder, model, cfg, evaluation_rows(cfg), 1, _essa_budget(cfg, ranks),
+                 sampled=True)
 
 
-def evaluation(model, cfg, budget: int, sampled: bool, next_decode: tuple) -> None:
+def evaluation(decoder, model, cfg, budget: int, sampled: bool, next_decode: tuple) -> None:
     """The held-out evaluation as :func:`hpc.evaluate.evaluate` runs it: the greedy pass
     (``eval.batch_size`` rows), for ``sampled`` the sampled one (``eval.batch_size x
-    eval.n_samples`` rows), then :func:`hpc.models.engine.end_phase` with the next phase's
-    (rows, members)."""
-    from hpc.models import engine
-    from hpc.models.memory_plan import evaluation_rows
+    eval.n_samples`` rows), then :meth:`hpc.engine.decoder.Decoder.end_phase` with the next
+    phase's (rows, members)."""
+    from hpc.engine.runner import adapter_ranks
+    from hpc.plan.memory_plan import evaluation_rows
 
-    k = 1 if engine.adapter_ranks(model) else 0
-    _decode_pass(model, cfg, cfg.eval.batch_size, k, budget, sampled=False)
+    k = 1 if adapter_ranks(model) else 0
+    _decode_pass(decoder, model, cfg, cfg.eval.batch_size, k, budget, sampled=False)
     if sampled:
-        _decode_pass(model, cfg, evaluation_rows(cfg), k, budget, sampled=True)
+        _decode_pass(decoder, model, cfg, evaluation_rows(cfg), k, budget, sampled=True)
     job_part("end")
-    engine.end_phase(model, *next_decode)
+    decoder.end_phase(*next_decode)
 
 
 @contextlib.contextmanager
 def legacy_handover():
     """Within the block, engines change hands as before release-before-build: the old engine
-    stays alive while :func:`hpc.models.engine.engine_for` builds the new one, and an
+    stays alive while :meth:`hpc.engine.decoder.Decoder.engine_for` builds the new one, and an
     evaluation's engine is not released at its end (its next phase replaces it). The reference
     the whole-job test holds the fix against (``--legacy-handover``)."""
-    from hpc.models import engine
+    from hpc.engine.decoder import Decoder
 
-    build, end = engine.engine_for, engine.end_phase
+    build, end = Decoder.engine_for, Decoder.end_phase
 
-    def engine_for(model, *args, **kwargs):
-        old = model.__dict__.get("_decode_engine")
+    def engine_for(self, model, *args, **kwargs):
+        old = self.engine
         held = dict(vars(old)) if old is not None else {}  # noqa: F841 (through the build)
-        return build(model, *args, **kwargs)
+        return build(self, model, *args, **kwargs)
 
-    engine.engine_for, engine.end_phase = engine_for, lambda *args, **kwargs: False
+    Decoder.engine_for, Decoder.end_phase = engine_for, lambda self, *args, **kwargs: False
     try:
         yield
     finally:
-        engine.engine_for, engine.end_phase = build, end
+        Decoder.engine_for, Decoder.end_phase = build, end
 
 
-def essa_job(model, cfg, ranks: int, tracker, steps: int = 2) -> None:
+def essa_job(decoder, model, cfg, ranks: int, tracker, steps: int = 2) -> None:
     """An ESSA job's phases in order (:func:`hpc.job.loop.run_loop`): the start evaluation,
     ``steps`` generations (this rank's members' factors, a scoring pass), a periodic held-out
     evaluation (greedy, the mean's and the best member's) after the first, the final
@@ -312,17 +321,17 @@ def essa_job(model, cfg, ranks: int, tracker, steps: int = 2) -> None:
     budget = _essa_budget(cfg, ranks)
     rows, k = essa_scoring_rows(cfg, ranks)
     job_phase(tracker, "start evaluation")
-    evaluation(model, cfg, budget, True, (rows, k))
+    evaluation(decoder, model, cfg, budget, True, (rows, k))
     for step in range(1, steps + 1):
         job_phase(tracker, f"step {step} scoring")
-        _decode_pass(model, cfg, rows, k, budget, sampled=False,
+        _decode_pass(decoder, model, cfg, rows, k, budget, sampled=False,
                      members=-(-cfg.essa.population // ranks))
         if step == 1:
             job_phase(tracker, "periodic evaluation")
             for _ in ("mean", "best"):
-                evaluation(model, cfg, budget, False, (rows, k))
+                evaluation(decoder, model, cfg, budget, False, (rows, k))
     job_phase(tracker, "final evaluation")
-    evaluation(model, cfg, budget, True, (0, 1))
+    evaluation(decoder, model, cfg, budget, True, (0, 1))
     job_phase(tracker, "export")
     _export(model)
 
@@ -462,15 +471,15 @@ class _Step:
     micro-batches of full-length rollouts, the plan's engine budget, fgrpo.offload and the
     rollout engine's fate as the job resolves them, and a rollout's (rows, members)."""
 
-    def __init__(self, model, cfg, ranks: int):
+    def __init__(self, decoder, model, cfg, ranks: int):
         from fgrpo.rollout import Rollouts
-        from hpc.models.memory_plan import (fgrpo_plan, fgrpo_rollout_rows, rollout_offload,
+        from hpc.plan.memory_plan import (fgrpo_plan, fgrpo_rollout_rows, rollout_offload,
                                             _engine_kept)
         from hpc.models.parallelize import TrainedWeights
 
         f = cfg.fgrpo
         _, seq = _lengths(cfg)
-        self.cfg, self.ranks, self.model = cfg, ranks, model
+        self.cfg, self.ranks, self.model, self.decoder = cfg, ranks, model, decoder
         params = [p for p in model.parameters() if p.requires_grad]
         self.rows = rows = 2 * f.micro_batch
         self.device = device = next(model.parameters()).device
@@ -496,16 +505,15 @@ class _Step:
         from hpc.models.parallelize import decoding
 
         self.model.eval()
-        return decoding(self.model, self.weights, self.offload)
+        return decoding(self.model, self.weights, self.offload, self.decoder)
 
     def rollout(self) -> None:
         """The rollout's engine pass; then its engine released where the plan says so."""
-        from hpc.models.engine import release_engine
-
         with self.decoding():
-            _decode_pass(self.model, self.cfg, *self.decode, self.budget, sampled=True)
+            _decode_pass(self.decoder, self.model, self.cfg, *self.decode, self.budget,
+                         sampled=True)
         if not self.keep_engine:
-            release_engine(self.model)
+            self.decoder.release()
 
     def train(self, tracker, step: bool, step_phase: str | None = None) -> None:
         """accumulate_gradients over the micro-batches; with ``step`` the gradient reduction
@@ -526,7 +534,7 @@ class _Step:
 
     def evaluation(self, sampled: bool, next_decode: tuple) -> None:
         with self.decoding():
-            evaluation(self.model, self.cfg, self.budget, sampled, next_decode)
+            evaluation(self.decoder, self.model, self.cfg, self.budget, sampled, next_decode)
 
 
 def _tracked_state(tracker, model, s: _Step) -> None:
@@ -535,10 +543,10 @@ def _tracked_state(tracker, model, s: _Step) -> None:
     tracker.track_external(model, s.weights.opt, *[_local(m) for m in s.weights.masters])
 
 
-def fgrpo_step(model, cfg, ranks: int, tracker, real: bool = False) -> None:
+def fgrpo_step(decoder, model, cfg, ranks: int, tracker, real: bool = False) -> None:
     """One F-GRPO step on rank 0 of ``ranks`` (module docstring); ``real``: on real tensors,
     where the sharded AdamW step is measured too (phase ``step``)."""
-    s = _Step(model, cfg, ranks)
+    s = _Step(decoder, model, cfg, ranks)
     tracker.phase = "rollout"
     _tracked_state(tracker, model, s)
     with tracker:
@@ -548,11 +556,12 @@ def fgrpo_step(model, cfg, ranks: int, tracker, real: bool = False) -> None:
                 "step" if real else None)
 
 
-def fgrpo_job(model, cfg, ranks: int, tracker, real: bool = False, steps: int = 2) -> None:
+def fgrpo_job(decoder, model, cfg, ranks: int, tracker, real: bool = False,
+              steps: int = 2) -> None:
     """An F-GRPO job's phases in order (:func:`hpc.job.loop.run_loop`): the start evaluation,
     ``steps`` steps (rollout, training, step), a periodic held-out evaluation (greedy) after
     the first, the final evaluation and the export, on the state of :class:`_Step`."""
-    s = _Step(model, cfg, ranks)
+    s = _Step(decoder, model, cfg, ranks)
     step = real or cfg.fgrpo.parallelism != "fsdp2"
     job_phase(tracker, "start evaluation")
     _tracked_state(tracker, model, s)
@@ -591,25 +600,26 @@ def measure_phases(case: str, cfg, ranks: int = 1, layers: int | None = None,
     with contextlib.ExitStack() as stack:
         model = fake_model(config, cfg, case, ranks, stack, layers, device)
         tracker = CudaPhasePeaks() if device == "cuda" else LiveBytesTracker()
+        decoder = tracked_decoder(cfg)
         if device == "cuda":
             torch.cuda.empty_cache()
         if case == "fgrpo":
-            fgrpo_step(model, cfg, ranks, tracker, real=device != "fake")
+            fgrpo_step(decoder, model, cfg, ranks, tracker, real=device != "fake")
         elif case == "fgrpo_job":
-            fgrpo_job(model, cfg, ranks, tracker, real=device != "fake", steps=steps)
+            fgrpo_job(decoder, model, cfg, ranks, tracker, real=device != "fake", steps=steps)
         elif case == "essa_job":
             model.requires_grad_(False)
             tracker.track_external(model)
             with tracker:
-                essa_job(model, cfg, ranks, tracker, steps)
+                essa_job(decoder, model, cfg, ranks, tracker, steps)
         else:  # ESSA loads its adapter frozen (is_trainable=False)
             model.requires_grad_(False)
             tracker.track_external(model)
             with tracker:
                 if case in ("evaluation", "after_evaluation"):
-                    evaluation_pass(model, cfg, ranks)
+                    evaluation_pass(decoder, model, cfg, ranks)
                 if case in ("essa", "after_evaluation"):
-                    essa_pass(model, cfg, ranks)
+                    essa_pass(decoder, model, cfg, ranks)
         _JOB.update(tracker=None, phase="")
         peaks = dict(tracker.peaks)
         if case in JOB_CASES:
@@ -655,7 +665,7 @@ def _size(nbytes: int) -> str:
 
 def planned_phases(case: str, cfg, ranks: int) -> dict:
     """The plan's figure for each phase :func:`measure_phases` reports."""
-    from hpc.models.memory_plan import essa_plan, fgrpo_plan
+    from hpc.plan.memory_plan import essa_plan, fgrpo_plan
 
     if case in JOB_CASES:
         return job_plan(case, cfg, ranks)
@@ -674,7 +684,7 @@ def job_plan(case: str, cfg, ranks: int) -> dict:
     """{job phase (:func:`essa_job`, :func:`fgrpo_job`): the plan's figure}: the plan's phase
     of the same work; the export: what stays resident (the decoding phases less their
     engines); ``"job"``: the plan's peak, which the whole sequence's peak is held to."""
-    from hpc.models.memory_plan import essa_plan, fgrpo_plan
+    from hpc.plan.memory_plan import essa_plan, fgrpo_plan
 
     shape = _shape(cfg)
     plan = (essa_plan if case == "essa_job" else fgrpo_plan)(shape, cfg, ranks)
@@ -702,7 +712,7 @@ def planned_for(phase: str, planned: dict) -> int:
 
 def main(argv=None):
     from hpc.commands import plan_job_class
-    from hpc.models.memory_plan import QWEN25
+    from hpc.engine.shape import QWEN25
     from hpc.runtime.config import load_config
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

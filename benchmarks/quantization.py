@@ -32,7 +32,7 @@ from common import LORA_ALPHA, LORA_RANK, TARGETS, machine
 from essa.population import score_members  # common.py put the repository on sys.path
 from hpc.data.tasks import load_task
 from hpc.models.adapter_space import SingularValueSpace
-from hpc.models.generation import generate_tokens
+from hpc.engine.generate import generate_tokens
 from hpc.models.loading import attach_lora, load_model, randomize_lora_b
 from hpc.models.quantize import quantize_base
 from hpc.runtime.config import TaskConfig

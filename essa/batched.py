@@ -1,6 +1,6 @@
 """Batched population members: k LoRA adapters scored in one batched generation.
 
-Two paths, as :mod:`hpc.models.generation` (``model.engine``):
+Two paths, as :mod:`hpc.engine.generate` (``model.engine``):
 
 * ``engine`` (:func:`score_members_engine`): the decoding engine holds k members' factors
   stacked and tags each row with its member; rows of all k members decode together under
@@ -31,10 +31,10 @@ import numpy as np
 import torch
 
 from essa.member_lora import MemberLora
-from hpc.models.engine import Request
-from hpc.models.generation import eos_ids, generate, run_requests
-
-MEMORY_SHARE = 0.5  # of free CUDA memory that choose_k may plan to fill
+from hpc.engine.generate import eos_ids, generate
+from hpc.engine.memory import ENGINE_MEMORY_SHARE
+from hpc.engine.scheduler import Request
+from hpc.engine.shape import ModelShape
 
 
 def choose_k(model, tokenizer, k: int, n_members: int, prompts: list, batch_size: int,
@@ -57,30 +57,29 @@ def members_on_device(model, n_members: int, rows_per_member: int, seq_len: int)
     lora = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                if "lora_" in n)
     free, _ = torch.cuda.mem_get_info(param.device)
-    return members_that_fit(model.config, param.element_size(), lora, free, n_members,
-                            rows_per_member, seq_len)
+    return members_that_fit(ModelShape.from_config(model.config), param.element_size(), lora,
+                            free, n_members, rows_per_member, seq_len)
 
 
-def members_that_fit(config, elem_bytes: int, lora_bytes: int, free_bytes: int, n_members: int,
-                     rows_per_member: int, seq_len: int) -> int:
-    """How many members fit in MEMORY_SHARE of ``free_bytes`` (>= 1).
+def members_that_fit(shape: ModelShape, elem_bytes: int, lora_bytes: int, free_bytes: int,
+                     n_members: int, rows_per_member: int, seq_len: int) -> int:
+    """How many members fit in ENGINE_MEMORY_SHARE of ``free_bytes`` (>= 1), the share the
+    decoding engine takes of free memory.
 
     Deducted first: the stacked LoRA factors of all ``n_members`` (``lora_bytes`` each). Per
     member: ``rows_per_member`` rows of ``seq_len`` tokens (prompt + new), each token holding
-    KV cache (2 x layers x kv heads x head dim) and activations (4 x hidden + 3 x
-    intermediate) of ``elem_bytes`` each, plus fp32 logits over the vocabulary per row.
+    its KV cache and one layer's activations (:meth:`ModelShape.kv_token_bytes`,
+    :meth:`ModelShape.activation_token_bytes`, ``elem_bytes`` a value), plus fp32 logits over
+    the vocabulary per row.
     """
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    per_token = (2 * config.num_hidden_layers * kv_heads * head_dim + 4 * config.hidden_size
-                 + 3 * config.intermediate_size) * elem_bytes
-    per_member = rows_per_member * (seq_len * per_token + 4 * config.vocab_size)
-    return max(1, (int(MEMORY_SHARE * free_bytes) - n_members * lora_bytes) // per_member)
+    per_token = shape.kv_token_bytes(elem_bytes) + shape.activation_token_bytes(elem_bytes)
+    per_member = rows_per_member * (seq_len * per_token + 4 * shape.vocab)
+    return max(1, (int(ENGINE_MEMORY_SHARE * free_bytes) - n_members * lora_bytes)
+               // per_member)
 
 
 def member_completions(model, tokenizer, factors: dict, prompts: list, max_new_tokens: int,
-                       batch_size: int) -> list:
+                       batch_size: int, decoder=None) -> list:
     """Greedy completions of k members on every prompt: k lists of len(prompts) strings.
 
     ``factors``: {module: (A' (k, r, in), B' (k, out, r))}. Each ``generate`` call holds one
@@ -93,7 +92,7 @@ def member_completions(model, tokenizer, factors: dict, prompts: list, max_new_t
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start:start + batch_size]
             out = generate(model, tokenizer, chunk * k, max_new_tokens,
-                           batch_size=len(chunk) * k, engine="hf")
+                           batch_size=len(chunk) * k, decoder=decoder, path="hf")
             for m in range(k):
                 texts[m].extend(out[m * len(chunk):(m + 1) * len(chunk)])
     return texts
@@ -112,7 +111,7 @@ def mean_reward(task, completions: list, answers: list, cache: dict) -> float:
 
 def score_members_batched(model, tokenizer, space, members: np.ndarray, task, prompts: list,
                           answers: list, max_new_tokens: int, batch_size: int, timer,
-                          k: int) -> np.ndarray:
+                          k: int, decoder=None) -> np.ndarray:
     """Fitness of each row of ``members`` (n, dim), k members per batched generation.
 
     Same result as :func:`essa.population.score_members` (mean reward in [0, 1], float64
@@ -131,7 +130,7 @@ def score_members_batched(model, tokenizer, space, members: np.ndarray, task, pr
             group = {name: (a[g:g + k], b[g:g + k]) for name, (a, b) in factors.items()}
         with timer.phase("generate"):
             texts = member_completions(model, tokenizer, group, prompts, max_new_tokens,
-                                       batch_size)
+                                       batch_size, decoder)
         with timer.phase("reward"):
             for m, completions in enumerate(texts):
                 fitness[g + m] = mean_reward(task, completions, answers, cache)
@@ -151,8 +150,9 @@ def _padded_group(factors: dict, start: int, k: int) -> dict:
 
 def score_members_engine(model, tokenizer, space, members: np.ndarray, task, prompts: list,
                          answers: list, max_new_tokens: int, batch_size: int, timer,
-                         k: int) -> np.ndarray:
-    """:func:`score_members_batched` on the decoding engine: k members' factors stacked (k
+                         k: int, decoder) -> np.ndarray:
+    """:func:`score_members_batched` on ``decoder``'s engine
+    (:class:`hpc.engine.decoder.Decoder`): k members' factors stacked (k
     capped by the number of members only), up to ``batch_size * k`` rows decoding at once
     (fewer when the engine's memory budget holds fewer: the rest decode in waves), each row
     tagged with its member. Same phases and result; the model's own adapter weights are not
@@ -174,7 +174,8 @@ def score_members_engine(model, tokenizer, space, members: np.ndarray, task, pro
             was_training = model.training
             model.eval()
             try:
-                rows = run_requests(model, requests, eos, None, batch_size * k, factors=group)
+                rows = decoder.run_requests(model, requests, eos, None, batch_size * k,
+                                            factors=group)
             finally:
                 model.train(was_training)
             texts = tokenizer.batch_decode(rows, skip_special_tokens=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from essa.batched import score_members_batched, score_members_engine
-from hpc.models.generation import SETTINGS, generate
+from hpc.engine.generate import generate
 from hpc.runtime.world import split_evenly
 
 
@@ -26,29 +26,30 @@ def minibatch_indices(n_train: int, size: int, seed: int, generation: int) -> np
 
 
 def score_members(model, tokenizer, space, members: np.ndarray, task, prompts: list,
-                  answers: list, max_new_tokens: int, batch_size: int, timer,
+                  answers: list, max_new_tokens: int, batch_size: int, timer, decoder,
                   k: int = 1) -> np.ndarray:
     """Fitness of each row of ``members`` (n, dim): mean reward in [0, 1], float64 (n,).
 
-    On the decoding engine (``model.engine=engine``) k members decode together, each row
+    Decoded by ``decoder`` (the job's :class:`hpc.engine.decoder.Decoder`). On the decoding
+    engine (``model.engine=engine``) k members decode together, each row
     tagged with its member (:func:`essa.batched.score_members_engine`, any k, the model's
     adapter untouched). On the reference path ``hf``, ``k`` > 1 scores k members per batched
     generation (:mod:`essa.batched`, same fitness), and with k = 1 the model's adapter is left
     holding the last member's weights; callers re-apply what they need next.
     """
-    if SETTINGS["engine"] == "engine":
+    if decoder.path == "engine":
         return score_members_engine(model, tokenizer, space, members, task, prompts, answers,
-                                    max_new_tokens, batch_size, timer, k)
+                                    max_new_tokens, batch_size, timer, k, decoder)
     if k > 1:
         return score_members_batched(model, tokenizer, space, members, task, prompts, answers,
-                                     max_new_tokens, batch_size, timer, k)
+                                     max_new_tokens, batch_size, timer, k, decoder)
     fitness = np.empty(len(members), dtype=np.float64)
     for i, x in enumerate(members):
         with timer.phase("rebuild"):
             space.apply(model, x)
         with timer.phase("generate"):
             completions = generate(model, tokenizer, prompts, max_new_tokens,
-                                   batch_size=batch_size, engine="hf")
+                                   batch_size=batch_size, decoder=decoder, path="hf")
         with timer.phase("reward"):
             fitness[i] = float(np.mean(task.rewards(completions, answers)))
     return fitness

@@ -80,7 +80,8 @@ class ESSA(Method):
         mine = score_members(self.model, self.tok, self.space, X[self.my_members], task,
                              [task.train.prompts[j] for j in batch],
                              [task.train.answers[j] for j in batch], cfg.task.max_new_tokens,
-                             cfg.eval.batch_size, timer, self.e.members_per_pass)
+                             cfg.eval.batch_size, timer, self.job.decoder,
+                             self.e.members_per_pass)
         fitness = gather_fitness(self.job.world, mine, self.e.population, timer,
                                  cfg.run.collective_timeout_s)
         with timer.phase("update"):
@@ -97,8 +98,8 @@ class ESSA(Method):
         cfg = self.job.cfg
         self.space.apply(self.model, x)
         return evaluate(self.model, self.tok, self.task, self.task.eval, cfg.eval,
-                        cfg.task.max_new_tokens, self.job.world, seed=cfg.run.seed,
-                        sampled=sampled, next_decode=self.next_decode())
+                        cfg.task.max_new_tokens, self.job.world, self.job.decoder,
+                        seed=cfg.run.seed, sampled=sampled, next_decode=self.next_decode())
 
     def step_decode(self) -> tuple:
         """A scoring pass: k members x min(eval.batch_size, essa.minibatch) rows."""

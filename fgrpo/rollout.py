@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from hpc.models.generation import eos_ids, generate_tokens
+from hpc.engine.generate import eos_ids, generate_tokens
 
 
 @dataclass
@@ -101,18 +101,20 @@ def pack(tokenizer, prompt_ids: list, completion_ids: list, device) -> tuple:
 
 
 def sample_rollouts(model, tokenizer, task, prompts: list, answers: list, cfg, max_new_tokens,
-                    batch_size: int, seed: int, timer, first_index: int = 0) -> Rollouts:
+                    batch_size: int, seed: int, timer, decoder,
+                    first_index: int = 0) -> Rollouts:
     """Sample ``cfg.num_generations`` completions per prompt and score them. Completion j of
     prompt i draws with the key (``seed``, ``first_index`` + i, j)
-    (:func:`hpc.models.generation.generate_tokens`), whichever rank samples it. ``cfg``: the
-    ``fgrpo`` section (sampling, overlong shaping and filtering)."""
+    (:func:`hpc.engine.generate.generate_tokens`), whichever rank samples it, decoded by
+    ``decoder`` (:class:`hpc.engine.decoder.Decoder`). ``cfg``: the ``fgrpo`` section
+    (sampling, overlong shaping and filtering)."""
     G = cfg.num_generations
     device = next(model.parameters()).device
     with timer.phase("generate"):
         completions = generate_tokens(model, tokenizer, prompts, max_new_tokens, do_sample=True,
                                       temperature=cfg.temperature, top_p=cfg.top_p,
                                       num_return_sequences=G, batch_size=batch_size, seed=seed,
-                                      first_index=first_index)
+                                      first_index=first_index, decoder=decoder)
     with timer.phase("reward"):
         texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
         rewards = task.rewards(texts, [a for a in answers for _ in range(G)])

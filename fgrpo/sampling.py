@@ -62,8 +62,9 @@ def keep_informative(uniform: np.ndarray, need: int) -> np.ndarray:
     return informative & (np.cumsum(informative) <= need)
 
 
-def sample_step(model, tok, task, cfg, world, step: int, timer) -> StepRollouts:
-    """The step's rollouts (see the module docstring); collective when dynamic sampling is on."""
+def sample_step(model, tok, task, cfg, world, step: int, timer, decoder) -> StepRollouts:
+    """The step's rollouts (see the module docstring), decoded by ``decoder`` (the job's
+    :class:`hpc.engine.decoder.Decoder`); collective when dynamic sampling is on."""
     f, seed = cfg.fgrpo, cfg.run.seed
     target = min(f.batch_prompts, len(task.train))
     kept, first, have, filtered, drawn, rounds = [], None, 0, 0, 0, 0
@@ -74,7 +75,7 @@ def sample_step(model, tok, task, cfg, world, step: int, timer) -> StepRollouts:
         rollouts = sample_rollouts(model, tok, task, [task.train.prompts[j] for j in mine],
                                    [task.train.answers[j] for j in mine], f,
                                    cfg.task.max_new_tokens, cfg.eval.batch_size,
-                                   shared_step_seed(seed, step, r), timer,
+                                   shared_step_seed(seed, step, r), timer, decoder,
                                    first_index=share.start)
         first = rollouts if first is None else first
         rounds, drawn = rounds + 1, drawn + len(batch)

@@ -24,7 +24,6 @@ from fgrpo.sampling import sample_step
 from hpc.data.tasks import load_task
 from hpc.job.lifecycle import finish, on_all_ranks, start_job
 from hpc.job.loop import run_loop
-from hpc.models.engine import release_engine
 from hpc.runtime.errors import UserError, user_errors_exit
 
 PHASES = {"gather_weights": "communication", "generate": "rollout", "reward": "rollout",
@@ -59,9 +58,10 @@ class FGRPO(TrainedPolicy):
         # 1. rollouts: G completions of each of my prompts (refilled: dynamic sampling)
         self.model.eval()
         with self.decoding():
-            batch = sample_step(self.model, self.tok, task, cfg, world, i, timer)
+            batch = sample_step(self.model, self.tok, task, cfg, world, i, timer,
+                                self.job.decoder)
         if not self.keep_engine:  # the plan needs its room for the training
-            release_engine(self.model)
+            self.job.decoder.release()
         rollouts = batch.train
         # 2. focal-weighted advantages of the shaped rewards, p from the task's rewards
         batch_std = None

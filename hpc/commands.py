@@ -36,7 +36,7 @@ def plan_job_class():
 @user_errors_exit
 def plan(argv=None):
     """``hpc-plan``: print the memory plan of a config's model for ESSA and F-GRPO
-    (:mod:`hpc.models.memory_plan`)."""
+    (:mod:`hpc.plan.memory_plan`)."""
     parser = OneLineParser(
         prog="hpc-plan", epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Memory per GPU of ESSA and F-GRPO for model.path, from its config.json "
@@ -56,7 +56,7 @@ def plan(argv=None):
     cfg = load_config(plan_job_class(), config_path, [i for i in args.items if "=" in i])
     if not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
         raise UserError(f"model.path={cfg.model.path!r} is not a folder with a config.json")
-    from hpc.models.memory_plan import plan_text
+    from hpc.plan.memory_plan import plan_text
 
     print(plan_text(cfg, args.ranks))
 

@@ -54,21 +54,21 @@ def pass_at_k_curve(correct_counts: np.ndarray, n: int) -> np.ndarray:
 
 
 def evaluate(model, tokenizer, task, split, eval_cfg: EvalConfig, max_new_tokens: int,
-             world: World, seed: int = 0, sampled: bool = True,
+             world: World, decoder, seed: int = 0, sampled: bool = True,
              next_decode: tuple = (0, 1)) -> EvalResult:
-    """Greedy accuracy and (if ``sampled``) pass@k over ``split``, shared across ranks. The
-    evaluation's engine is released at the end unless the phase after it, which decodes
-    ``next_decode`` = (rows, members) at once ((0, 1): nothing), would reuse it
-    (:func:`hpc.models.engine.end_phase`)."""
-    from hpc.models.engine import end_phase
-    from hpc.models.generation import generate
+    """Greedy accuracy and (if ``sampled``) pass@k over ``split``, shared across ranks,
+    decoded by ``decoder`` (the job's :class:`hpc.engine.decoder.Decoder`). The evaluation's
+    engine is released at the end unless the phase after it, which decodes ``next_decode`` =
+    (rows, members) at once ((0, 1): nothing), would reuse it
+    (:meth:`hpc.engine.decoder.Decoder.end_phase`)."""
+    from hpc.engine.generate import generate
 
     start = time.perf_counter()
     counts = split_evenly(len(split), world.size)
     lo = sum(counts[: world.rank])
     mine = split.subset(range(lo, lo + counts[world.rank]))
     greedy = generate(model, tokenizer, mine.prompts, max_new_tokens,
-                      batch_size=eval_cfg.batch_size, first_index=lo)
+                      batch_size=eval_cfg.batch_size, first_index=lo, decoder=decoder)
     correct = np.array(task.rewards(greedy, mine.answers), dtype=np.float64) >= 1.0
     all_correct = world.allgatherv(correct.astype(np.int8), counts, tag="eval")
     n = eval_cfg.n_samples
@@ -77,14 +77,14 @@ def evaluate(model, tokenizer, task, split, eval_cfg: EvalConfig, max_new_tokens
         samples = generate(model, tokenizer, mine.prompts, max_new_tokens, do_sample=True,
                            temperature=eval_cfg.temperature, top_p=eval_cfg.top_p,
                            num_return_sequences=n, batch_size=eval_cfg.batch_size,
-                           seed=seed, first_index=lo)
+                           seed=seed, first_index=lo, decoder=decoder)
         answers = [a for a in mine.answers for _ in range(n)]
         rewards = np.array(task.rewards(samples, answers), dtype=np.float64).reshape(-1, n)
         c = world.allgatherv((rewards >= 1.0).sum(axis=1).astype(np.int32), counts, tag="eval")
         reward_sums = world.allgatherv(rewards.sum(axis=1), counts, tag="eval")
         curve = pass_at_k_curve(c, n)
         avg = float(reward_sums.sum() / (len(split) * n))
-    end_phase(model, *next_decode)
+    decoder.end_phase(*next_decode)
     return EvalResult(accuracy=float(all_correct.mean()), pass_at_k=curve, avg_at_n=avg,
                       n_problems=len(split), seconds=time.perf_counter() - start,
                       greedy_correct=all_correct)
@@ -115,9 +115,9 @@ def main(argv=None):
     store = RunStore(f"{job.out_dir}/eval.h5", world.is_root,
                      dict(attrs, method="eval", config=job.config_text))
     result = evaluate(model, tok, task, task.eval, cfg.eval, cfg.task.max_new_tokens, world,
-                      seed=cfg.run.seed)
+                      job.decoder, seed=cfg.run.seed)
     log_eval(store, 0, result)
-    share_graph_check(world, store)
+    share_graph_check(world, job.decoder, store)
     store.close()
     if world.is_root:
         label = cfg.lora.adapter or cfg.model.path

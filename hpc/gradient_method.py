@@ -8,7 +8,7 @@ import torch
 
 from hpc.evaluate import evaluate
 from hpc.models.loading import enable_activation_checkpointing, save_adapter
-from hpc.models.memory_plan import activation_checkpointing
+from hpc.plan.memory_plan import activation_checkpointing
 from hpc.job.loop import Method
 from hpc.runtime.readback import adam_state, bad_field, tensors
 
@@ -33,7 +33,7 @@ class GradientMethod(Method):
 
     def checkpoint_activations(self) -> bool:
         """Turn on activation checkpointing of ``model`` where ``model.activation_checkpointing``
-        resolves to on (:func:`hpc.models.memory_plan.activation_checkpointing`); returns
+        resolves to on (:func:`hpc.plan.memory_plan.activation_checkpointing`); returns
         whether it did."""
         job = self.job
         on = activation_checkpointing(job.cfg, self.name, job.world.size, job.device.type)
@@ -53,8 +53,8 @@ class GradientMethod(Method):
         cfg = self.job.cfg
         self.model.eval()
         return evaluate(self.model, self.tok, self.task, self.task.eval, cfg.eval,
-                        cfg.task.max_new_tokens, self.job.world, seed=cfg.run.seed,
-                        sampled=sampled, next_decode=self.next_decode())
+                        cfg.task.max_new_tokens, self.job.world, self.job.decoder,
+                        seed=cfg.run.seed, sampled=sampled, next_decode=self.next_decode())
 
     def heldout(self) -> dict:
         return {"accuracy": self.evaluate(sampled=False).accuracy}

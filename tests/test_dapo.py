@@ -94,7 +94,7 @@ def fake_step(monkeypatch, informative: set, *overrides, n_train=40, G=4):
     0, 0, 0) for the prompt indices in ``informative`` and uniform (all 0) otherwise; DAPO's
     preset with 4 prompts a step and 3 refills unless ``overrides`` say otherwise."""
     def fake_rollouts(model, tok, task, prompts, answers, f, max_new, bs, seed, timer,
-                      first_index=0):
+                      decoder, first_index=0):
         return rollouts([[1.0] + [0.0] * (G - 1) if int(p) in informative else [0.0] * G
                          for p in prompts])
     monkeypatch.setattr(sampling, "sample_rollouts", fake_rollouts)
@@ -102,7 +102,7 @@ def fake_step(monkeypatch, informative: set, *overrides, n_train=40, G=4):
         "fgrpo.algorithm=dapo", "fgrpo.batch_prompts=4", "fgrpo.max_refills=3",
         f"fgrpo.num_generations={G}", *overrides])
     task, tok = SimpleNamespace(train=Split(n_train)), SimpleNamespace(pad_token_id=0)
-    return lambda step: sampling.sample_step(None, tok, task, cfg, OneRank(), step, None)
+    return lambda step: sampling.sample_step(None, tok, task, cfg, OneRank(), step, None, None)
 
 
 def test_a_batch_of_uniform_groups_refills(monkeypatch):
@@ -179,7 +179,7 @@ def test_truncated_completions_are_shaped_and_filtered(monkeypatch):
         f = load_config(FGRPOJobConfig, None, [
             "fgrpo.num_generations=2", "fgrpo.overlong_buffer=2", "task.max_new_tokens=4",
             f"fgrpo.overlong_filter={str(filtered).lower()}"]).fgrpo
-        out = rollout.sample_rollouts(model, tok, task, ["q"], ["a"], f, 4, 8, 0, Timer())
+        out = rollout.sample_rollouts(model, tok, task, ["q"], ["a"], f, 4, 8, 0, Timer(), None)
         assert out.truncated.tolist() == [False, True]
         assert out.penalty.tolist() == [[0.0, -1.0]] and out.rewards.tolist() == [[1.0, 1.0]]
         assert out.completion_mask[0].tolist() == [0, 0, 1, 1, 0, 0]

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from hpc.analysis.scaling import LINKS, Network, Workload, _rollout_rounds, grpo_step
-from hpc.models.memory_plan import ModelShape, expected_rounds, fgrpo_plan
+from hpc.plan.memory_plan import ModelShape, expected_rounds, fgrpo_plan
 from test_memory_plan import cluster_config, model_folder
 from test_scaling import PAPER_W, paper_costs
 

@@ -12,14 +12,15 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from conftest import our_lines, run_cli, run_mpi
 from hpc.models.adapter_space import SingularValueSpace
-from hpc.models.engine import (GIB, MAX_LEN_STEP, DecodeShape, Request, bucket, engine_bytes,
-                               engine_for, engine_memory, graph_check_failure,
-                               reset_graph_check, slots_within)
-from hpc.models.generation import (configure, eos_ids, generate_tokens, replaying_with,
-                                   run_requests)
+from hpc.engine.config import EngineConfig
+from hpc.engine.decoder import Decoder
+from hpc.engine.generate import eos_ids, generate_tokens
+from hpc.engine.memory import (GIB, bucket, engine_bytes, engine_memory, rounded_length,
+                               slots_within)
+from hpc.engine.scheduler import Request
+from hpc.engine.shape import ModelShape
 from hpc.models.loading import load_model
 from hpc.models.sampling import Sampling
-from hpc.runtime.config import ModelConfig
 from hpc.runtime.errors import UserError
 from hpc.runtime.runstore import RunFile
 from hpc.toys.toy import toy_model_path
@@ -37,12 +38,10 @@ def threads():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(autouse=True)
-def default_settings():
-    """Every test starts and ends with the default model section (budget, slots, graphs on)."""
-    configure(ModelConfig())
-    yield
-    configure(ModelConfig())
+@pytest.fixture
+def decoder():
+    """A fresh decoder of the default model section (budget, slots, graphs on)."""
+    return Decoder()
 
 
 @pytest.fixture(scope="module")
@@ -55,27 +54,24 @@ def prompts():
     return mixed_prompts(40)
 
 
-def engine_of(model):
-    return model.__dict__["_decode_engine"]
-
 
 def budget_gib_for(model, slots: int, max_len: int, k: int = 0) -> float:
     """The model.engine_memory_gib that holds exactly ``slots`` rows of ``max_len`` tokens."""
-    length = -(-max_len // MAX_LEN_STEP) * MAX_LEN_STEP
-    shape = DecodeShape.from_config(model.config)
+    length = rounded_length(max_len)
+    shape = ModelShape.from_config(model.config)
     return engine_bytes(shape, slots, length, k, 4) / GIB
 
 
 @pytest.mark.toy
-def test_bytes_formula_equals_the_engine_tensors():
+def test_bytes_formula_equals_the_engine_tensors(decoder):
     """KV cache, stacked members and fp32 logits of a built engine are the formula's bytes."""
     model, tok = adapted_toy()
     space = SingularValueSpace.from_peft(model)
     factors = space.factors_batch(toy_members(space, 3))
     requests = [Request(tok(p)["input_ids"], MAX_NEW, i % 3, i) for i, p in
                 enumerate(mixed_prompts(12))]
-    run_requests(model, requests, eos_ids(model, tok), None, 12, factors=factors)
-    engine = engine_of(model)
+    decoder.run_requests(model, requests, eos_ids(model, tok), None, 12, factors=factors)
+    engine = decoder.engine
     planned = engine.memory()
     assert engine.slots == 16 and engine.k == 3
     assert engine.cache.nbytes == planned["kv_cache"] == (
@@ -116,7 +112,7 @@ class LiveBytes(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bytes_formula_is_the_measured_peak_of_a_sampled_run(dtype):
+def test_bytes_formula_is_the_measured_peak_of_a_sampled_run(dtype, decoder):
     """A sampled engine run of a small Qwen2 with a large vocabulary (32 rows of 40-59 prompt
     tokens + 24 new): the formula's total is within 10% of the peak of live tensor bytes."""
     torch.manual_seed(0)
@@ -126,7 +122,7 @@ def test_bytes_formula_is_the_measured_peak_of_a_sampled_run(dtype):
     requests = [Request(list(range(1, 40 + i % 20)), 24, 0, i) for i in range(32)]
     tracker = LiveBytes()
     with tracker:
-        engine = engine_for(model, 32, 59 + 24, 0)
+        engine = decoder.engine_for(model, 32, 59 + 24, 0)
         engine.run(requests, [], Sampling(1.0, 0.9, 1))
     planned = sum(engine_memory(engine.shape, 32, engine.cache.max_len, 0, dtype.itemsize,
                                 prompt_tokens=59).values())
@@ -134,8 +130,7 @@ def test_bytes_formula_is_the_measured_peak_of_a_sampled_run(dtype):
 
 
 def test_slots_within_is_the_most_that_fit():
-    shape = DecodeShape(layers=28, kv_heads=4, head_dim=128, hidden=3584, intermediate=18944,
-                        vocab=152064)
+    shape = ModelShape.qwen25("7B")
     budget = 20 * GIB
     n = slots_within(budget, shape, 1024, 2, 2, 10_000_000, 4)
     assert engine_bytes(shape, n, 1024, 2, 2, 10_000_000, 4) <= budget
@@ -149,67 +144,71 @@ def test_slots_within_is_the_most_that_fit():
 @pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("limit", ["engine_memory_gib", "engine_slots"])
 @pytest.mark.toy
-def test_small_budget_decodes_in_waves_with_the_same_completions(toy, prompts, sampled, limit):
+def test_small_budget_decodes_in_waves_with_the_same_completions(toy, prompts, sampled, limit,
+                                                                  decoder):
     """16 prompts x 4 samples asked for at once; a budget of 5 slots (or engine_slots=3) decodes
     them in waves through those slots, with the completions of the unlimited engine."""
     model, tok = toy
     kw = dict(do_sample=True, temperature=1.5, top_p=0.95, num_return_sequences=4,
               seed=3) if sampled else {}
-    ref = generate_tokens(model, tok, prompts, MAX_NEW, batch_size=16, **kw)
-    assert engine_of(model).slots == (64 if sampled else 16)
+    ref = generate_tokens(model, tok, prompts, MAX_NEW, batch_size=16, decoder=decoder, **kw)
+    assert decoder.engine.slots == (64 if sampled else 16)
     max_len = max(len(tok(p)["input_ids"]) for p in prompts) + MAX_NEW
-    value = budget_gib_for(model, 5, max_len) if limit == "engine_memory_gib" else 3
-    configure(ModelConfig(**{limit: value}))
-    assert generate_tokens(model, tok, prompts, MAX_NEW, batch_size=16, **kw) == ref
-    assert engine_of(model).slots == (5 if limit == "engine_memory_gib" else 3)
+    limited = Decoder(EngineConfig(memory_gib=budget_gib_for(model, 5, max_len))
+                      if limit == "engine_memory_gib" else EngineConfig(slots=3))
+    assert generate_tokens(model, tok, prompts, MAX_NEW, batch_size=16, decoder=limited,
+                           **kw) == ref
+    assert limited.engine.slots == (5 if limit == "engine_memory_gib" else 3)
 
 
 @pytest.mark.toy
-def test_an_engine_is_resized_to_each_phase(toy, prompts):
+def test_an_engine_is_resized_to_each_phase(toy, prompts, decoder):
     """A phase of 64 rows builds 64 slots; the next phase of 8 rows gets an 8-slot engine (not
     the earlier 64), which its own smaller calls keep."""
     model, tok = toy
     eos = eos_ids(model, tok)
     requests = [Request(tok(p)["input_ids"], MAX_NEW) for p in prompts]
-    run_requests(model, requests, eos, None, 64)
-    assert engine_of(model).slots == 64
-    run_requests(model, requests, eos, None, 8)
-    small = engine_of(model)
+    decoder.run_requests(model, requests, eos, None, 64)
+    assert decoder.engine.slots == 64
+    decoder.run_requests(model, requests, eos, None, 8)
+    small = decoder.engine
     assert small.slots == 8 and small.cache.nbytes == small.memory()["kv_cache"]
-    run_requests(model, requests[:3], eos, None, 8)  # a short last call of the phase
-    assert engine_of(model) is small
+    decoder.run_requests(model, requests[:3], eos, None, 8)  # a short last call of the phase
+    assert decoder.engine is small
 
 
 @pytest.mark.toy
 def test_budget_without_room_for_one_row_is_one_line(toy):
     model, tok = toy
-    configure(ModelConfig(engine_memory_gib=1e-6))
     with pytest.raises(UserError, match="model.engine_memory_gib"):
-        generate_tokens(model, tok, ["1+2="], MAX_NEW)
+        generate_tokens(model, tok, ["1+2="], MAX_NEW,
+                        decoder=Decoder(EngineConfig(memory_gib=1e-6)))
 
 
 @pytest.mark.parametrize("replay", [CheckedStep, PerturbedStep])
 @pytest.mark.toy
 def test_self_check_on_first_capture(toy, prompts, replay):
     """An exact "captured" step passes the check and keeps replaying; a perturbed one is caught
-    at its first shape: graphs go off (recorded) and decoding goes on eagerly, with the
-    completions of the eager engine either way."""
+    at its first shape: graphs go off (recorded on the decoder) and decoding goes on eagerly,
+    with the completions of the eager engine either way; another decoder is not touched."""
     model, tok = toy
     ref = generate_tokens(model, tok, prompts, MAX_NEW, batch_size=8)
-    with replaying_with(replay):
-        out = generate_tokens(model, tok, prompts, MAX_NEW, batch_size=8)
+    decoder = Decoder(EngineConfig(replay=replay))
+    out = generate_tokens(model, tok, prompts, MAX_NEW, batch_size=8, decoder=decoder)
     assert out == ref
     if replay is CheckedStep:
-        assert graph_check_failure() == ""
-        assert engine_of(model).graphs is not None and len(engine_of(model).graphs.replays) > 1
+        assert decoder.graph_failure == ""
+        assert decoder.engine.graphs is not None and len(decoder.engine.graphs.replays) > 1
     else:
-        assert graph_check_failure().startswith("decode shape (rows ")
-        assert "logits differ by up to 1, more than the tolerance" in graph_check_failure()
-        assert engine_of(model).graphs is None
-        with replaying_with(CheckedStep):  # later engines of the process decode eagerly
-            generate_tokens(model, tok, prompts[:2], MAX_NEW, batch_size=1)
-        assert engine_of(model).graphs is None
-        reset_graph_check()
+        assert decoder.graph_failure.startswith("decode shape (rows ")
+        assert "logits differ by up to 1, more than the tolerance" in decoder.graph_failure
+        assert decoder.engine.graphs is None
+        # the decoder's later engines decode eagerly: one of another shape replays nothing
+        generate_tokens(model, tok, prompts[:2], MAX_NEW, batch_size=1, decoder=decoder)
+        assert decoder.engine.graphs is None and decoder.engine.slots == 1
+        other = Decoder(EngineConfig(replay=CheckedStep))
+        generate_tokens(model, tok, prompts[:2], MAX_NEW, batch_size=1, decoder=other)
+        assert other.graph_failure == "" and other.engine.graphs is not None
 
 
 ESSA_ARGS = ["model.path=toy", "task.n_train=200", "task.n_eval=32", "essa.population=4",
@@ -264,14 +263,15 @@ def _small_qwen():
         num_attention_heads=4, num_key_value_heads=2)).eval()
 
 
-def test_replaced_engine_is_freed_before_the_next_is_built(monkeypatch):
-    """engine_for: when the model's engine does not fit the call, its KV cache is gone before
-    the next engine allocates its own (no two caches alive at once: the hand-over peak)."""
-    from hpc.models.engine import KVCache
+def test_replaced_engine_is_freed_before_the_next_is_built(monkeypatch, decoder):
+    """engine_for: when the decoder's engine does not fit the call, its KV cache is gone
+    before the next engine allocates its own (no two caches alive at once: the hand-over
+    peak)."""
+    from hpc.engine.kv_cache import KVCache
 
     model = _small_qwen()
-    engine_for(model, 64, 128, 0)
-    old = weakref.ref(engine_of(model))
+    decoder.engine_for(model, 64, 128, 0)
+    old = weakref.ref(decoder.engine)
     freed_first = []
     build = KVCache.__init__
 
@@ -281,18 +281,19 @@ def test_replaced_engine_is_freed_before_the_next_is_built(monkeypatch):
         build(self, *args, **kwargs)
 
     monkeypatch.setattr(KVCache, "__init__", watched)
-    engine_for(model, 8, 128, 0, most=8)  # fewer slots: replaced
-    assert freed_first == [True] and engine_of(model).slots == 8
+    decoder.engine_for(model, 8, 128, 0, most=8)  # fewer slots: replaced
+    assert freed_first == [True] and decoder.engine.slots == 8
+    old = weakref.ref(decoder.engine)
+    decoder.engine_for(_small_qwen(), 8, 128, 0, most=8)  # another model: replaced
+    assert freed_first == [True, True]
 
 
-def test_end_phase_keeps_the_engine_only_for_a_next_phase_that_reuses_it():
-    from hpc.models.engine import end_phase
-
+def test_end_phase_keeps_the_engine_only_for_a_next_phase_that_reuses_it(decoder):
     model = _small_qwen()
-    engine_for(model, 512, 128, 0)
-    assert not end_phase(model, 300, 0) and engine_of(model).slots == 512  # reused as it is
-    assert end_phase(model, 64, 0) and "_decode_engine" not in model.__dict__  # fewer rows
-    engine_for(model, 64, 128, 0)
-    assert end_phase(model, 64, 2)  # other members: rebuilt anyway, so released now
-    engine_for(model, 64, 128, 0)
-    assert end_phase(model) and not end_phase(model)  # nothing decodes next (the export)
+    decoder.engine_for(model, 512, 128, 0)
+    assert not decoder.end_phase(300, 0) and decoder.engine.slots == 512  # reused as it is
+    assert decoder.end_phase(64, 0) and decoder.engine is None  # fewer rows
+    decoder.engine_for(model, 64, 128, 0)
+    assert decoder.end_phase(64, 2)  # other members: rebuilt anyway, so released now
+    decoder.engine_for(model, 64, 128, 0)
+    assert decoder.end_phase() and not decoder.end_phase()  # nothing decodes next (the export)

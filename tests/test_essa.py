@@ -128,7 +128,7 @@ def test_learning_and_exported_adapter(toy_adapter, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hpc.models.generation import generate
+    from hpc.engine.generate import generate
     from hpc.data.tasks import arith_task
     from hpc.toys.toy import toy_model_path
 

@@ -8,11 +8,11 @@ import sys
 import numpy as np
 import pytest
 import torch
-from transformers import Qwen2Config
 
 from conftest import REPO, run_cli, run_mpi
 from essa.batched import choose_k, mean_reward, members_on_device, members_that_fit
 from essa.member_lora import MemberLora
+from hpc.engine.shape import ModelShape
 from hpc.models.adapter_space import SingularValueSpace
 from hpc.models.loading import attach_lora, randomize_lora_b
 from hpc.toys.toy import tiny_model
@@ -219,13 +219,13 @@ def test_members_on_device_reads_free_memory_and_the_adapter_size(case, monkeypa
     lora = 2 * (4 * (4 * 64) + 2 * (64 * 4) + 2 * (32 * 4)) * 4  # A's, q/o B's, k/v B's
     assert lora == 14336
     fit = members_on_device(model, 10_000, 16, 20)  # 10k members' factors: 143 MB of 512 MiB
-    assert fit == members_that_fit(model.config, 4, lora, 2 ** 30, 10_000, 16, 20)
-    assert fit < members_that_fit(model.config, 4, 0, 2 ** 30, 10_000, 16, 20)
+    shape = ModelShape.from_config(model.config)
+    assert fit == members_that_fit(shape, 4, lora, 2 ** 30, 10_000, 16, 20)
+    assert fit < members_that_fit(shape, 4, 0, 2 ** 30, 10_000, 16, 20)
 
 
 def test_members_that_fit_a_qwen2_5_1_5b_in_bf16():
-    config = Qwen2Config(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, intermediate_size=8960, vocab_size=151936)
+    config = ModelShape.qwen25("1.5B")
     lora = 2_179_072 * 4  # rank-8 q/k/v/o factors in fp32, bytes
     # per token (2*28*2*128 + 4*1536 + 3*8960) * 2 B = 94720 B; per member of 32 rows of
     # 128 tokens: 32 * (128 * 94720 + 4 * 151936) B = 407420928 B

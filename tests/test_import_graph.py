@@ -10,7 +10,9 @@ PACKAGES = ("hpc", "essa", "fgrpo")
 # The floors of the package, bottom first: a module imports its own floor and those below only.
 FLOORS = (
     ("runtime", ("hpc.runtime",)),  # MPI world, dist bootstrap, config, HDF5 store, checkpoints
-    ("models", ("hpc.models",)),  # loading, generation engine, memory plan, parallelism
+    ("models", ("hpc.models",)),  # loading, adapters, sampling, quantisation, parallelism
+    ("engine", ("hpc.engine",)),  # the decoding engine, its model shape and memory arithmetic
+    ("plan", ("hpc.plan",)),  # the memory plan of a job's phases
     ("data", ("hpc.data",)),  # tasks, prompts (chat templates from hpc.models.chat), rewards
     ("toys", ("hpc.toys",)),  # the built-in toy models, built with models and data
     ("job", ("hpc.job",)),  # a job's lifecycle and step loop
@@ -144,7 +146,7 @@ def test_essa_and_fgrpo_never_import_each_other():
 
 def test_every_module_stands_on_a_floor():
     assert floor("essa.__main__") == floor("hpc.analysis.scaling") == len(FLOORS) - 1
-    assert floor("hpc.runtime.world") < floor("hpc.models.engine") < floor("hpc.job.loop")
+    assert floor("hpc.runtime.world") < floor("hpc.engine.decoder") < floor("hpc.job.loop")
     assert floor("essa.trainer") == floor("hpc.sft") == [n for n, _ in FLOORS].index("methods")
     for module in _graph():
         floor(module)

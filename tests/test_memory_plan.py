@@ -9,7 +9,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from conftest import REPO, our_lines, run_cli
 from hpc.commands import plan as main, plan_job_class
-from hpc.models.memory_plan import (DTYPE_BYTES, GIB, QWEN25, ModelShape,
+from hpc.plan.memory_plan import (DTYPE_BYTES, GIB, QWEN25, ModelShape,
                                     check_job_memory, essa_members_that_fit, essa_plan,
                                     essa_scoring_phase, fgrpo_plan, rollout_offload,
                                     weight_bytes)
@@ -400,11 +400,11 @@ def test_harness_on_real_tensors_reports_each_phase_beside_the_plan(tmp_path, ca
 
 
 def test_job_and_plan_size_engines_with_one_budget(tmp_path):
-    """One formula (hpc.models.engine.budget_left) over everything resident, ESSA's own
+    """One formula (hpc.engine.memory.budget_left) over everything resident, ESSA's own
     adapter included: at 32B INT8 the plan's budget is 23 GiB (85 evaluation slots), and a
     job with a plan decodes within that very figure."""
-    from hpc.models.engine import budget_left
-    from hpc.models.memory_plan import LORA_BYTES_PER_PARAM, planned_engine_budget
+    from hpc.engine.memory import budget_left
+    from hpc.plan.memory_plan import LORA_BYTES_PER_PARAM, planned_engine_budget
 
     cfg = cluster_config(model_folder(tmp_path, "32B"), "model.quantize=int8")
     shape = ModelShape.from_folder(cfg.model.path)

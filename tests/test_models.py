@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hpc.runtime.errors import UserError
-from hpc.models.generation import generate, generate_tokens
+from hpc.engine.generate import generate, generate_tokens
 from hpc.models.loading import attach_lora, load_adapter, load_model, save_adapter
 from hpc.toys.toy import tiny_model
 

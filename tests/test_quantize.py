@@ -12,7 +12,7 @@ from conftest import run_cli, run_mpi
 from test_essa import _one_error_line, essa_args
 from test_fgrpo import fgrpo_args
 from hpc.data.tasks import arith_task
-from hpc.models.generation import generate_tokens
+from hpc.engine.generate import generate_tokens
 from hpc.models.loading import attach_lora, load_model, randomize_lora_b
 from hpc.models.quantize import (attach_generation_copy, base_linears, check_quantize,
                                  generation_weights, quantize_base)

@@ -123,7 +123,7 @@ def test_model_concurrency_is_the_plans(quantize):
     the same config: the scoring and rollout engines' slots as hpc-plan prints them (their
     rows asked exceed what the budget holds), and the weights it counts."""
     from hpc.analysis.plan_terms import model_shape, plan_config
-    from hpc.models.memory_plan import essa_plan, fgrpo_plan, weight_bytes
+    from hpc.plan.memory_plan import essa_plan, fgrpo_plan, weight_bytes
 
     args = build_parser().parse_args(["--essa-quantize", quantize])
     cost = paper_costs(decoding=planned_decoding(args, 256))

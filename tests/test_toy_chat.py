@@ -15,7 +15,7 @@ from hpc.data.prompts import chat_messages
 from hpc.data.rewards import math_reward
 from hpc.data.wordproblems import word_problems
 from hpc.models.chat import stop_token_ids
-from hpc.models.generation import generate_tokens
+from hpc.engine.generate import generate_tokens
 from hpc.toys.toy_chat import CORPUS_ENV, IM_END, toy_chat_model_path
 from hpc.runtime.runstore import RunFile
 from hpc.runtime.world import split_evenly

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import our_lines, run_cli
-from hpc.models.generation import generate
+from hpc.engine.generate import generate
 from hpc.models.loading import load_model
 from hpc.runtime.errors import UserError
 from hpc.toys import cache, pinned, toy

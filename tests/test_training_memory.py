@@ -14,7 +14,7 @@ from conftest import REPO, run_mpi
 from hpc.models.loading import attach_lora, enable_activation_checkpointing, randomize_lora_b
 from hpc.models.logprobs import masked_mean, sequence_logprobs
 from hpc.commands import plan_job_class
-from hpc.models.memory_plan import activation_checkpointing
+from hpc.plan.memory_plan import activation_checkpointing
 from hpc.toys.toy import qwen2_config
 from hpc.runtime.config import load_config
 from hpc.runtime.runstore import RunFile

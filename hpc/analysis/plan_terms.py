@@ -1,5 +1,5 @@
 """The scaling model's memory terms, from the memory plan's own functions
-(:mod:`hpc.models.memory_plan`), so ``hpc-scaling`` and ``hpc-plan`` never disagree on what
+(:mod:`hpc.plan.memory_plan`), so ``hpc-scaling`` and ``hpc-plan`` never disagree on what
 fits: the weight bytes a decode step reads and the sequences a GPU decodes at once, per method.
 
 The configuration is the plan's (:func:`hpc.commands.plan_job_class`): ``--config`` (default:
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpc.models.memory_plan import (GIB, QWEN25, ModelShape, checkpointing_needed,
+from hpc.plan.memory_plan import (GIB, QWEN25, ModelShape, checkpointing_needed,
                                     engine_slots, essa_plan, fgrpo_plan, offload_that_fits,
                                     weight_bytes)
 from hpc.runtime.errors import UserError

@@ -27,7 +27,7 @@ import yaml
 from hpc.analysis.plan_terms import (QUANTIZE, essa_decoding, grpo_decoding, model_shape,
                                      plan_config)
 from hpc.analysis.report import open_run, phase_kinds, step_timings
-from hpc.models.memory_plan import expected_rounds
+from hpc.plan.memory_plan import expected_rounds
 from hpc.runtime.cli import EXIT_CODES_HELP, OneLineParser, plain
 from hpc.runtime.errors import UserError, user_errors_exit
 
@@ -1081,7 +1081,7 @@ def host_offload(args, w: "Workload") -> tuple:
     none, optimizer, state that fits :data:`GPUS`' memory), and a note saying so. Computed for
     the Qwen2.5-32B shape the model defaults to; other shapes get no term."""
     from hpc.commands import plan_job_class
-    from hpc.models.memory_plan import QWEN25, ModelShape, fgrpo_plan, offloaded_bytes
+    from hpc.plan.memory_plan import QWEN25, ModelShape, fgrpo_plan, offloaded_bytes
     from hpc.runtime.config import load_config
 
     m = QWEN25_32B

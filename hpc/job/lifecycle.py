@@ -23,10 +23,11 @@ import h5py
 import numpy as np
 from tqdm import tqdm
 
+from hpc.engine.config import EngineConfig
+from hpc.engine.decoder import Decoder
 from hpc.models.base_model import check_base
-from hpc.models.generation import configure as configure_generation, set_planned_budget
 from hpc.models.loading import model_folder
-from hpc.models.memory_plan import check_job_memory, planned_engine_budget
+from hpc.plan.memory_plan import check_job_memory, planned_engine_budget
 from hpc.models.quantize import check_quantize
 from hpc.runtime.atomic import open_plain
 from hpc.runtime.cli import parse_args
@@ -38,7 +39,7 @@ from hpc.runtime.rendezvous import agree
 from hpc.runtime.results import format_table
 from hpc.runtime.runstore import RunStore, environment_attrs, readable
 from hpc.runtime.world import World, get_world, select_device
-from hpc.toys.builtin import check_cached  # also registers model.path 'toy', 'toy-chat'
+from hpc.toys.builtin import check_cached
 
 
 class PeerFailed(SystemExit):
@@ -217,6 +218,7 @@ class Job:
     config_text: str
     method: str
     signals: object  # hpc.runtime.preempt.StopSignals, installed before any loading
+    decoder: Decoder  # the job's decoding engine, passed to whoever decodes
 
     @property
     def run_file(self) -> str:
@@ -230,7 +232,6 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
     signals = stop_signals()
     config_path, overrides, resume = parse_args(prog, argv)
     cfg = load_config(job_cls, config_path, overrides)
-    configure_generation(cfg.model)
     world = get_world()
     world.timeout_s = cfg.run.collective_timeout_s
     cfg.validate_world(world)
@@ -242,8 +243,8 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
     on_all_ranks(world, lambda: check_base(cfg.lora.adapter, cfg.model.path, model_folder,
                                            cfg.lora.allow_other_base))
     on_all_ranks(world, lambda: check_job_memory(cfg, method, world.size, device.type))
-    set_planned_budget(on_all_ranks(world, lambda: planned_engine_budget(
-        cfg, method, world.size, device.type)))
+    decoder = Decoder(EngineConfig.from_model(cfg.model, on_all_ranks(
+        world, lambda: planned_engine_budget(cfg, method, world.size, device.type))))
     job_id = _job_id(world)
     out_dir = run_folder(cfg.run.out, method, job_id)
     if resume and "{jobid}" in cfg.run.out and not os.environ.get("SLURM_JOB_ID"):
@@ -263,7 +264,8 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
 
     on_all_ranks(world, claim_folder)
     return Job(cfg=cfg, world=world, device=device, out_dir=out_dir, resume=resume,
-               config_text=config_to_yaml(cfg), method=method, signals=signals)
+               config_text=config_to_yaml(cfg), method=method, signals=signals,
+               decoder=decoder)
 
 
 def stop_if_preempted(job: Job, after: str, store: RunStore | None = None) -> None:

@@ -47,8 +47,6 @@ import time
 import numpy as np
 import torch
 
-from hpc.models.engine import disable_cuda_graphs, graph_check_failure, reset_graph_check
-from hpc.models.generation import take_generated_tokens
 from hpc.runtime.checkpoint import load_latest, save_checkpoint
 from hpc.runtime.distckpt import (check_manifest, load_sharded, prune_sharded, save_sharded,
                                    verify_sharded)
@@ -125,7 +123,7 @@ class Method(abc.ABC):
 
     def next_decode(self) -> tuple:
         """(rows, members) of the decoding after an evaluation, whose engine the evaluation
-        may keep (:func:`hpc.models.engine.end_phase`): a step's, or none after the final
+        may keep (:meth:`hpc.engine.decoder.Decoder.end_phase`): a step's, or none after the final
         evaluation (the export decodes nothing)."""
         return (0, 1) if self.final_evaluation else self.step_decode()
 
@@ -190,21 +188,22 @@ def resume_fields(state: dict, path: str) -> dict:
     return fields
 
 
-def share_graph_check(world, store: RunStore, failed: np.ndarray | None = None) -> bool:
+def share_graph_check(world, decoder, store: RunStore,
+                      failed: np.ndarray | None = None) -> bool:
     """Collective: when the decoding engine's self-check failed on any rank
-    (:func:`hpc.models.engine.graph_check_failure`), CUDA graphs go off on every rank, rank 0
-    prints one line and the run file gets the attribute ``cuda_graphs_disabled`` (the rank and
-    the reason). ``failed``: each rank's flag (size,) when already gathered (the loop sends it
-    with a step's token count), else gathered here. Returns whether graphs went off."""
+    (``decoder.graph_failure``, :class:`hpc.engine.decoder.Decoder`), CUDA graphs go off on
+    every rank, rank 0 prints one line and the run file gets the attribute
+    ``cuda_graphs_disabled`` (the rank and the reason). ``failed``: each rank's flag (size,)
+    when already gathered (the loop sends it with a step's token count), else gathered here.
+    Returns whether graphs went off."""
     if failed is None:
-        failed = world.allgather(np.array([bool(graph_check_failure())], dtype=np.int8),
+        failed = world.allgather(np.array([bool(decoder.graph_failure)], dtype=np.int8),
                                  tag="control")
     if not failed.any():
         return False
     rank = int(np.flatnonzero(failed)[0])
-    message = f"rank {rank}: " + world.comm.bcast(graph_check_failure(), root=rank)  # once
-    reset_graph_check()  # every rank keeps the same reason, the failing rank's included
-    disable_cuda_graphs(message)
+    message = f"rank {rank}: " + world.comm.bcast(decoder.graph_failure, root=rank)  # once
+    decoder.disable_graphs(message, replace=True)  # every rank keeps the failing rank's reason
     if world.is_root:
         print(f"warning: the decoding engine's CUDA-graph self-check failed on {message}; CUDA "
               f"graphs are off for the rest of the run (decoding goes on eagerly)",
@@ -302,7 +301,7 @@ def save(job: Job, method: Method, ckpt_dir: str, step: int, fields: dict) -> No
 def run_loop(job: Job, method: Method) -> dict:
     """Run ``method`` for ``job`` (see the module docstring); returns on every rank a summary:
     ``start`` and ``final`` (EvalResult or None), ``steps``, ``wall_s``, ``preempted``."""
-    cfg, world = job.cfg, job.world
+    cfg, world, decoder = job.cfg, job.world, job.decoder
     ckpt_dir = f"{job.out_dir}/checkpoints"
     resumed = resume(job, method, ckpt_dir)
     start, elapsed0 = resumed["step"], resumed["elapsed_s"]
@@ -329,17 +328,17 @@ def run_loop(job: Job, method: Method) -> dict:
     step, preempted, graphs_off = start, False, False
     world.take_bytes()  # start-up traffic (bootstrap, start evaluation) is not a step's
     while step < total:
-        take_generated_tokens()  # what evaluations decoded is not a step's
+        decoder.take_generated_tokens()  # what evaluations decoded is not a step's
         metrics = method.step(step)
         step += 1
         # with the tokens, whether this rank's engine self-check failed (until graphs are off)
         # and whether a time budget is spent (rank 0's answer decides)
         train_s, wall_s = time.perf_counter() - t0 - overhead, time.perf_counter() - t0
-        sent = [take_generated_tokens(), not graphs_off and bool(graph_check_failure()),
+        sent = [decoder.take_generated_tokens(), not graphs_off and bool(decoder.graph_failure),
                 out_of_budget(cfg.run, wall_s, train_s)]
         gathered = world.allgather(np.array(sent, dtype=np.int64), tag="control")
         tokens += int(gathered[:, 0].sum())
-        graphs_off = graphs_off or share_graph_check(world, store, gathered[:, 1])
+        graphs_off = graphs_off or share_graph_check(world, decoder, store, gathered[:, 1])
         metrics.update(generated_tokens=tokens, train_s=train_s, wall_s=wall_s)
         # the last step is evaluated whether the step count or a budget ends the run
         last = bool(gathered[0, 2]) or 0 < cfg.run.max_generated_tokens <= tokens
@@ -378,7 +377,7 @@ def run_loop(job: Job, method: Method) -> dict:
     final = method.evaluate(sampled=True)
     log_eval(store, step, final)
     if not graphs_off:
-        share_graph_check(world, store)
+        share_graph_check(world, decoder, store)
     if world.is_root or method.collective_export:
         method.export(job.out_dir, step)
     store.set_attrs(steps_done=step, wall_seconds=wall)

@@ -6,6 +6,8 @@ instead of a library traceback. Nothing is ever downloaded (``local_files_only``
 """
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import os
 import warnings
 
@@ -40,16 +42,23 @@ def _resolve_device(device) -> torch.device:
     return torch.device(device)
 
 
-BUILT_IN_MODELS: dict = {}
-"""``model.path`` names of built-in models -> a function returning that model's folder (built and
-cached on first use). :mod:`hpc.toys.builtin` fills it ('toy', 'toy-chat') when the job start or
-a tool imports it; this layer never imports the toys, which stand above it."""
+# The built-in models register here (setup.py): the toys stand above this floor, which so
+# names none of them; a toy is imported only when a job names it.
+BUILT_IN_MODELS_GROUP = "hpc.built_in_models"
+
+
+@functools.cache
+def built_in_models() -> dict[str, importlib.metadata.EntryPoint]:
+    """``{model.path name: entry point of the function that returns its folder}`` ('toy',
+    'toy-chat': built and cached on first use)."""
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=BUILT_IN_MODELS_GROUP)}
 
 
 def model_folder(path: str) -> str:
     """The folder for ``model.path``: a built-in model's cached folder (built if absent;
     UserError if its cached build is not the intended one), else ``path`` as it is."""
-    return BUILT_IN_MODELS[path]() if path in BUILT_IN_MODELS else path
+    models = built_in_models()
+    return models[path].load()() if path in models else path
 
 
 def load_model(path: str, dtype: str = "float32", device="cpu"):

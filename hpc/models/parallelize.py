@@ -30,7 +30,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from hpc.models.engine import release_engine
 from hpc.models.loading import DTYPES
 from hpc.models.offload import HostCopy
 from hpc.runtime.atomic import replaced_dir
@@ -92,12 +91,12 @@ def is_sharded(model) -> bool:
 
 
 @contextlib.contextmanager
-def gathered(model, to_host: bool = False):
+def gathered(model, decoder, to_host: bool = False):
     """Within the block every FSDP2 unit of ``model`` holds its whole weights in the compute
     dtype (one all-gather each) and keeps them through forwards, so rollouts and evaluations
     decode with plain tensors and no collective, each rank as many forwards as it needs. On
-    leaving: the decoding engine built on those weights (with its KV cache) is dropped and the
-    weights resharded, freeing the gathered copy. A no-op for an unsharded model.
+    leaving: ``decoder``'s engine built on those weights (with its KV cache) is released and
+    the weights resharded, freeing the gathered copy. A no-op for an unsharded model.
 
     ``to_host``: each unit's fp32 shards go to host memory (:class:`HostCopy`) as soon as that
     unit is gathered, and come back once it is resharded, so the rank never holds the shards
@@ -120,7 +119,7 @@ def gathered(model, to_host: bool = False):
                 moved[unit] = HostCopy(_local(p) for p in owned[unit])
         yield model
     finally:
-        release_engine(model)
+        decoder.release()
         for unit in units:  # each unit's gathered copy freed before its shards come back
             unit.reshard()
             unit.set_reshard_after_forward(unit is not root, recurse=False)
@@ -129,18 +128,18 @@ def gathered(model, to_host: bool = False):
 
 
 @contextlib.contextmanager
-def decoding(model, weights: "TrainedWeights", offload: str, reference=None):
+def decoding(model, weights: "TrainedWeights", offload: str, decoder, reference=None):
     """The weights of a rollout or evaluation: ``model`` gathered for decoding (FSDP2,
     :func:`gathered`) with the training state that ``offload`` (``fgrpo.offload``:
     none/optimizer/state, :mod:`hpc.models.offload`) names in host memory for the block. The
     optimizer's tensors leave before the gathering starts and come back after the gathered
-    copy is freed; ``state`` also moves the shards of ``model`` (unit by unit) and of the
+    copy (and ``decoder``'s engine on it) is freed; ``state`` also moves the shards of ``model`` (unit by unit) and of the
     sharded ``reference`` model."""
     moved = [HostCopy(weights.optimizer_tensors())] if offload != "none" else []
     if offload == "state" and reference is not None and is_sharded(reference):
         moved.append(HostCopy(_local(p) for p in reference.parameters()))
     try:
-        with gathered(model, to_host=offload == "state" and is_sharded(model)):
+        with gathered(model, decoder, to_host=offload == "state" and is_sharded(model)):
             yield model
     finally:
         for m in moved:

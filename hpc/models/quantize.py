@@ -19,7 +19,7 @@ Two ways to apply it, after the model (and adapter) is loaded:
 * :func:`attach_generation_copy`: training jobs (F-GRPO, SFT), whose training forward must stay
   on the unquantised weights: a quantised copy of the base linears is kept beside the model (an
   extra ~half of the bf16 linears at int8) and :func:`generation_weights` swaps it in while
-  :mod:`hpc.models.generation` decodes (rollouts, evaluation). The sampling policy then differs
+  :mod:`hpc.engine.generate` decodes (rollouts, evaluation). The sampling policy then differs
   slightly from the trained one.
 
 torchao is the optional extra ``quant`` (``pip install 'essa-hpc[quant]'``); it is imported only

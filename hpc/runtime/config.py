@@ -139,8 +139,9 @@ def param(default, help: str, *, min=None, max=None, above=None, choices=None):
     return field(default=default, metadata=meta)
 
 
-# The model.path names of the built-in models (hpc.toys.builtin serves them; a test holds the two
-# equal): a tool that only reads a model folder's files knows them without importing the toys.
+# The model.path names of the built-in models (setup.py's hpc.built_in_models serve them; a
+# test holds the two equal): a tool that only reads a model folder's files knows them without
+# importing the toys.
 BUILT_IN_MODEL_NAMES = ("toy", "toy-chat")
 
 

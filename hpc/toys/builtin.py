@@ -1,15 +1,14 @@
 """The built-in models as ``model.path`` names: 'toy' and 'toy-chat' become their cached folders
-(built on first use), through :data:`hpc.models.loading.BUILT_IN_MODELS`, which importing this
-module fills. The job start (:mod:`hpc.job.lifecycle`) and the tools that take ``model.path``
-import it; hpc.models and hpc.data never import the toys (they stand above both)."""
+(built on first use) through :func:`hpc.models.loading.model_folder`, which finds them by
+setup.py's ``hpc.built_in_models`` entry points (hpc.models and hpc.data never import the
+toys, which stand above both); :func:`check_cached` checks a cached build at job start."""
 from __future__ import annotations
 
 import os
 
-from hpc.models.loading import BUILT_IN_MODELS, model_folder
+from hpc.models.loading import model_folder
 from hpc.toys import toy, toy_chat
 
-BUILT_IN_MODELS.update({"toy": toy.toy_model_path, "toy-chat": toy_chat.toy_chat_model_path})
 CACHES = {"toy": toy.cache_dir, "toy-chat": toy_chat.cache_dir}
 
 __all__ = ["check_cached", "model_folder"]

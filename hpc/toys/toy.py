@@ -34,7 +34,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from hpc.data.tasks import ARITH_TEMPLATE, _arith_problem
-from hpc.models.generation import generate
+from hpc.engine.generate import generate
 from hpc.runtime.errors import user_errors_exit
 from hpc.toys.cache import (INFO_FILE, build_into, cached_folder, check_built, read_info,
                             save_model_folder, train_steps)
@@ -121,7 +121,7 @@ def _encode(tokenizer, pairs) -> tuple[torch.Tensor, torch.Tensor]:
 def greedy_accuracy(model, tokenizer, pairs) -> float:
     """Fraction of ``(prompt, answer)`` pairs whose greedy completion equals the answer."""
     outs = generate(model, tokenizer, [p for p, _ in pairs], max_new_tokens=4, batch_size=256,
-                    engine="hf")  # the path the cached toy was built with
+                    path="hf")  # the path the cached toy was built with
     return sum(o.strip() == a for o, (_, a) in zip(outs, pairs)) / len(pairs)
 
 

@@ -35,7 +35,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from hpc.data.prompts import chat_messages, completion_batch
 from hpc.data.rewards import math_reward
 from hpc.data.wordproblems import MAX_STEPS as MAX_PROBLEM_STEPS, word_problems
-from hpc.models.generation import generate
+from hpc.engine.generate import generate
 from hpc.runtime.errors import UserError, user_errors_exit
 from hpc.toys.cache import (build_into, cached_folder, check_built, read_info,
                             save_model_folder, train_steps)

@@ -15,7 +15,9 @@ import torch
 from essa.batched import member_completions
 from essa.population import owners, score_members
 from hpc.models.adapter_space import SingularValueSpace
-from hpc.models.generation import generate, using_path
+from hpc.engine.config import EngineConfig
+from hpc.engine.decoder import Decoder
+from hpc.engine.generate import generate
 from hpc.models.loading import attach_lora, randomize_lora_b
 from hpc.toys.toy import tiny_model
 from hpc.runtime.timing import PhaseTimer
@@ -51,9 +53,9 @@ def score(case, members, k: int) -> np.ndarray:
     """Fitness (n,) float64 of ``members`` scored k per generation (score_members)."""
     model, tok, space, _, prompts, answers = case
     timer = PhaseTimer(["rebuild", "generate", "reward"])
-    with using_path("hf"):  # the reference path's batching, checked here
-        return score_members(model, tok, space, members, HashTask(), prompts, answers,
-                             MAX_NEW, BATCH, timer, k)
+    reference = Decoder(EngineConfig(path="hf"))  # the reference path's batching, checked here
+    return score_members(model, tok, space, members, HashTask(), prompts, answers, MAX_NEW,
+                         BATCH, timer, reference, k)
 
 
 def completions(case, members, k: int) -> list:
@@ -64,7 +66,7 @@ def completions(case, members, k: int) -> list:
         out = []
         for x in members:
             space.apply(model, x)
-            out.append(generate(model, tok, prompts, MAX_NEW, batch_size=BATCH, engine="hf"))
+            out.append(generate(model, tok, prompts, MAX_NEW, batch_size=BATCH, path="hf"))
         return out
     return [texts for g in range(0, len(members), k)
             for texts in member_completions(model, tok, space.factors_batch(members[g:g + k]),

@@ -5,21 +5,20 @@
 
 * ``memory``: the start evaluation, then the first generation, as :func:`run_loop` runs them;
   the engine's slots, max_len, k, KV-cache bytes and :func:`engine_memory` at the end of the
-  evaluation (before :func:`hpc.models.engine.end_phase`), after it ({} once released) and
-  after the generation.
+  evaluation (before :meth:`hpc.engine.decoder.Decoder.end_phase`), after it ({} once
+  released) and after the generation.
 * ``perturb-<R>``: the whole job with every engine's decode steps "replayed" by
   :class:`CheckedStep` on any device (so the self-check runs on CPU), rank R's replay perturbed;
-  at the end, this rank's :func:`graph_check_failure` and whether its engine still replays.
+  at the end, this rank's ``decoder.graph_failure`` and whether its engine still replays.
 """
 import contextlib
+import dataclasses
 import json
 import sys
 
 from essa.config import ESSAJobConfig
 from essa.trainer import ESSA
-from hpc.models import engine
-from hpc.models.engine import GraphedDecode, graph_check_failure
-from hpc.models.generation import replaying_with
+from hpc.engine.graphs import GraphedDecode
 from hpc.job.lifecycle import finish, start_job
 from hpc.job.loop import run_loop
 from hpc.runtime.runstore import RunStore
@@ -46,9 +45,9 @@ class PerturbedStep(CheckedStep):
     offset = 1.0
 
 
-def engine_state(model) -> dict:
-    """The model's engine ({} when it has none)."""
-    engine = model.__dict__.get("_decode_engine")
+def engine_state(decoder) -> dict:
+    """The decoder's engine ({} when it has none)."""
+    engine = decoder.engine
     if engine is None:
         return {}
     return {"slots": engine.slots, "max_len": engine.cache.max_len, "k": engine.k,
@@ -57,20 +56,20 @@ def engine_state(model) -> dict:
 
 
 @contextlib.contextmanager
-def ends_of_evaluations():
+def ends_of_evaluations(decoder):
     """Within the block, :func:`engine_state` at the end of each evaluation, before
-    :func:`hpc.models.engine.end_phase` releases its engine, appended to the list yielded."""
-    seen, end_phase = [], engine.end_phase
+    ``decoder.end_phase`` releases its engine, appended to the list yielded."""
+    seen, end_phase = [], decoder.end_phase
 
-    def watched(model, *args):
-        seen.append(engine_state(model))
-        return end_phase(model, *args)
+    def watched(*args):
+        seen.append(engine_state(decoder))
+        return end_phase(*args)
 
-    engine.end_phase = watched
+    decoder.end_phase = watched
     try:
         yield seen
     finally:
-        engine.end_phase = end_phase
+        del decoder.end_phase
 
 
 def main():
@@ -81,20 +80,21 @@ def main():
     if mode == "memory":
         method.store = RunStore(f"{job.out_dir}/essa.h5", job.world.is_root, {})
         method.timer = PhaseTimer(list(method.phases))
-        with ends_of_evaluations() as seen:
+        with ends_of_evaluations(job.decoder) as seen:
             method.evaluate(sampled=True)
         report["end_of_start_eval"] = seen[0]
-        report["after_start_eval"] = engine_state(method.model)
+        report["after_start_eval"] = engine_state(job.decoder)
         method.step(0)
-        report["after_generation"] = engine_state(method.model)
+        report["after_generation"] = engine_state(job.decoder)
         method.store.close()
     else:
         bad_rank = int(mode.split("-")[1])
-        with replaying_with(PerturbedStep if job.world.rank == bad_rank else CheckedStep), \
-                ends_of_evaluations() as seen:
+        replay = PerturbedStep if job.world.rank == bad_rank else CheckedStep
+        job.decoder.config = dataclasses.replace(job.decoder.config, replay=replay)
+        with ends_of_evaluations(job.decoder) as seen:
             summary = run_loop(job, method)
         finish(job, summary, "sft start", "essa mean")
-        report.update(failure=graph_check_failure(), end=seen[-1])
+        report.update(failure=job.decoder.graph_failure, end=seen[-1])
     with open(f"{prefix}.{job.world.rank}.json", "w") as fh:
         json.dump(report, fh)
 

@@ -13,7 +13,8 @@ import sys
 
 import torch
 
-from hpc.models.generation import generate_tokens
+from hpc.engine.decoder import Decoder
+from hpc.engine.generate import generate_tokens
 from hpc.models.loading import attach_lora
 from hpc.models.parallelize import TrainedWeights, decoding, shard_model
 from hpc.runtime.dist import init_process_group
@@ -45,6 +46,7 @@ def run(case: str, offload: str) -> dict:
     weights = TrainedWeights(params, lr=1e-3, weight_decay=0.01)
     ids = torch.randint(3, 40, (4, 12), generator=torch.Generator().manual_seed(world.rank))
     out = {"tokens": []}
+    decoder = Decoder()
     for step in range(2):
         model.train()
         weights.zero_grad()
@@ -53,7 +55,7 @@ def run(case: str, offload: str) -> dict:
         weights.step(1.0)
         weights.free_gradients()
         model.eval()
-        with decoding(model, weights, offload):
+        with decoding(model, weights, offload, decoder):
             moments = [v for s in weights.opt.state.values() for v in s.values() if v.dim()]
             copies = [m for p, m in zip(weights.params, weights.masters) if p is not m]
             out.setdefault("held", []).append({
@@ -62,7 +64,8 @@ def run(case: str, offload: str) -> dict:
                 "gradients": sum(p.grad is not None for p in params)})
             with torch.no_grad():
                 out.setdefault("logits", []).append(model(input_ids=ids).logits.float())
-            out["tokens"].append(generate_tokens(model, tok, ["12+34=", "7+8="], 6))
+            out["tokens"].append(generate_tokens(model, tok, ["12+34=", "7+8="], 6,
+                                                 decoder=decoder))
     out["masters"] = [local(m).detach().clone() for m in weights.masters]
     out["moments"] = [local(v).clone() for s in weights.opt.state.values() for v in s.values()]
     out["before"] = {"moments": held_bytes(out["moments"]),

@@ -13,10 +13,10 @@ Memory per GPU by phase, e = bytes per value of ``model.dtype``, a sequence =
 when its largest phase is at most ``USABLE_SHARE`` of ``plan.gpu_memory_gib`` (the rest: CUDA
 context, NCCL buffers, allocator fragmentation) and every engine holds a row in its budget:
 
-* the decoding engine (:func:`hpc.models.engine.engine_memory`: KV cache, stacked members,
+* the decoding engine (:func:`hpc.engine.memory.engine_memory`: KV cache, stacked members,
   per-slot buffers, a step's transient), sized per phase as the job sizes it: the phase's rows
   bucketed, capped by ``model.engine_slots`` and by its budget (``model.engine_memory_gib``, or
-  :func:`hpc.models.engine.budget_left`: half of what everything resident leaves, whole GiB;
+  :func:`hpc.engine.memory.budget_left`: half of what everything resident leaves, whole GiB;
   the job decodes within this same figure, :func:`planned_engine_budget`); larger phases
   decode in waves. Hand-overs: an engine is released before the next is built and an
   evaluation's at its end (unless the next phase reuses it), so no two engines are alive at
@@ -75,14 +75,10 @@ import math
 import os
 from dataclasses import dataclass
 
+from hpc.engine.memory import (ENGINE_MEMORY_SHARE, GIB, bucket, budget_left, engine_memory,
+                               rounded_length, slots_within)
+from hpc.engine.shape import QWEN25, ModelShape
 from hpc.runtime.errors import UserError
-
-def _engine():
-    """:mod:`hpc.models.engine` (its memory formula is the plan's), imported on first use:
-    it imports torch, which ``hpc-plan --help`` and the jobs' ``--help`` do without."""
-    from hpc.models import engine
-    return engine
-
 
 def bytes_per_parameter(quantize: str, in_features: int, elem: int) -> float:
     """:func:`hpc.models.quantize.bytes_per_parameter`, imported on first use (torch)."""
@@ -90,115 +86,15 @@ def bytes_per_parameter(quantize: str, in_features: int, elem: int) -> float:
     return per_parameter(quantize, in_features, elem)
 
 
-GIB = 2 ** 30
-# config.json of the released Qwen2.5 models (the -Instruct and -Math variants have the same
-# shapes): the sizes the papers run, for benchmarks, the GPU check and the plan's tests.
-QWEN25 = {
-    "1.5B": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
-                 tie_word_embeddings=True),
-    "7B": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
-               tie_word_embeddings=False),
-    "32B": dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=40,
-                num_key_value_heads=8, intermediate_size=27648, vocab_size=152064,
-                tie_word_embeddings=False),
-}
 USABLE_SHARE = 0.9
 # what a tensor tracker cannot see on a GPU, kept free by model.activation_checkpointing=auto
 # before it turns checkpointing off (unseen_parts)
 CUDA_CONTEXT_BYTES = 3 * GIB // 4  # CUDA context, loaded kernels, NCCL communicators
 CUBLAS_WORKSPACE_BYTES = GIB // 4  # cuBLAS / cuBLASLt workspaces of the streams in use
 FRAGMENTATION_SHARE = 0.10  # of the activations: the caching allocator's rounding and splits
-ESSA_MEMBER_SHARE = 0.5  # essa.batched.MEMORY_SHARE: the share of free memory k may fill
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LORA_BYTES_PER_PARAM = 4  # peft keeps adapter weights in fp32
 LORA_TRAIN_BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW exp_avg + exp_avg_sq
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The figures of a decoder-only model's ``config.json`` that memory depends on."""
-
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    tied: bool
-    qkv_bias: bool
-
-    @classmethod
-    def from_config(cls, config: dict, source: str = "config.json") -> "ModelShape":
-        def need(key):
-            if not isinstance(config.get(key), int):
-                raise UserError(f"{source}: missing integer '{key}', needed for the memory plan")
-            return config[key]
-
-        hidden, heads = need("hidden_size"), need("num_attention_heads")
-        return cls(hidden=hidden, layers=need("num_hidden_layers"), heads=heads,
-                   kv_heads=config.get("num_key_value_heads") or heads,
-                   head_dim=config.get("head_dim") or hidden // heads,
-                   intermediate=need("intermediate_size"), vocab=need("vocab_size"),
-                   tied=bool(config.get("tie_word_embeddings", False)),
-                   qkv_bias=bool(config.get("attention_bias",
-                                            config.get("model_type") == "qwen2")))
-
-    @classmethod
-    def from_folder(cls, path: str) -> "ModelShape":
-        file = os.path.join(path, "config.json")
-        try:
-            with open(file) as fh:
-                return cls.from_config(json.load(fh), file)
-        except (OSError, json.JSONDecodeError) as err:
-            raise UserError(f"cannot read {file} for the memory plan: {err}") from None
-
-    def module_shapes(self) -> dict:
-        """(in_features, out_features) of each linear layer of a decoder layer."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return {"q_proj": (self.hidden, q), "k_proj": (self.hidden, kv),
-                "v_proj": (self.hidden, kv), "o_proj": (q, self.hidden),
-                "gate_proj": (self.hidden, self.intermediate),
-                "up_proj": (self.hidden, self.intermediate),
-                "down_proj": (self.intermediate, self.hidden)}
-
-    def layer_parameters(self) -> int:
-        weights = sum(i * o for i, o in self.module_shapes().values())
-        bias = (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
-        return weights + bias + 2 * self.hidden
-
-    def parameters(self) -> int:
-        embeddings = self.vocab * self.hidden
-        return (embeddings * (1 if self.tied else 2) + self.layers * self.layer_parameters()
-                + self.hidden)
-
-    def lora_parameters(self, rank: int, targets: list) -> int:
-        shapes = self.module_shapes()
-        return self.layers * sum(rank * sum(shapes[t]) for t in targets if t in shapes)
-
-    def inference_token_bytes(self, elem: int) -> int:
-        """KV cache of all layers + one layer's activations, per generated-or-prompt token."""
-        return (2 * self.layers * self.kv_heads * self.head_dim + 4 * self.hidden
-                + 3 * self.intermediate) * elem
-
-    def training_layer_bytes(self, elem: int, lora_targets: list = (), full: bool = False) -> int:
-        """Activations one decoder layer keeps for backward, per token (see the module doc);
-        ``full``: every weight trains, so the inputs of the linear layers are kept too."""
-        h_coef = 5 if elem == 4 else 6  # the RMSNorms' fp32 upcasts cost one more h in 16 bits
-        kv = self.heads * self.head_dim  # K and V saved at all heads (repeat_kv, padded path)
-        values = h_coef * self.hidden + 2 * kv + 3 * self.intermediate
-        if full:  # measured: (3*h + I) more in fp32, (4*h + I) in 16 bits
-            values += (h_coef - 2) * self.hidden + self.intermediate
-        shapes = self.module_shapes()
-        upcast = sum(shapes[t][0] for t in lora_targets if t in shapes) * 4 if elem < 4 else 0
-        return values * elem + upcast
-
-    def training_token_bytes(self, elem: int, lora_targets: list = (), full: bool = False) -> int:
-        """Activations kept for backward over all layers + the logits, per token."""
-        return (self.layers * self.training_layer_bytes(elem, lora_targets, full)
-                + self.vocab * (elem + 4))
 
 
 def essa_members_per_pass(cfg, ranks: int) -> int:
@@ -253,34 +149,35 @@ def dequantized_linear_bytes(shape: ModelShape, cfg) -> int:
 
 
 def _max_len(cfg) -> int:
-    return -(-_seq(cfg) // _engine().MAX_LEN_STEP) * _engine().MAX_LEN_STEP
+    return rounded_length(_seq(cfg))
 
 
 def engine_budget(cfg, resident: int) -> int:
-    """The engine's budget: ``model.engine_memory_gib``, or :func:`hpc.models.engine.budget_left`
+    """The engine's budget: ``model.engine_memory_gib``, or :func:`hpc.engine.memory.budget_left`
     of ``plan.gpu_memory_gib`` with ``resident`` bytes (everything the method holds while it
     decodes) resident. A job with a plan decodes within this budget
     (:func:`planned_engine_budget`), so its engines are the plan's."""
     if cfg.model.engine_memory_gib > 0:
         return int(cfg.model.engine_memory_gib * GIB)
-    return _engine().budget_left(int(cfg.plan.gpu_memory_gib * GIB), resident)
+    return budget_left(int(cfg.plan.gpu_memory_gib * GIB), resident)
 
 
 def engine_slots(shape: ModelShape, cfg, rows: int, k: int, budget: int) -> int:
-    """Slots of a phase that asks for ``rows`` rows (hpc.models.generation.run_requests): the
+    """Slots of a phase that asks for ``rows`` rows
+    (:meth:`hpc.engine.decoder.Decoder.run_requests`): the
     rows bucketed, capped by ``model.engine_slots`` and by what fits ``budget``."""
     n_lora = shape.lora_parameters(cfg.lora.rank, cfg.lora.targets) if k else 0
-    within = _engine().slots_within(budget, shape, _max_len(cfg), k, _bytes(cfg), n_lora,
+    within = slots_within(budget, shape, _max_len(cfg), k, _bytes(cfg), n_lora,
                           LORA_BYTES_PER_PARAM)
-    return min(_engine().bucket(rows, 1 << 30), cfg.model.engine_slots or 1 << 30, within)
+    return min(bucket(rows, 1 << 30), cfg.model.engine_slots or 1 << 30, within)
 
 
 def engine_parts(shape: ModelShape, cfg, what: str, rows: int, k: int, budget: int) -> list:
-    """(label, bytes) of a phase's engine (hpc.models.engine.engine_memory): what lives with
+    """(label, bytes) of a phase's engine (:func:`hpc.engine.memory.engine_memory`): what lives with
     it, and its step's transient peak (with a dequantised linear under model.quantize)."""
     slots = engine_slots(shape, cfg, rows, k, budget)
     n_lora = shape.lora_parameters(cfg.lora.rank, cfg.lora.targets) if k else 0
-    parts = _engine().engine_memory(shape, max(1, slots), _max_len(cfg), k, _bytes(cfg), n_lora,
+    parts = engine_memory(shape, max(1, slots), _max_len(cfg), k, _bytes(cfg), n_lora,
                           LORA_BYTES_PER_PARAM, prompt_tokens=cfg.plan.max_prompt_tokens)
     if slots < 1:
         label = (f"engine: {what}: NO ROW FITS its budget of {gib(budget)} "
@@ -421,7 +318,7 @@ def essa_plan(shape: ModelShape, cfg, ranks: int, advise: bool = True) -> Method
               evaluation_phase(shape, cfg, resident, 1, budget)]
     fit = essa_members_that_fit(shape, cfg, ranks)
     notes = [f"engine budget {gib(budget)} (model.engine_memory_gib="
-             f"{cfg.model.engine_memory_gib:g}: 0 = {_engine().ENGINE_MEMORY_SHARE:.0%} of the "
+             f"{cfg.model.engine_memory_gib:g}: 0 = {ENGINE_MEMORY_SHARE:.0%} of the "
              f"memory the weights and the adapter leave, whole GiB)",
              f"members per pass that fit in one wave: {fit} of this rank's "
              f"{math.ceil(cfg.essa.population / ranks)} (essa.members_per_pass="
@@ -779,7 +676,7 @@ def check_job_memory(cfg, method: str, ranks: int, device_type: str) -> None:
 def planned_engine_budget(cfg, method: str, ranks: int, device_type: str) -> int:
     """The engine budget of ``method``'s plan (:attr:`MethodPlan.engine_budget`) for a job on
     CUDA with a local model folder and ``plan.gpu_memory_gib`` > 0 (0 otherwise: the job
-    derives it from the device, :func:`hpc.models.engine.memory_budget`). The job's engines
+    derives it from the device, :meth:`hpc.engine.decoder.Decoder.budget`). The job's engines
     are so sized within the very figure the plan's phases were checked with."""
     if method not in PLANS or not _job_has_plan(cfg, device_type):
         return 0

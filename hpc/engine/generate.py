@@ -1,13 +1,14 @@
 """Batched text generation: completions only, prompt-major, by one of two paths.
 
-* ``engine`` (the default): :mod:`hpc.models.engine`, static KV cache, continuous batching,
-  CUDA graphs on GPU; each prompt is prefilled unpadded.
+* ``engine`` (the default): the decoding engine of a :class:`hpc.engine.decoder.Decoder`
+  (static KV cache, continuous batching, CUDA graphs on GPU); each prompt is prefilled unpadded.
 * ``hf``: Hugging Face ``model.generate`` (the reference path), described below.
 
-The path is chosen per process by :func:`configure` (every job calls it with its ``model``
-config section) or per call (``engine=``). Sampling on both paths is keyed
-(:mod:`hpc.models.sampling`): prompt ``first_index + i``'s sample ``j`` depends only on (seed,
-first_index + i, j), not on the batch or the number of ranks.
+The path is the decoder's (``model.engine``, :class:`hpc.engine.config.EngineConfig`), or the
+call's (``path=``). Without a decoder a call decodes through a fresh default one (nothing
+kept between such calls). Sampling on both paths is keyed (:mod:`hpc.models.sampling`):
+prompt ``first_index + i``'s sample ``j`` depends only on (seed, first_index + i, j), not on
+the batch or the number of ranks.
 
 Reference path:
 
@@ -22,84 +23,15 @@ argmax (none in 200 mixed-length toy prompts); in bf16/fp16 or on GPU flips are 
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
-from hpc.models.engine import (GraphedDecode, Request, adapter_ranks, engine_for,
-                               memory_budget, reset_graph_check)
+from hpc.engine.config import PATHS
+from hpc.engine.decoder import Decoder
+from hpc.engine.scheduler import Request
+from hpc.models.chat import stop_token_ids
 from hpc.models.quantize import generation_weights
 from hpc.models.sampling import KeyedGumbelProcessor, Sampling
-from hpc.runtime.config import ModelConfig
-
-PATHS = ("engine", "hf")
-SETTINGS = {"engine": ModelConfig.engine, "cuda_graphs": ModelConfig.cuda_graphs,
-            "engine_memory_gib": ModelConfig.engine_memory_gib,
-            "engine_slots": ModelConfig.engine_slots, "replay": None, "planned_budget": 0}
-"""This process's generation path, CUDA-graph switch and engine budget (:func:`configure`);
-``replay``: a :class:`hpc.models.engine.GraphedDecode` subclass every engine uses on any
-device instead (:func:`replaying_with`), None for the default."""
-
-from hpc.models.chat import stop_token_ids
-
-_GENERATED = {"tokens": 0}  # completion tokens this process decoded since the last take
-
-
-def take_generated_tokens() -> int:
-    """Completion tokens this process decoded (both paths, eos included, repeated greedy
-    samples counted once) since the last call; resets the count."""
-    n, _GENERATED["tokens"] = _GENERATED["tokens"], 0
-    return n
-
-
-def configure(model_cfg) -> None:
-    """Take ``engine``, ``cuda_graphs``, ``engine_memory_gib`` and ``engine_slots`` from a
-    job's ``model`` config section; CUDA graphs start on (a failed self-check of an earlier
-    job in this process is forgotten)."""
-    SETTINGS.update(engine=model_cfg.engine, cuda_graphs=model_cfg.cuda_graphs,
-                    engine_memory_gib=model_cfg.engine_memory_gib,
-                    engine_slots=model_cfg.engine_slots, planned_budget=0)
-    reset_graph_check()
-
-
-def set_planned_budget(nbytes: int) -> None:
-    """Engines of this process are sized within ``nbytes`` (the memory plan's budget,
-    :func:`hpc.models.memory_plan.planned_engine_budget`; 0: derived from the device)."""
-    SETTINGS["planned_budget"] = nbytes
-
-
-@contextlib.contextmanager
-def replaying_with(replay):
-    """Within the block, engines replay their decode steps with ``replay`` (a
-    :class:`hpc.models.engine.GraphedDecode` subclass) on any device, self-check included: the
-    hook by which tests put a perturbed "captured" step under a whole job."""
-    before = SETTINGS["replay"]
-    SETTINGS["replay"] = replay
-    try:
-        yield
-    finally:
-        SETTINGS["replay"] = before
-
-
-def engine_budget(device) -> int:
-    """This process's engine budget in bytes: the memory plan's (:func:`set_planned_budget`),
-    else ``model.engine_memory_gib`` or derived from the device
-    (:func:`hpc.models.engine.memory_budget`)."""
-    return SETTINGS["planned_budget"] or memory_budget(device, SETTINGS["engine_memory_gib"])
-
-
-@contextlib.contextmanager
-def using_path(path: str):
-    """Within the block, calls that do not name a path use ``path`` (``engine`` or ``hf``)."""
-    if path not in PATHS:
-        raise ValueError(f"generation path {path!r} is not one of {PATHS}")
-    before = SETTINGS["engine"]
-    SETTINGS["engine"] = path
-    try:
-        yield
-    finally:
-        SETTINGS["engine"] = before
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -135,59 +67,42 @@ def _sampling(do_sample, temperature, top_p, seed) -> Sampling | None:
 
 def generate_tokens(model, tokenizer, prompts: list[str], max_new_tokens: int, *,
                     do_sample=False, temperature=1.0, top_p=1.0, num_return_sequences=1,
-                    batch_size=64, seed=None, first_index=0, engine=None) -> list[list[int]]:
+                    batch_size=64, seed=None, first_index=0, decoder: Decoder | None = None,
+                    path: str | None = None) -> list[list[int]]:
     """Like :func:`generate`, but return each completion's token ids, up to and including the
     eos token that ended it (a completion cut by ``max_new_tokens`` has no eos)."""
+    decoder = decoder or Decoder()
     sampling = _sampling(do_sample, temperature, top_p, seed)
     n_rows = 1 if sampling is None else num_return_sequences  # greedy samples are all alike
     keys = [(first_index + i, j) for i in range(len(prompts)) for j in range(n_rows)]
-    path = engine or SETTINGS["engine"]
+    path = path or decoder.path
     if path not in PATHS:
         raise ValueError(f"generation path {path!r} is not one of {PATHS}")
     was_training = model.training
     model.eval()
     try:
-        run = _engine_rows if path == "engine" else _hf_rows
+        texts = [prompts[p - first_index] for p, _ in keys]
         with generation_weights(model):  # the quantised base copy of a training job, if any
-            rows = run(model, tokenizer, [prompts[p - first_index] for p, _ in keys], keys,
-                       max_new_tokens, sampling, batch_size * n_rows)
+            if path == "engine":
+                rows = _engine_rows(decoder, model, tokenizer, texts, keys, max_new_tokens,
+                                    sampling, batch_size * n_rows)
+            else:
+                rows = _hf_rows(model, tokenizer, texts, keys, max_new_tokens, sampling,
+                                batch_size * n_rows)
+                decoder.count_tokens(rows)
     finally:
         model.train(was_training)
     return [row for row in rows for _ in range(num_return_sequences // n_rows)]
 
 
-def _engine_rows(model, tokenizer, texts, keys, max_new_tokens, sampling, rows) -> list:
-    """Completions of ``texts`` (one per row, keyed by ``keys``) through the engine with at
-    most ``rows`` rows decoding at once; the peft adapter of ``model``, if any, on every row."""
+def _engine_rows(decoder, model, tokenizer, texts, keys, max_new_tokens, sampling,
+                 rows) -> list:
+    """Completions of ``texts`` (one per row, keyed by ``keys``) through the decoder's engine
+    with at most ``rows`` rows decoding at once; the peft adapter of ``model``, if any, on
+    every row."""
     ids = [tokenizer(t)["input_ids"] for t in texts]
     requests = [Request(p, max_new_tokens, 0, pi, si) for p, (pi, si) in zip(ids, keys)]
-    return run_requests(model, requests, eos_ids(model, tokenizer), sampling, rows)
-
-
-def run_requests(model, requests: list, eos: list, sampling, rows: int,
-                 factors: dict | None = None) -> list:
-    """Decode engine :class:`Request` s, at most ``rows`` at once (the phase's rows; fewer
-    when the engine's budget or ``model.engine_slots`` holds fewer: the rest wait for free
-    slots): k members from ``factors`` ({module: (A (k, r, in), B (k, out, r))}), else the
-    model's own adapter (k = 1) or none. The engine is sized by
-    :func:`hpc.models.engine.engine_for` for ``min(rows, len(requests))`` rows."""
-    if factors is not None:
-        k = next(iter(factors.values()))[0].shape[0]
-    else:
-        k = 1 if adapter_ranks(model) else 0
-    if not requests:  # a rank with no share of the problems
-        return []
-    max_len = max(len(r.prompt) + r.max_new for r in requests)
-    device = _model_device(model)
-    replay = SETTINGS["replay"] or (GraphedDecode if SETTINGS["cuda_graphs"]
-                                    and device.type == "cuda" else None)
-    engine = engine_for(model, min(rows, len(requests)), max_len, k, replay, most=rows,
-                        budget_bytes=engine_budget(device), max_slots=SETTINGS["engine_slots"])
-    if k:
-        engine.set_members(factors)
-    rows_out = engine.run(requests, eos, sampling)
-    _GENERATED["tokens"] += sum(len(r) for r in rows_out)
-    return rows_out
+    return decoder.run_requests(model, requests, eos_ids(model, tokenizer), sampling, rows)
 
 
 def _hf_rows(model, tokenizer, texts, keys, max_new_tokens, sampling, rows) -> list:
@@ -213,13 +128,13 @@ def _hf_rows(model, tokenizer, texts, keys, max_new_tokens, sampling, rows) -> l
                                  attention_mask=batch["attention_mask"],
                                  generation_config=gen_cfg, logits_processor=processors)
             out.extend(_through_eos(row, eos) for row in ids[:, width:])
-    _GENERATED["tokens"] += sum(len(r) for r in out)
     return out
 
 
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, *, do_sample=False,
              temperature=1.0, top_p=1.0, num_return_sequences=1, batch_size=64,
-             seed=None, first_index=0, engine=None) -> list[str]:
+             seed=None, first_index=0, decoder: Decoder | None = None,
+             path: str | None = None) -> list[str]:
     """Complete every prompt; return ``len(prompts) * num_return_sequences`` strings.
 
     Completions are decoded without special tokens and cut at the first eos. Prompt ``i``'s
@@ -229,12 +144,13 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, *, do_sa
     with ``n > 1`` decodes once and repeats the completion ``n`` times. Samples are keyed by
     (``seed``, ``first_index`` + prompt position, sample index) (module docstring); without
     ``seed`` one is drawn from the global torch RNG. ``batch_size`` counts prompts decoding at
-    once (each expands to ``n`` rows). ``engine``: ``'engine'`` or ``'hf'`` (default: the
-    process's :func:`configure` setting). The model is put in eval mode for the call and
-    restored afterwards; works with PEFT models (their adapter on every row).
+    once (each expands to ``n`` rows). ``decoder``: the job's :class:`Decoder` (default: a
+    fresh one); ``path``: ``'engine'`` or ``'hf'`` (default: the decoder's). The model is put
+    in eval mode for the call and restored afterwards; works with PEFT models (their adapter
+    on every row).
     """
     ids = generate_tokens(model, tokenizer, prompts, max_new_tokens, do_sample=do_sample,
                           temperature=temperature, top_p=top_p,
                           num_return_sequences=num_return_sequences, batch_size=batch_size,
-                          seed=seed, first_index=first_index, engine=engine)
+                          seed=seed, first_index=first_index, decoder=decoder, path=path)
     return tokenizer.batch_decode(ids, skip_special_tokens=True)
