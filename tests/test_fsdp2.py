@@ -72,8 +72,12 @@ def test_fsdp2_equals_ddp_step_by_step(tmp_path, ranks, mode):
     ddp, fsdp = (RunFile(str(outs[p] / "fgrpo.h5")).group("metrics") for p in ("ddp", "fsdp2"))
     assert ddp["step"].tolist() == list(range(1, STEPS + 1))
     assert (np.abs(ddp["loss"]) > 1e-6).all()  # a second pass over the rollouts: ratio != 1
+    # the loss is a mean of terms of order 1 that nearly cancel (-0.0026 at step 2): another
+    # summation order moves it by float32 rounding of those terms (2.7e-8 measured), so its
+    # absolute tolerance is one float32 ulp of 1 (1.2e-7), not a share of the small result
     for key in ("loss", "entropy", "reward_mean", "ratio_mean", "completion_length"):
-        np.testing.assert_allclose(fsdp[key], ddp[key], rtol=1e-5, atol=1e-9, err_msg=key)
+        np.testing.assert_allclose(fsdp[key], ddp[key], rtol=1e-5,
+                                   atol=1.2e-7 if key == "loss" else 1e-9, err_msg=key)
     previous = None
     for step in range(1, STEPS + 1):
         a = masters_at(outs["ddp"], step, ranks, tmp_path)
