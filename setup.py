@@ -7,7 +7,8 @@ setup(
     description="ESSA (evolutionary LoRA singular-value search) and F-GRPO on GPU clusters, "
     "with HDF5 run logs and scaling reports",
     python_requires=">=3.10",
-    packages=find_packages(include=["hpc", "hpc.*", "essa", "essa.*", "fgrpo", "fgrpo.*"]),
+    packages=find_packages(include=["hpc", "hpc.*", "sft", "sft.*", "essa", "essa.*", "fgrpo",
+                                    "fgrpo.*", "compare", "compare.*"]),
     install_requires=[
         "mpi4py>=3.1",
         "torch>=2.2",
@@ -35,27 +36,33 @@ setup(
                 "filelock>=3"],
     },
     entry_points={
-        # each method's config section, checked in experiment files that other methods read
-        # (hpc/runtime/config.py)
         # the model.path names of the built-in models (hpc/models/loading.py)
         "hpc.built_in_models": [
             "toy=hpc.toys.toy:toy_model_path",
             "toy-chat=hpc.toys.toy_chat:toy_chat_model_path",
         ],
+        # each method's memory plan and checkpointing rule (hpc/plan/registry.py)
+        "hpc.method_plans": [
+            "sft=sft.plan",
+            "essa=essa.plan",
+            "fgrpo=fgrpo.plan",
+        ],
+        # each method's config section, checked in experiment files that other methods read
+        # (hpc/runtime/config.py)
         "hpc.method_sections": [
-            "sft=hpc.sft_config:SFTConfig",
+            "sft=sft.config:SFTConfig",
             "essa=essa.config:ESSAConfig",
             "fgrpo=fgrpo.config:FGRPOConfig",
         ],
         "console_scripts": [
             "essa=essa.__main__:main",
             "fgrpo=fgrpo.__main__:main",
-            "hpc-sft=hpc.commands:sft",
+            "hpc-sft=sft.__main__:main",
             "hpc-eval=hpc.commands:evaluate",
             "hpc-toy=hpc.toys.commands:toy",
             "hpc-toy-chat=hpc.toys.commands:toy_chat",
             "hpc-report=hpc.analysis.report:main",
-            "hpc-scaling=hpc.analysis.scaling:main",
+            "hpc-scaling=compare.scaling:main",
             "hpc-plan=hpc.commands:plan",
             "hpc-data=hpc.data.check:main",
         ],

@@ -29,6 +29,7 @@ import torch
 from common import REPO, lora_model, machine, model_path
 
 from essa.population import score_members  # common.py put the repository on sys.path
+from hpc.engine.decoder import Decoder
 from hpc.models.adapter_space import SingularValueSpace
 from hpc.models.loading import save_adapter
 from hpc.runtime.runstore import RunFile
@@ -45,12 +46,13 @@ def members_per_second(model, tok, space, members, task, n_prompts, ks, repeats)
     of ``repeats`` interleaved rounds."""
     prompts, answers = task.train.prompts[:n_prompts], task.train.answers[:n_prompts]
     best = dict.fromkeys(ks, float("inf"))
+    decoder = Decoder()  # one engine kept across the rounds, as a job keeps it
     for _ in range(repeats):
         for k in ks:
             timer = PhaseTimer(["rebuild", "generate", "reward"])
             start = time.perf_counter()
             score_members(model, tok, space, members, task, prompts, answers, MAX_NEW_TOKENS,
-                          CHUNK, timer, k)
+                          CHUNK, timer, decoder, k)
             best[k] = min(best[k], time.perf_counter() - start)
     return {k: len(members) / t for k, t in best.items()}
 

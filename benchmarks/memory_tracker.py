@@ -140,7 +140,7 @@ def fake_model(config: dict, cfg, case: str, ranks: int, stack: contextlib.ExitS
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from hpc.models.loading import DTYPES, attach_lora, enable_activation_checkpointing
-    from hpc.plan.memory_plan import activation_checkpointing
+    from hpc.plan.registry import activation_checkpointing
     from hpc.models.parallelize import load_dtype, shard_model
 
     training = case in ("fgrpo", "fgrpo_job")
@@ -203,12 +203,12 @@ def _decode_pass(decoder, model, cfg, rows: int, k: int, budget: int, sampled: b
                  members: int = 0) -> None:
     """One pass as :meth:`hpc.engine.decoder.Decoder.run_requests` runs it: ``engine_for``
     for ``rows`` rows, at most the slots the model's full shape gets within ``budget`` bytes
-    (:func:`hpc.plan.memory_plan.engine_slots`; kept by ``decoder``), members loaded, one
+    (:func:`hpc.plan.terms.engine_slots`; kept by ``decoder``), members loaded, one
     prefill of the rows admitted at once, one decode step over every slot at the full context,
     and (for ``sampled`` phases) the keyed sampling of its tokens. ``members``: the factors of
     that many members are made first and live through the pass (ESSA's rank's members)."""
     from hpc.engine.memory import PREFILL_TOKENS
-    from hpc.plan.memory_plan import engine_slots
+    from hpc.plan.terms import engine_slots
     from hpc.models.sampling import Sampling, pick_tokens
 
     prompt, seq = _lengths(cfg)
@@ -250,14 +250,14 @@ def _shape(cfg):
 
 def _essa_budget(cfg, ranks: int) -> int:
     """The engine budget an ESSA job decodes within (its plan's, as the job takes it)."""
-    from hpc.plan.memory_plan import essa_plan
+    from essa.plan import plan as essa_plan
 
     return essa_plan(_shape(cfg), cfg, ranks, advise=False).engine_budget
 
 
 def essa_scoring_rows(cfg, ranks: int) -> tuple:
     """(rows, k) of a scoring pass (essa.trainer.ESSA.step_decode)."""
-    from hpc.plan.memory_plan import essa_members_per_pass
+    from essa.plan import members_per_pass as essa_members_per_pass
 
     k = essa_members_per_pass(cfg, ranks)
     return min(cfg.eval.batch_size, cfg.essa.minibatch) * k, k
@@ -269,7 +269,7 @@ def essa_pass(decoder, model, cfg, ranks: int) -> None:
 
 
 def evaluation_pass(decoder, model, cfg, ranks: int) -> None:
-    from hpc.plan.memory_plan import evaluation_rows
+    from hpc.plan.terms import evaluation_rows
 
     _decode_pass(decoder, model, cfg, evaluation_rows(cfg), 1, _essa_budget(cfg, ranks),
                  sampled=True)
@@ -281,7 +281,7 @@ def evaluation(decoder, model, cfg, budget: int, sampled: bool, next_decode: tup
     eval.n_samples`` rows), then :meth:`hpc.engine.decoder.Decoder.end_phase` with the next
     phase's (rows, members)."""
     from hpc.engine.runner import adapter_ranks
-    from hpc.plan.memory_plan import evaluation_rows
+    from hpc.plan.terms import evaluation_rows
 
     k = 1 if adapter_ranks(model) else 0
     _decode_pass(decoder, model, cfg, cfg.eval.batch_size, k, budget, sampled=False)
@@ -473,8 +473,8 @@ class _Step:
 
     def __init__(self, decoder, model, cfg, ranks: int):
         from fgrpo.rollout import Rollouts
-        from hpc.plan.memory_plan import (fgrpo_plan, fgrpo_rollout_rows, rollout_offload,
-                                            _engine_kept)
+        from fgrpo.plan import _engine_kept, fgrpo_rollout_rows, plan as fgrpo_plan
+        from fgrpo.plan import rollout_offload
         from hpc.models.parallelize import TrainedWeights
 
         f = cfg.fgrpo
@@ -665,7 +665,8 @@ def _size(nbytes: int) -> str:
 
 def planned_phases(case: str, cfg, ranks: int) -> dict:
     """The plan's figure for each phase :func:`measure_phases` reports."""
-    from hpc.plan.memory_plan import essa_plan, fgrpo_plan
+    from essa.plan import plan as essa_plan
+    from fgrpo.plan import plan as fgrpo_plan
 
     if case in JOB_CASES:
         return job_plan(case, cfg, ranks)
@@ -684,7 +685,8 @@ def job_plan(case: str, cfg, ranks: int) -> dict:
     """{job phase (:func:`essa_job`, :func:`fgrpo_job`): the plan's figure}: the plan's phase
     of the same work; the export: what stays resident (the decoding phases less their
     engines); ``"job"``: the plan's peak, which the whole sequence's peak is held to."""
-    from hpc.plan.memory_plan import essa_plan, fgrpo_plan
+    from essa.plan import plan as essa_plan
+    from fgrpo.plan import plan as fgrpo_plan
 
     shape = _shape(cfg)
     plan = (essa_plan if case == "essa_job" else fgrpo_plan)(shape, cfg, ranks)
@@ -711,7 +713,7 @@ def planned_for(phase: str, planned: dict) -> int:
 
 
 def main(argv=None):
-    from hpc.commands import plan_job_class
+    from hpc.plan.registry import plan_job_class
     from hpc.engine.shape import QWEN25
     from hpc.runtime.config import load_config
 

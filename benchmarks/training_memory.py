@@ -29,7 +29,7 @@ from common import machine  # also puts the repository on sys.path
 
 from hpc.models.loading import enable_activation_checkpointing
 from hpc.models.logprobs import sequence_logprobs
-from hpc.plan.memory_plan import QWEN25
+from hpc.engine.shape import QWEN25
 
 GIB = 2 ** 30
 SHAPES = {"tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,  # smoke test

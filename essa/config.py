@@ -1,6 +1,7 @@
 """ESSA job configuration (the ``essa`` section plus the shared sections)."""
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field
 
 from hpc.runtime.config import JobConfig, param, require_per_rank
@@ -9,6 +10,7 @@ from hpc.runtime.errors import UserError
 
 @dataclass
 class ESSAConfig:
+    command: typing.ClassVar[str] = "essa"  # the console command of the method
     optimizer: str = param("cma", "cma (full covariance, pycma), sep-cma (diagonal), openai-es",
                            choices=["cma", "sep-cma", "openai-es"])
     space: str = param("sv", "sv: offsets to the adapter's singular values; lora: every "

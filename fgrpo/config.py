@@ -1,6 +1,7 @@
 """F-GRPO job configuration. Option names follow TRL's GRPOConfig where one exists."""
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field
 
 from hpc.runtime.config import JobConfig, param
@@ -34,6 +35,7 @@ PRESETS = {
 
 @dataclass
 class FGRPOConfig:
+    command: typing.ClassVar[str] = "fgrpo"  # the console command of the method
     algorithm: str = param("grpo", "preset of the loss and sampling keys (each still "
                            "overridable; the resolved values are in the run file's config): "
                            "grpo; dapo: dynamic sampling, overlong shaping, token-mean, clip "
@@ -122,6 +124,13 @@ class FGRPOConfig:
                          "(top ceil(alpha*r), as essa.alpha)", above=0.0, max=1.0)
     keep_checkpoints: int = param(3, "newest checkpoints kept", min=1, max=1000)
 
+    def resolve(self, job, given: frozenset) -> None:
+        """Set the keys of ``algorithm``'s preset (:data:`PRESETS`) that the config file and
+        command line left unset (``given``); a callable value takes the job config."""
+        for key, value in PRESETS[self.algorithm].items():
+            if key not in given:
+                setattr(self, key, value(job) if callable(value) else value)
+
 
 @dataclass
 class FGRPOJobConfig(JobConfig):
@@ -137,7 +146,6 @@ class FGRPOJobConfig(JobConfig):
                             f"together, so each needs the same number of rows")
 
     def validate(self):
-        self.resolve_algorithm()
         f = self.fgrpo
         if f.surrogate == "cispo" and f.clip_ratio_c:
             raise UserError(f"config key 'fgrpo.clip_ratio_c': {f.clip_ratio_c} is a dual clip "
@@ -170,12 +178,3 @@ class FGRPOJobConfig(JobConfig):
         if self.fgrpo.space != "sv" and self.fgrpo.alpha != 1.0:
             raise UserError(f"config key 'fgrpo.alpha': {self.fgrpo.alpha} applies only to "
                             f"fgrpo.space=sv")
-
-    def resolve_algorithm(self) -> None:
-        """Set the keys of ``fgrpo.algorithm``'s preset (:data:`PRESETS`) that the config file
-        and command line left unset (``given_keys``, from
-        :func:`hpc.runtime.config.load_config`)."""
-        given = getattr(self, "given_keys", frozenset())
-        for key, value in PRESETS[self.fgrpo.algorithm].items():
-            if f"fgrpo.{key}" not in given:
-                setattr(self.fgrpo, key, value(self) if callable(value) else value)

@@ -13,7 +13,7 @@ from hpc.job.lifecycle import on_all_ranks, stop_if_preempted
 from hpc.models.adapter_space import SingularValueSpace
 from hpc.models.loading import attach_lora, load_adapter, load_model
 from hpc.models.logprobs import sequence_logprobs
-from hpc.plan.memory_plan import fgrpo_rollout_rows, rollout_engine_kept, rollout_offload
+from fgrpo.plan import fgrpo_rollout_rows, rollout_engine_kept, rollout_offload
 from hpc.models.parallelize import (TrainedWeights, decoding, load_dtype, load_sharded_state,
                                     save_full_model, save_gathered_adapter, shard_model,
                                     sharded_state)

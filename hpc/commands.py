@@ -1,42 +1,28 @@
-"""Console entry points that stand above the methods: ``hpc-sft`` and ``hpc-eval`` (their
-``--help`` from the torch-free config classes, the job imported only to run), and ``hpc-plan``,
-whose config carries the sections of both ESSA and F-GRPO. ``essa`` and ``fgrpo`` have theirs
-in ``essa/__main__.py`` and ``fgrpo/__main__.py``. :func:`config_reference` writes the
-config reference page, ``docs/config.md``, from the same config classes."""
+"""Console entry points of the shared floor: ``hpc-eval`` (its ``--help`` from the torch-free
+config classes, the job imported only to run) and ``hpc-plan``, whose config carries the
+sections of every planned method (:func:`hpc.plan.registry.plan_job_class`). Each method has its
+own command in its ``__main__.py``. :func:`config_reference` writes the config reference page,
+``docs/config.md``, from the same config classes, every installed method's section found by its
+registration."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 
 from hpc.runtime.cli import EXIT_CODES_HELP, JOB_INPUTS, OneLineParser, job_command
 from hpc.runtime.config import JobConfig, load_config
 from hpc.runtime.errors import UserError, user_errors_exit
 
-sft = job_command("hpc-sft", "hpc.sft_config:SFTJobConfig", "hpc.sft:main",
-                  "LoRA SFT stage: writes <run.out>/adapter (peft format) and sft.h5.",
-                  check_ref=JOB_INPUTS)
 evaluate = job_command("hpc-eval", "hpc.runtime.config:JobConfig", "hpc.evaluate:main",
                        "Greedy accuracy and pass@k of model.path (+ lora.adapter) on the "
                        "task's held-out split: writes eval.h5.",
                        check_ref=JOB_INPUTS)
 
 
-def plan_job_class():
-    """A job config with the sections of both methods (``hpc-plan``, ``hpc-scaling``)."""
-    from essa.config import ESSAConfig
-    from fgrpo.config import FGRPOConfig, FGRPOJobConfig
-
-    return dataclasses.make_dataclass(
-        "PlanJobConfig", [("essa", ESSAConfig, dataclasses.field(default_factory=ESSAConfig)),
-                          ("fgrpo", FGRPOConfig, dataclasses.field(default_factory=FGRPOConfig))],
-        bases=(JobConfig,), namespace={"validate": FGRPOJobConfig.resolve_algorithm})
-
-
 @user_errors_exit
 def plan(argv=None):
-    """``hpc-plan``: print the memory plan of a config's model for ESSA and F-GRPO
-    (:mod:`hpc.plan.memory_plan`)."""
+    """``hpc-plan``: print the memory plan of a config's model for every planned method
+    (:mod:`hpc.plan.registry`)."""
     parser = OneLineParser(
         prog="hpc-plan", epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Memory per GPU of ESSA and F-GRPO for model.path, from its config.json "
@@ -52,12 +38,10 @@ def plan(argv=None):
     args = parser.parse_intermixed_args(argv)  # keys may follow --ranks
     if args.ranks < 1:
         raise UserError(f"--ranks must be >= 1, got {args.ranks}")
+    from hpc.plan.registry import plan_job_class, plan_text
+
     config_path = next((i for i in args.items if "=" not in i), None)
     cfg = load_config(plan_job_class(), config_path, [i for i in args.items if "=" in i])
-    if not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
-        raise UserError(f"model.path={cfg.model.path!r} is not a folder with a config.json")
-    from hpc.plan.memory_plan import plan_text
-
     print(plan_text(cfg, args.ranks))
 
 
@@ -78,22 +62,20 @@ This page is generated from the config classes, the same source as each job's `-
 
 def config_reference() -> str:
     """The text of ``docs/config.md``: the sections every job shares once, then one table per
-    job of its own section (:func:`hpc.runtime.config.reference_markdown`, the rows ``--help``
-    prints). ``make docs`` writes it."""
-    from essa.config import ESSAJobConfig
-    from fgrpo.config import FGRPOJobConfig
-    from hpc.runtime.config import reference_markdown
-    from hpc.sft_config import SFTJobConfig
+    installed method of its own section (:func:`hpc.runtime.config.reference_markdown`, the
+    rows ``--help`` prints), headed by the method's command. ``make docs`` writes it."""
+    from hpc.runtime.config import method_sections, reference_markdown
 
     shared = [f.name for f in dataclasses.fields(JobConfig)]
     parts = [CONFIG_REFERENCE_INTRO,
              f"## Shared sections (every job: {', '.join(f'`{name}`' for name in shared)})\n",
              "`hpc-eval` has these sections only.\n", reference_markdown(JobConfig) + "\n"]
-    for command, job_cls in (("hpc-sft", SFTJobConfig), ("essa", ESSAJobConfig),
-                             ("fgrpo", FGRPOJobConfig)):
-        own = [f.name for f in dataclasses.fields(job_cls) if f.name not in shared]
-        parts += [f"## `{command}`: {', '.join(f'`{name}`' for name in own)}\n",
-                  reference_markdown(job_cls, own) + "\n"]
+    for name, entry in method_sections().items():
+        section = entry.load()
+        job_cls = dataclasses.make_dataclass(
+            f"{name}Job", [(name, section, dataclasses.field(default_factory=section))],
+            bases=(JobConfig,))
+        parts += [f"## `{section.command}`: `{name}`\n", reference_markdown(job_cls, [name]) + "\n"]
     return "\n".join(parts)
 
 

@@ -8,9 +8,8 @@ import torch
 
 from hpc.evaluate import evaluate
 from hpc.models.loading import enable_activation_checkpointing, save_adapter
-from hpc.plan.memory_plan import activation_checkpointing
+from hpc.plan.registry import activation_checkpointing
 from hpc.job.loop import Method
-from hpc.runtime.readback import adam_state, bad_field, tensors
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -29,11 +28,12 @@ def shared_step_seed(seed: int, step: int, round_: int = 0) -> int:
 
 class GradientMethod(Method):
     """A :class:`hpc.job.loop.Method` whose subclass sets ``model`` (peft or plain), ``tok``,
-    ``task``, ``params`` (the trained tensors) and ``opt`` (a torch optimizer over them)."""
+    ``task`` and ``weights`` (:class:`hpc.models.parallelize.TrainedWeights`: the trained
+    tensors, their fp32 masters, AdamW and the gradient all-reduce), which it checkpoints."""
 
     def checkpoint_activations(self) -> bool:
         """Turn on activation checkpointing of ``model`` where ``model.activation_checkpointing``
-        resolves to on (:func:`hpc.plan.memory_plan.activation_checkpointing`); returns
+        resolves to on (:func:`hpc.plan.registry.activation_checkpointing`); returns
         whether it did."""
         job = self.job
         on = activation_checkpointing(job.cfg, self.name, job.world.size, job.device.type)
@@ -63,22 +63,11 @@ class GradientMethod(Method):
         save_adapter(self.model, f"{out_dir}/adapter")
 
     def state_dict(self) -> dict:
-        return {"params": [p.detach().cpu() for p in self.params],
-                "optimizer": self.opt.state_dict()}
+        """The trained weights (fp32 masters) and their AdamW state."""
+        return self.weights.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        """Checked first: one tensor per trained parameter, of its shape and dtype; an
-        optimizer state torch accepts (its ValueError, e.g. other parameter groups, is one
-        line)."""
-        shapes = [tuple(p.shape) for p in self.params]
-        dtypes = [p.dtype for p in self.params]
-        saved = tensors(state["params"], "checkpoint", "params", shapes, dtypes)
-        adam_state(state["optimizer"], "checkpoint", shapes, dtypes)
-        try:
-            self.opt.load_state_dict(state["optimizer"])
-        except (ValueError, KeyError, TypeError) as err:
-            raise bad_field("checkpoint", "optimizer", f"is not this optimizer's state ({err})"
-                            ) from None
-        with torch.no_grad():
-            for p, value in zip(self.params, saved):
-                p.copy_(value)
+        """Checked first (:meth:`hpc.models.parallelize.TrainedWeights.load_state_dict`): one
+        tensor per trained parameter, of its shape and dtype, and an optimizer state AdamW
+        accepts; a mismatch is one line."""
+        self.weights.load_state_dict(state)

@@ -17,7 +17,7 @@ rm -rf "$OUT"
 echo "== toy-chat model"
 $PY -m hpc.toys.toy_chat
 echo "== LoRA SFT ($RANKS ranks)"
-"${MPIRUN[@]}" $PY -m hpc.sft configs/demo-chat/sft.yaml "run.out=$OUT/sft"
+"${MPIRUN[@]}" $PY -m sft configs/demo-chat/sft.yaml "run.out=$OUT/sft"
 echo "== ESSA ($RANKS ranks)"
 "${MPIRUN[@]}" $PY -m essa configs/demo-chat/essa.yaml "lora.adapter=$OUT/sft/adapter" "run.out=$OUT/essa"
 echo "== F-GRPO ($RANKS ranks)"

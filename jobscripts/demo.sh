@@ -21,7 +21,7 @@ rm -rf "$OUT"
 echo "== toy model"
 $PY -m hpc.toys.toy
 echo "== LoRA SFT ($RANKS ranks)"
-"${MPIRUN[@]}" $PY -m hpc.sft configs/demo/sft.yaml "run.out=$OUT/sft"
+"${MPIRUN[@]}" $PY -m sft configs/demo/sft.yaml "run.out=$OUT/sft"
 echo "== ESSA ($RANKS ranks)"
 "${MPIRUN[@]}" $PY -m essa configs/demo/essa.yaml "lora.adapter=$OUT/sft/adapter" "run.out=$OUT/essa"
 echo "== F-GRPO ($RANKS ranks)"

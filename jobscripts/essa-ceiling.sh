@@ -24,10 +24,10 @@ FGRPO=(fgrpo.steps=100000)
 rm -rf "$OUT"
 $PY -m hpc.toys.toy
 echo "== LoRA SFT, rank 16 (the demo's) and rank 64 ($RANKS ranks)"
-"${MPIRUN[@]}" $PY -m hpc.sft configs/demo/sft.yaml "run.out=$OUT/sft-r16" run.progress=false
+"${MPIRUN[@]}" $PY -m sft configs/demo/sft.yaml "run.out=$OUT/sft-r16" run.progress=false
 # alpha 32 (scale alpha/r = 0.5): with the demo's scale 2 (alpha 128), 10 SFT steps at rank 64
 # overshoot to 38% held-out, below the base model's 65.6%
-"${MPIRUN[@]}" $PY -m hpc.sft configs/demo/sft.yaml lora.rank=64 lora.alpha=32 \
+"${MPIRUN[@]}" $PY -m sft configs/demo/sft.yaml lora.rank=64 lora.alpha=32 \
     "run.out=$OUT/sft-r64" run.progress=false
 run() {  # run NAME MODULE CONFIG ADAPTER [key=value ...]
     local name=$1 module=$2 config=$3 adapter=$4

@@ -56,7 +56,7 @@ stage() { echo "== [$((SECONDS - began)) s] $*"; }
 stage "toy model"
 $PY -m hpc.toys.toy
 stage "LoRA SFT: the one start of every run"
-"${MPIRUN[@]}" $PY -m hpc.sft configs/demo/sft.yaml "run.out=$OUT/sft" "${QUIET[@]}" >"$OUT/sft.log"
+"${MPIRUN[@]}" $PY -m sft configs/demo/sft.yaml "run.out=$OUT/sft" "${QUIET[@]}" >"$OUT/sft.log"
 adapter=$OUT/sft/adapter
 
 has gamma && mkdir -p "$OUT/gamma" || gammas=()
@@ -119,9 +119,9 @@ $PY -m hpc.analysis.report reproduce "$OUT" --plots "$OUT/plots" --json "$OUT/su
 # prompts) with the per-step costs the H200 GPU check measured for Qwen2.5-1.5B.
 if has wall; then
   {
-    $PY -m hpc.analysis.scaling --paper --runs "$OUT"/wall/*/*.h5
+    $PY -m compare.scaling --paper --runs "$OUT"/wall/*/*.h5
     echo
-    $PY -m hpc.analysis.scaling --paper --runs "$OUT"/wall/*/*.h5 \
+    $PY -m compare.scaling --paper --runs "$OUT"/wall/*/*.h5 \
       --gpu-check benchmarks/results/gpu_check-h200-2026-11-30.json \
       --population 128 --minibatch 256 --grpo-batch 512 --grpo-minibatch 64
   } | tee "$OUT/scaling.txt"

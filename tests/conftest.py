@@ -124,7 +124,7 @@ def toy_adapter(tmp_path_factory):
         done = root / "toy-sft.done"  # written after the job succeeded
         if not done.exists():
             shutil.rmtree(out, ignore_errors=True)  # a failed try of another worker
-            proc = run_cli(["-m", "hpc.sft", "configs/demo/sft.yaml", "task.n_eval=16",
+            proc = run_cli(["-m", "sft", "configs/demo/sft.yaml", "task.n_eval=16",
                             "eval.n_samples=2", "run.progress=false", f"run.out={out}"],
                            timeout=900)
             assert proc.returncode == 0, proc.stderr[-3000:]

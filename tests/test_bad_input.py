@@ -16,7 +16,7 @@ from fgrpo.config import FGRPOJobConfig
 from hpc.runtime.config import load_config
 from hpc.runtime.errors import UserError
 from hpc.job.lifecycle import run_folder
-from hpc.sft_config import SFTJobConfig
+from sft.config import SFTJobConfig
 
 
 def one_line_exit_2(proc, *words):
@@ -29,7 +29,7 @@ def one_line_exit_2(proc, *words):
 
 
 def sft(tmp_path, *overrides):
-    return run_cli(["-m", "hpc.sft", "run.progress=false", f"run.out={tmp_path / 'run'}",
+    return run_cli(["-m", "sft", "run.progress=false", f"run.out={tmp_path / 'run'}",
                     *overrides], timeout=120)
 
 
@@ -297,9 +297,9 @@ def test_duplicate_yaml_key_names_key_file_and_line(tmp_path):
 
 @pytest.mark.parametrize("method, items, words", [
     ("fgrpo", ["essa.population=8"], ["'essa.population' is not read by this job"]),
-    ("hpc.sft", ["essa.members_per_pass=2"], ["'essa.members_per_pass' is not read"]),
+    ("sft", ["essa.members_per_pass=2"], ["'essa.members_per_pass' is not read"]),
     ("essa", ["lora.adapter=unused", "FILE:fgrpo:\n  gama: 1.0\n"], ["'fgrpo.gama' does not exist"]),
-    ("hpc.sft", ["FILE:lora:\n  targets: []\n"], ["lora.targets", "0 items"]),
+    ("sft", ["FILE:lora:\n  targets: []\n"], ["lora.targets", "0 items"]),
     ("fgrpo", ["lora.targets=[]"], ["lora.targets", "0 items"]),
 ], ids=["essa-key-to-fgrpo", "essa-key-to-sft", "misspelt-in-other-section", "empty-list-file",
         "empty-list-override"])

@@ -67,7 +67,7 @@ def test_every_method_declares_its_sections():
     from essa.config import ESSAJobConfig
     from fgrpo.config import FGRPOJobConfig
     from hpc.runtime.config import JobConfig, method_sections
-    from hpc.sft_config import SFTJobConfig
+    from sft.config import SFTJobConfig
 
     shared = {f.name for f in dataclasses.fields(JobConfig)}
     declared = {}
@@ -85,7 +85,7 @@ def test_other_methods_sections_are_checked_then_skipped(tmp_path):
     section is checked against its own keys and values, then skipped; on the command line
     another method's key changes nothing, so it is refused."""
     from essa.config import ESSAJobConfig
-    from hpc.sft_config import SFTJobConfig
+    from sft.config import SFTJobConfig
 
     path = tmp_path / "experiment.yaml"
     path.write_text("essa:\n  population: 8\nfgrpo:\n  steps: 3\nsft:\n  steps: 2\n")

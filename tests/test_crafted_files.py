@@ -417,7 +417,7 @@ def test_links_at_lock_and_write_test(tmp_path, outside):
 # --- the same through the real CLI ---------------------------------------------------------
 
 def sft_args(out, steps, *extra):
-    return ["-m", "hpc.sft", "model.path=toy", "task.n_train=200", "task.n_eval=16",
+    return ["-m", "sft", "model.path=toy", "task.n_train=200", "task.n_eval=16",
             "sft.batch_size=8", f"sft.steps={steps}", "eval.every=0", "eval.n_samples=2",
             "run.progress=false", "run.checkpoint_every=1", f"run.out={out}", *extra]
 

@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from hpc.analysis.scaling import LINKS, Network, Workload, _rollout_rounds, grpo_step
-from hpc.plan.memory_plan import ModelShape, expected_rounds, fgrpo_plan
+from compare.scaling import LINKS, Network, Workload, _rollout_rounds, grpo_step
+from fgrpo.plan import expected_rounds, plan as fgrpo_plan
+from hpc.engine.shape import ModelShape
 from test_memory_plan import cluster_config, model_folder
 from test_scaling import PAPER_W, paper_costs
 

@@ -5,7 +5,7 @@ from conftest import REPO
 from hpc.commands import config_reference
 from hpc.runtime.cli import job_help
 from hpc.runtime.config import reference_markdown
-from hpc.sft_config import SFTJobConfig
+from sft.config import SFTJobConfig
 
 PAGE = os.path.join(REPO, "docs", "config.md")
 
@@ -38,7 +38,9 @@ def test_architecture_page_names_the_floors_of_the_import_graph_test():
     from test_import_graph import FLOORS
 
     with open(os.path.join(REPO, "docs", "architecture.md")) as fh:
-        rows = [line.split("|")[1:3] for line in fh if line.startswith("| ")][1:]
+        text = fh.read()
+    table = text[text.index("| floor (bottom first)"):].split("\n\n")[0]  # the first table
+    rows = [line.split("|")[1:3] for line in table.splitlines() if line.startswith("| ")][1:]
     assert [name.split(",")[0].strip() for name, _ in rows] == [name for name, _ in FLOORS]
     for (_, modules), (_, prefixes) in zip(rows, FLOORS):
         for prefix in prefixes:

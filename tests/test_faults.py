@@ -36,7 +36,7 @@ def fgrpo_args(adapter, out, steps, *extra):
 
 
 def sft_args(out, steps, *extra):
-    return ["-m", "hpc.sft", "model.path=toy", "task.n_train=200", "task.n_eval=16",
+    return ["-m", "sft", "model.path=toy", "task.n_train=200", "task.n_eval=16",
             "sft.batch_size=8", f"sft.steps={steps}", "lora.dropout=0.1", "eval.every=0",
             "eval.n_samples=2", "run.progress=false", "run.checkpoint_every=1",
             f"run.out={out}", *extra]

@@ -3,9 +3,10 @@ ones included): no module imports itself back through others, essa/ and fgrpo/ n
 each other, and no module imports one on a floor above its own (:data:`FLOORS`)."""
 import ast
 import os
+import re
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("hpc", "essa", "fgrpo")
+PACKAGES = ("hpc", "sft", "essa", "fgrpo", "compare")
 
 # The floors of the package, bottom first: a module imports its own floor and those below only.
 FLOORS = (
@@ -16,9 +17,9 @@ FLOORS = (
     ("data", ("hpc.data",)),  # tasks, prompts (chat templates from hpc.models.chat), rewards
     ("toys", ("hpc.toys",)),  # the built-in toy models, built with models and data
     ("job", ("hpc.job",)),  # a job's lifecycle and step loop
-    ("methods", ("hpc.sft", "hpc.sft_config", "hpc.evaluate", "hpc.gradient_method", "essa",
-                 "fgrpo")),
-    ("commands", ("hpc.commands", "hpc.analysis", "essa.__main__", "fgrpo.__main__")),
+    ("methods", ("hpc.evaluate", "hpc.gradient_method", "sft", "essa", "fgrpo")),
+    ("commands", ("hpc.commands", "hpc.analysis", "sft.__main__", "essa.__main__",
+                  "fgrpo.__main__", "compare")),
 )
 
 
@@ -128,7 +129,7 @@ def floor(module: str) -> int:
 def test_the_graph_sees_function_level_and_relative_imports():
     graph = _graph()
     assert "hpc.runtime.atomic" in graph["hpc.toys.cache"]
-    assert "essa.config" in graph["hpc.commands"]  # inside plan_job_class
+    assert "hpc.plan.registry" in graph["hpc.commands"]  # inside plan
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -144,10 +145,29 @@ def test_essa_and_fgrpo_never_import_each_other():
         assert not any(bad.values()), {m: t for m, t in bad.items() if t}
 
 
+def test_the_shared_floor_names_no_method():
+    """hpc/ imports no method and reads no method's config section: the methods register
+    their sections, plans and built-in names (setup.py entry points) and stand on it."""
+    methods = ("sft", "essa", "fgrpo", "compare")
+    graph = _graph()
+    up = sorted(f"{m} -> {t}" for m, ts in graph.items() if m.split(".")[0] == "hpc"
+                for t in ts if t.split(".")[0] in methods)
+    assert up == [], up
+    named = []
+    for folder, _, files in os.walk(os.path.join(REPO, "hpc")):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                with open(path) as fh:
+                    named += [f"{os.path.relpath(path, REPO)}:{i}" for i, line in enumerate(fh, 1)
+                              if re.search(r"cfg\.(sft|essa|fgrpo)\b", line)]
+    assert named == [], named
+
+
 def test_every_module_stands_on_a_floor():
-    assert floor("essa.__main__") == floor("hpc.analysis.scaling") == len(FLOORS) - 1
+    assert floor("essa.__main__") == floor("compare.scaling") == len(FLOORS) - 1
     assert floor("hpc.runtime.world") < floor("hpc.engine.decoder") < floor("hpc.job.loop")
-    assert floor("essa.trainer") == floor("hpc.sft") == [n for n, _ in FLOORS].index("methods")
+    assert floor("essa.trainer") == floor("sft.trainer") == [n for n, _ in FLOORS].index("methods")
     for module in _graph():
         floor(module)
 

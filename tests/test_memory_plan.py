@@ -8,11 +8,14 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from conftest import REPO, our_lines, run_cli
-from hpc.commands import plan as main, plan_job_class
-from hpc.plan.memory_plan import (DTYPE_BYTES, GIB, QWEN25, ModelShape,
-                                    check_job_memory, essa_members_that_fit, essa_plan,
-                                    essa_scoring_phase, fgrpo_plan, rollout_offload,
-                                    weight_bytes)
+from essa.plan import members_that_fit as essa_members_that_fit, plan as essa_plan
+from essa.plan import scoring_phase as essa_scoring_phase
+from fgrpo.plan import plan as fgrpo_plan, rollout_offload
+from hpc.commands import plan as main
+from hpc.engine.memory import GIB
+from hpc.engine.shape import QWEN25, ModelShape
+from hpc.plan.registry import check_job_memory, plan_job_class
+from hpc.plan.terms import DTYPE_BYTES, weight_bytes
 from hpc.runtime.config import load_config
 from hpc.runtime.errors import UserError
 
@@ -404,7 +407,8 @@ def test_job_and_plan_size_engines_with_one_budget(tmp_path):
     adapter included: at 32B INT8 the plan's budget is 23 GiB (85 evaluation slots), and a
     job with a plan decodes within that very figure."""
     from hpc.engine.memory import budget_left
-    from hpc.plan.memory_plan import LORA_BYTES_PER_PARAM, planned_engine_budget
+    from hpc.plan.registry import planned_engine_budget
+    from hpc.plan.terms import LORA_BYTES_PER_PARAM
 
     cfg = cluster_config(model_folder(tmp_path, "32B"), "model.quantize=int8")
     shape = ModelShape.from_folder(cfg.model.path)

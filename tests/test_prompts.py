@@ -89,7 +89,7 @@ def test_chat_without_template_is_one_line_exit_2(tiny_models, tmp_path):
     lines = our_lines(proc.stderr)
     assert len(lines) == 1 and "no chat template" in lines[0] and model_dir in lines[0], lines
     assert not (tmp_path / "run" / "eval.h5").exists()
-    proc = run_mpi(2, ["-m", "hpc.sft", f"model.path={model_dir}", "task.prompt_format=chat",
+    proc = run_mpi(2, ["-m", "sft", f"model.path={model_dir}", "task.prompt_format=chat",
                        "run.progress=false", f"run.out={tmp_path / 'run2'}"], timeout=180)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert all("no chat template" in line for line in our_lines(proc.stderr))

@@ -20,7 +20,7 @@ import pytest
 from conftest import REPO
 from essa.config import ESSAJobConfig
 from fgrpo.config import FGRPOJobConfig
-from hpc.sft_config import SFTJobConfig
+from sft.config import SFTJobConfig
 
 PAGES = ["README.md"] + sorted(os.path.relpath(p, REPO)
                                for p in glob.glob(os.path.join(REPO, "docs", "*.md")))

@@ -26,7 +26,7 @@ def fgrpo_args(out, *extra):
 
 
 def sft_args(out, *extra):
-    return ["-m", "hpc.sft", "model.path=toy", "task.n_train=200", "task.n_eval=8",
+    return ["-m", "sft", "model.path=toy", "task.n_train=200", "task.n_eval=8",
             "sft.batch_size=12", "sft.steps=2", "eval.every=0", "eval.n_samples=1",
             "run.progress=false", "run.checkpoint_every=1", f"run.out={out}", *extra]
 

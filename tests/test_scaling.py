@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hpc.runtime.runstore import RunStore
-from hpc.analysis.scaling import (GPUS, LINKS, QWEN25_32B, GpuCheck, Link, Measured, Network,
+from compare.scaling import (GPUS, LINKS, QWEN25_32B, GpuCheck, Link, Measured, Network,
                                  Roofline, Sharding, Workload, allgather, build_parser,
                                  essa_step, grpo_step, main, planned_decoding, predict,
                                  ring_allgather, ring_allreduce)
@@ -122,8 +122,10 @@ def test_model_concurrency_is_the_plans(quantize):
     """hpc-scaling's ESSA and F-GRPO concurrency and weight bytes are the memory plan's for
     the same config: the scoring and rollout engines' slots as hpc-plan prints them (their
     rows asked exceed what the budget holds), and the weights it counts."""
-    from hpc.analysis.plan_terms import model_shape, plan_config
-    from hpc.plan.memory_plan import essa_plan, fgrpo_plan, weight_bytes
+    from compare.plan_terms import model_shape, plan_config
+    from essa.plan import plan as essa_plan
+    from fgrpo.plan import plan as fgrpo_plan
+    from hpc.plan.terms import weight_bytes
 
     args = build_parser().parse_args(["--essa-quantize", quantize])
     cost = paper_costs(decoding=planned_decoding(args, 256))

@@ -46,7 +46,7 @@ def toy_chat():
 def chat_sft(toy_chat, tmp_path_factory):
     """A 2-rank chat-format LoRA SFT run on the toy-chat model; its output folder."""
     out = tmp_path_factory.mktemp("chat-sft")
-    proc = run_mpi(2, ["-m", "hpc.sft", *CHAT, "lora.rank=8", "lora.alpha=16", "sft.steps=20",
+    proc = run_mpi(2, ["-m", "sft", *CHAT, "lora.rank=8", "lora.alpha=16", "sft.steps=20",
                        "sft.batch_size=16", "sft.lr=0.003", f"run.out={out}"], timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out

@@ -13,12 +13,11 @@ from conftest import REPO, run_mpi
 
 from hpc.models.loading import attach_lora, enable_activation_checkpointing, randomize_lora_b
 from hpc.models.logprobs import masked_mean, sequence_logprobs
-from hpc.commands import plan_job_class
-from hpc.plan.memory_plan import activation_checkpointing
+from hpc.plan.registry import activation_checkpointing, plan_job_class
 from hpc.toys.toy import qwen2_config
 from hpc.runtime.config import load_config
 from hpc.runtime.runstore import RunFile
-from hpc.sft import completion_loss
+from sft.trainer import completion_loss
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 from training_memory import LiveTensorBytes  # noqa: E402 - the benchmark's tracker

@@ -27,7 +27,7 @@ from hpc.engine.config import EngineConfig
 from hpc.engine.decoder import Decoder
 from hpc.models.base_model import check_base
 from hpc.models.loading import model_folder
-from hpc.plan.memory_plan import check_job_memory, planned_engine_budget
+from hpc.plan.registry import check_job_memory, planned_engine_budget
 from hpc.models.quantize import check_quantize
 from hpc.runtime.atomic import open_plain
 from hpc.runtime.cli import parse_args

@@ -435,7 +435,10 @@ def _set_field(section, section_name: str, name: str, value) -> None:
 
 
 def load_config(job_cls, path: str | None = None, overrides: list[str] = ()):
-    """Build ``job_cls`` from defaults, then the YAML file at ``path``, then ``overrides``.
+    """Build ``job_cls`` from defaults, then the YAML file at ``path``, then ``overrides``;
+    then each section with a ``resolve(job, given)`` method resolves what depends on other keys
+    (``given``: the keys of that section the file or command line set, e.g. a preset fills
+    only the others), and the job's ``validate()`` checks the keys together.
 
     Raises UserError for a missing or malformed file and for any invalid key or value.
     """
@@ -453,7 +456,11 @@ def load_config(job_cls, path: str | None = None, overrides: list[str] = ()):
         key, value = _parse_override(text)
         _set(cfg, key, value)
         given.add(key)
-    cfg.given_keys = frozenset(given)  # what a preset key (fgrpo.algorithm) must not override
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        if hasattr(section, "resolve"):
+            section.resolve(cfg, frozenset(key.split(".", 1)[1] for key in given
+                                           if key.startswith(f"{f.name}.")))
     if hasattr(cfg, "validate"):
         cfg.validate()
     return cfg

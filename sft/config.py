@@ -2,6 +2,7 @@
 ``hpc-sft --help`` answers without loading torch."""
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field
 
 from hpc.runtime.config import JobConfig, param
@@ -9,6 +10,7 @@ from hpc.runtime.config import JobConfig, param
 
 @dataclass
 class SFTConfig:
+    command: typing.ClassVar[str] = "hpc-sft"  # the console command of the method
     steps: int = param(40, "optimizer steps", min=1, max=1_000_000)
     batch_size: int = param(32, "global batch (prompts per step, split over ranks)",
                             min=1, max=1_000_000)

@@ -1,8 +1,9 @@
 """The scaling model's memory terms, from the memory plan's own functions
-(:mod:`hpc.plan.memory_plan`), so ``hpc-scaling`` and ``hpc-plan`` never disagree on what
+(:mod:`essa.plan`, :mod:`fgrpo.plan`, :mod:`hpc.plan.terms`), so ``hpc-scaling`` and
+``hpc-plan`` never disagree on what
 fits: the weight bytes a decode step reads and the sequences a GPU decodes at once, per method.
 
-The configuration is the plan's (:func:`hpc.commands.plan_job_class`): ``--config`` (default:
+The configuration is the plan's (:func:`hpc.plan.registry.plan_job_class`): ``--config`` (default:
 the package's defaults) with the scaling model's workload on top: the model shape, LoRA rank on
 all seven linears, prompt and completion lengths, the GPU's memory (``plan.gpu_memory_gib`` =
 the GPU's GB, as ``hpc-plan`` is given it for 80 GB GPUs), ESSA's ``model.quantize``, one
@@ -13,9 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpc.plan.memory_plan import (GIB, QWEN25, ModelShape, checkpointing_needed,
-                                    engine_slots, essa_plan, fgrpo_plan, offload_that_fits,
-                                    weight_bytes)
+from essa.plan import plan as essa_plan
+from fgrpo.plan import checkpointing_needed, offload_that_fits, plan as fgrpo_plan
+from hpc.engine.memory import GIB
+from hpc.engine.shape import QWEN25, ModelShape
+from hpc.plan.terms import engine_slots, weight_bytes
 from hpc.runtime.errors import UserError
 
 PLENTY = 1 << 20  # rows asked: the concurrency is what the plan's engine budget holds
@@ -61,7 +64,7 @@ def plan_config(config: str | None, *, lora_rank: int, prompt: int, max_new: int
                 sharded: bool, micro_batch: int):
     """The plan's job config of the scaling model's setting (module docstring);
     ``essa_quantize`` None: the config's ``model.quantize``."""
-    from hpc.commands import plan_job_class
+    from hpc.plan.registry import plan_job_class
     from hpc.runtime.config import load_config
 
     cfg = load_config(plan_job_class(), config, [

@@ -2,7 +2,9 @@
 
 Data parallel over torch.distributed when there are several ranks: every rank draws the same
 global batch of indices from the shared seed, keeps its contiguous share, and LoRA gradients are
-averaged with one flat all-reduce per step. The loss is the mean over every rank's labelled
+averaged with one flat all-reduce per step; the trained weights, their AdamW state and the
+all-reduce are F-GRPO's own (:class:`hpc.models.parallelize.TrainedWeights`), so a step whose
+gradient holds NaN or inf leaves the weights as they were. The loss is the mean over every rank's labelled
 tokens (each rank's mean weighted by its share of them), so the run does not depend on the rank
 count up to the order of floating-point sums, and resumes on any count. The job lifecycle
 (resume, preemption, evaluations, checkpoints of the LoRA weights, optimizer and data
@@ -20,15 +22,16 @@ from hpc.data.tasks import load_task
 from hpc.gradient_method import GradientMethod
 from hpc.models.loading import attach_lora, load_model
 from hpc.models.logprobs import sequence_logprobs
+from hpc.models.parallelize import TrainedWeights
 from hpc.models.quantize import attach_generation_copy
-from hpc.runtime.dist import all_reduce_mean_, init_process_group
+from hpc.runtime.dist import init_process_group
 from hpc.data.prompts import completion_batch
 from hpc.runtime.errors import UserError, user_errors_exit
 from hpc.job.lifecycle import finish, on_all_ranks, start_job, stop_if_preempted
 from hpc.job.loop import run_loop
 from hpc.runtime.readback import bad_field
 from hpc.runtime.world import my_slice
-from hpc.sft_config import SFTJobConfig
+from sft.config import SFTJobConfig
 
 PHASES = {"forward_backward": "train", "allreduce": "communication", "optimizer": "update"}
 
@@ -54,9 +57,8 @@ class SFT(GradientMethod):
             seed=cfg.run.seed)), cfg.model.quantize)
         self.checkpointed = self.checkpoint_activations()
         init_process_group(world, job.device)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.sft.lr,
-                                     weight_decay=cfg.sft.weight_decay)
+        self.weights = TrainedWeights([p for p in self.model.parameters() if p.requires_grad],
+                                      cfg.sft.lr, cfg.sft.weight_decay)
         self.data_rng = np.random.default_rng(cfg.run.seed)  # one batch drawn per step
         self.total_steps = cfg.sft.steps
 
@@ -77,14 +79,12 @@ class SFT(GradientMethod):
             share = tokens * world.size / max(int(world.allgather(
                 np.array([tokens]), tag="metrics").sum()), 1)
             loss = mean * share
-            self.opt.zero_grad(set_to_none=False)
+            self.weights.zero_grad()
             loss.backward()
         with timer.phase("allreduce"):
-            all_reduce_mean_([p.grad for p in self.params], world, tag="grad_allreduce")
+            self.weights.reduce_gradients(world)
         with timer.phase("optimizer"):
-            if cfg.sft.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.params, cfg.sft.grad_clip)
-            self.opt.step()
+            self.weights.step(cfg.sft.grad_clip)
         return {"loss": float(world.allgather(np.array([loss.item()]), tag="metrics").mean())}
 
     def attrs(self) -> dict:

@@ -24,10 +24,11 @@ from dataclasses import dataclass
 import numpy as np
 import yaml
 
-from hpc.analysis.plan_terms import (QUANTIZE, essa_decoding, grpo_decoding, model_shape,
-                                     plan_config)
+from compare.plan_terms import (QUANTIZE, essa_decoding, grpo_decoding, model_shape,
+                                plan_config)
+from fgrpo.plan import expected_rounds
 from hpc.analysis.report import open_run, phase_kinds, step_timings
-from hpc.plan.memory_plan import expected_rounds
+from hpc.engine.shape import ModelShape
 from hpc.runtime.cli import EXIT_CODES_HELP, OneLineParser, plain
 from hpc.runtime.errors import UserError, user_errors_exit
 
@@ -147,10 +148,14 @@ class Model:
     weight_bytes: float = 2.0  # per parameter (bf16)
 
     @property
+    def shape(self) -> ModelShape:
+        """The one model shape of these widths (:func:`compare.plan_terms.model_shape`)."""
+        return model_shape(self.layers, self.hidden, self.intermediate, self.kv_dim)
+
+    @property
     def lora_params(self) -> float:
         """LoRA on q, k, v, o, gate, up, down: rank x (in + out) per matrix."""
-        h, i, kv = self.hidden, self.intermediate, self.kv_dim
-        return self.layers * self.lora_rank * (4 * h + 2 * (h + kv) + 3 * (h + i))
+        return self.shape.lora_parameters(self.lora_rank, self.shape.module_shapes())
 
     @property
     def search_dim(self) -> int:
@@ -159,7 +164,7 @@ class Model:
 
     @property
     def kv_bytes_per_token(self) -> float:
-        return 2 * self.layers * self.kv_dim * 2.0  # K and V, bf16
+        return float(self.shape.kv_token_bytes(2))  # K and V, bf16
 
 
 QWEN25_32B = Model(params=32.5e9, layers=64, hidden=5120, intermediate=27648, kv_dim=1024,
@@ -188,7 +193,7 @@ class Roofline:
                  mem_util: float = 0.9, gen_tps: float | None = None, gen_batch: int = 64,
                  train_tps: float | None = None, decoding: dict | None = None):
         self.model, self.gpu, self.full = model, gpu, full
-        # {"essa" | "grpo": hpc.analysis.plan_terms.Decoding}: the memory plan's weight bytes
+        # {"essa" | "grpo": compare.plan_terms.Decoding}: the memory plan's weight bytes
         # and concurrency of that method's decoding (else this model's own bf16 KV arithmetic)
         self.decoding = decoding or {}
         self.prompt, self.completion, self.max_new = prompt, completion, max_new
@@ -468,10 +473,6 @@ def _heldout(run) -> tuple:
     return steps[ok], acc[ok]
 
 
-LORA_SHAPES = {"q_proj": ("hidden", "hidden"), "k_proj": ("hidden", "kv"),
-               "v_proj": ("hidden", "kv"), "o_proj": ("hidden", "hidden"),
-               "gate_proj": ("hidden", "intermediate"), "up_proj": ("hidden", "intermediate"),
-               "down_proj": ("intermediate", "hidden")}
 ADAPTER_VARIANTS = ("lora_fused", "lora_exact", "peft")  # ways to score members with adapters
 
 
@@ -514,15 +515,13 @@ class GpuCheck(LinearCosts):
         if match is None:
             raise UserError(f"{self.path}: cannot read the LoRA of {self.name!r} ({r['lora']!r})")
         self.lora_rank, self.lora_targets = int(match[1]), ast.literal_eval(match[2])
-        dims = {"hidden": s["hidden_size"], "intermediate": s["intermediate_size"],
-                "kv": s["num_key_value_heads"] * s["hidden_size"] // s["num_attention_heads"]}
-        unknown = [t for t in self.lora_targets if t not in LORA_SHAPES]
+        shape = ModelShape.from_config(s, f"{self.path}: model {self.name!r}")
+        unknown = [t for t in self.lora_targets if t not in shape.module_shapes()]
         if unknown:
             raise UserError(f"{self.path}: LoRA targets {unknown} of {self.name!r} are not "
-                            f"among {', '.join(LORA_SHAPES)}")
-        self.shape, self.kv_dim = s, dims["kv"]
-        self.lora_params = s["num_hidden_layers"] * self.lora_rank * sum(
-            dims[LORA_SHAPES[t][0]] + dims[LORA_SHAPES[t][1]] for t in self.lora_targets)
+                            f"among {', '.join(shape.module_shapes())}")
+        self.shape, self.kv_dim = s, shape.kv_heads * shape.head_dim
+        self.lora_params = shape.lora_parameters(self.lora_rank, self.lora_targets)
         self.grad_bytes = 4.0 * self.lora_params  # fp32 gradients
 
     def _fgrpo(self, step: dict) -> None:
@@ -1016,7 +1015,7 @@ def setup(args) -> tuple:
 
 
 def planned_decoding(args, minibatch: int) -> dict:
-    """{"essa", "grpo": Decoding} from the memory plan (:mod:`hpc.analysis.plan_terms`) for
+    """{"essa", "grpo": Decoding} from the memory plan (:mod:`compare.plan_terms`) for
     ``--concurrency plan`` (at the smallest of ``--gpus``: FSDP2's shards shrink with more),
     {} for the reference ``kv``."""
     if args.concurrency == "kv":
@@ -1080,8 +1079,9 @@ def host_offload(args, w: "Workload") -> tuple:
     full-parameter GRPO, as the job's memory plan decides it (fgrpo.offload=auto: the first of
     none, optimizer, state that fits :data:`GPUS`' memory), and a note saying so. Computed for
     the Qwen2.5-32B shape the model defaults to; other shapes get no term."""
-    from hpc.commands import plan_job_class
-    from hpc.plan.memory_plan import QWEN25, ModelShape, fgrpo_plan, offloaded_bytes
+    from fgrpo.plan import offloaded_bytes, plan as fgrpo_plan
+    from hpc.engine.shape import ModelShape
+    from hpc.plan.registry import plan_job_class
     from hpc.runtime.config import load_config
 
     m = QWEN25_32B
@@ -1089,7 +1089,7 @@ def host_offload(args, w: "Workload") -> tuple:
             m.params, m.layers, m.hidden, m.intermediate, m.kv_dim):
         return (), ("host offload of the training state during rollouts: not computed for a "
                     "model other than Qwen2.5-32B (hpc-plan gives it for a config.json)")
-    shape = ModelShape.from_config(dict(QWEN25["32B"], model_type="qwen2"))
+    shape = ModelShape.qwen25("32B")
     gib = GPUS[args.gpu].memory / 1e9
     cfg = load_config(plan_job_class(), None, [
         "model.dtype=bfloat16", "fgrpo.full_finetune=true", "fgrpo.parallelism=fsdp2",

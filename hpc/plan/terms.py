@@ -1,0 +1,283 @@
+"""The memory plan's terms, shared by every method's plan (``essa/plan.py``,
+``fgrpo/plan.py``, ``sft/plan.py``): what a phase holds is a list of (label, bytes) parts, a
+:class:`Phase` their sum, a :class:`MethodPlan` a method's phases with the verdict and advice.
+Pure arithmetic on the model's :class:`hpc.engine.shape.ModelShape` (its ``config.json``, no
+weights) and a job config; this floor knows phases and their parts, never a method.
+
+Memory per GPU, e = bytes per value of ``model.dtype``, a sequence = ``plan.max_prompt_tokens``
++ ``task.max_new_tokens`` tokens, GiB = 2**30 bytes; a plan fits when its largest phase is at
+most ``USABLE_SHARE`` of ``plan.gpu_memory_gib`` and every engine holds a row in its budget:
+
+* weights (:func:`weight_bytes`): the decoder linears at ``model.quantize``'s bytes (torchao's
+  scales included), the rest in ``model.dtype``;
+* the decoding engine (:func:`hpc.engine.memory.engine_memory`: KV cache, stacked members,
+  per-slot buffers, a step's transient), sized per phase as the job sizes it
+  (:func:`engine_parts`): the phase's rows bucketed, capped by ``model.engine_slots`` and by its
+  budget (``model.engine_memory_gib``, or :func:`hpc.engine.memory.budget_left` of what
+  everything resident leaves, :func:`engine_budget`); larger phases decode in waves. An engine
+  is released before the next is built and an evaluation's at its end (unless the next phase
+  reuses it), so no two engines are alive at once;
+* the held-out evaluation (:func:`evaluation_phase`): ``eval.batch_size x eval.n_samples`` rows
+  on top of what the method holds while it decodes;
+* what trackers cannot see on a GPU (:func:`unseen_parts`), the margin
+  ``model.activation_checkpointing=auto`` keeps.
+
+The terms were checked against torch's memory tracker running the package's own engine and
+steps on fake tensors (benchmarks/memory_tracker.py, tests/test_memory_plan.py).
+"""
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+
+from hpc.engine.memory import (GIB, bucket, budget_left, engine_memory, rounded_length,
+                               slots_within)
+from hpc.engine.shape import ModelShape
+
+
+def bytes_per_parameter(quantize: str, in_features: int, elem: int) -> float:
+    """:func:`hpc.models.quantize.bytes_per_parameter`, imported on first use (torch)."""
+    from hpc.models.quantize import bytes_per_parameter as per_parameter
+    return per_parameter(quantize, in_features, elem)
+
+
+USABLE_SHARE = 0.9  # of plan.gpu_memory_gib a plan may fill (the rest: CUDA context, NCCL
+#   buffers, allocator fragmentation)
+# what a tensor tracker cannot see on a GPU, kept free by model.activation_checkpointing=auto
+# before it turns checkpointing off (unseen_parts)
+CUDA_CONTEXT_BYTES = 3 * GIB // 4  # CUDA context, loaded kernels, NCCL communicators
+CUBLAS_WORKSPACE_BYTES = GIB // 4  # cuBLAS / cuBLASLt workspaces of the streams in use
+FRAGMENTATION_SHARE = 0.10  # of the activations: the caching allocator's rounding and splits
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+LORA_BYTES_PER_PARAM = 4  # peft keeps adapter weights in fp32
+LORA_TRAIN_BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW exp_avg + exp_avg_sq
+
+
+def evaluation_rows(cfg) -> int:
+    """Rows the held-out evaluation's sampled pass decodes at once: ``eval.batch_size`` prompts
+    x ``eval.n_samples`` samples."""
+    return cfg.eval.batch_size * cfg.eval.n_samples
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB"
+
+
+def dtype_bytes(cfg) -> int:
+    return DTYPE_BYTES[cfg.model.dtype]
+
+
+def sequence_tokens(cfg) -> int:
+    return cfg.plan.max_prompt_tokens + cfg.task.max_new_tokens
+
+
+def weight_bytes(shape: ModelShape, cfg, quantized: bool = False) -> int:
+    """The base weights in ``model.dtype``; ``quantized``: the decoder layers' linears at
+    ``model.quantize``'s bytes a weight (torchao's scales included), the rest unchanged."""
+    e = dtype_bytes(cfg)
+    if not quantized or cfg.model.quantize == "none":
+        return shape.parameters() * e
+    linears = sum(shape.layers * i * o * (bytes_per_parameter(cfg.model.quantize, i, e) - e)
+                  for i, o in shape.module_shapes().values())
+    return int(shape.parameters() * e + linears)
+
+
+def quantized_copy_bytes(shape: ModelShape, cfg) -> int:
+    """F-GRPO's quantised copy of the decoder linears for its rollouts (0 without quantize)."""
+    if cfg.model.quantize == "none":
+        return 0
+    return int(sum(shape.layers * i * o * bytes_per_parameter(cfg.model.quantize, i, dtype_bytes(cfg))
+                   for i, o in shape.module_shapes().values()))
+
+
+def dequantized_linear_bytes(shape: ModelShape, cfg) -> int:
+    """torchao's eager weight-only path materialises one linear's weight in the activation
+    dtype per call: the largest, transient."""
+    if cfg.model.quantize == "none":
+        return 0
+    return max(i * o for i, o in shape.module_shapes().values()) * dtype_bytes(cfg)
+
+
+def engine_positions(cfg) -> int:
+    return rounded_length(sequence_tokens(cfg))
+
+
+def engine_budget(cfg, resident: int) -> int:
+    """The engine's budget: ``model.engine_memory_gib``, or :func:`hpc.engine.memory.budget_left`
+    of ``plan.gpu_memory_gib`` with ``resident`` bytes (everything the method holds while it
+    decodes) resident. A job with a plan decodes within this budget
+    (:func:`planned_engine_budget`), so its engines are the plan's."""
+    if cfg.model.engine_memory_gib > 0:
+        return int(cfg.model.engine_memory_gib * GIB)
+    return budget_left(int(cfg.plan.gpu_memory_gib * GIB), resident)
+
+
+def engine_slots(shape: ModelShape, cfg, rows: int, k: int, budget: int) -> int:
+    """Slots of a phase that asks for ``rows`` rows
+    (:meth:`hpc.engine.decoder.Decoder.run_requests`): the
+    rows bucketed, capped by ``model.engine_slots`` and by what fits ``budget``."""
+    n_lora = shape.lora_parameters(cfg.lora.rank, cfg.lora.targets) if k else 0
+    within = slots_within(budget, shape, engine_positions(cfg), k, dtype_bytes(cfg), n_lora,
+                          LORA_BYTES_PER_PARAM)
+    return min(bucket(rows, 1 << 30), cfg.model.engine_slots or 1 << 30, within)
+
+
+def engine_parts(shape: ModelShape, cfg, what: str, rows: int, k: int, budget: int) -> list:
+    """(label, bytes) of a phase's engine (:func:`hpc.engine.memory.engine_memory`): what lives with
+    it, and its step's transient peak (with a dequantised linear under model.quantize)."""
+    slots = engine_slots(shape, cfg, rows, k, budget)
+    n_lora = shape.lora_parameters(cfg.lora.rank, cfg.lora.targets) if k else 0
+    parts = engine_memory(shape, max(1, slots), engine_positions(cfg), k, dtype_bytes(cfg), n_lora,
+                          LORA_BYTES_PER_PARAM, prompt_tokens=cfg.plan.max_prompt_tokens)
+    if slots < 1:
+        label = (f"engine: {what}: NO ROW FITS its budget of {gib(budget)} "
+                 f"(model.engine_memory_gib); one row")
+    else:
+        waves = f" ({rows} rows asked: in waves)" if slots < rows else ""
+        label = (f"engine: {what}: {slots} slots x {engine_positions(cfg)} positions{waves}: KV cache, "
+                 f"members, buffers")
+    return [(label, parts["kv_cache"] + parts["members"] + parts["slot_buffers"]),
+            ("its prefill or decode-step temporaries",
+             parts["step_peak"] + dequantized_linear_bytes(shape, cfg))]
+
+
+@dataclass
+class Phase:
+    """One phase of a job on one GPU: what is alive at its peak, (label, bytes) pairs."""
+
+    name: str
+    parts: list
+
+    @property
+    def peak(self) -> int:
+        return sum(b for _, b in self.parts)
+
+
+@dataclass
+class MethodPlan:
+    """One method's memory on one GPU: its phases, the peak over them, verdict, advice."""
+
+    method: str
+    phases: list
+    usable: int
+    notes: list
+    advice: str = ""
+    engine_budget: int = 0  # bytes every engine of the job is sized within
+
+    @property
+    def peak(self) -> int:
+        return max(p.peak for p in self.phases)
+
+    @property
+    def fits(self) -> bool:
+        """The peak fits and every engine holds a row within its budget."""
+        return self.peak <= self.usable and not any(
+            "NO ROW FITS" in label for p in self.phases for label, _ in p.parts)
+
+    def phase(self, name: str) -> Phase:
+        return next(p for p in self.phases if p.name == name)
+
+    def lines(self) -> list:
+        out = [f"{self.method} per GPU:"]
+        for p in self.phases:
+            out.append(f"  phase {p.name}: {gib(p.peak)}")
+            out += [f"    {label:<74} {gib(nbytes):>11}" for label, nbytes in p.parts]
+        verdict = "fits" if self.fits else "DOES NOT FIT"
+        out.append(f"  {'peak':<76} {gib(self.peak):>11}  of {gib(self.usable)} usable: "
+                   f"{verdict}")
+        out += [f"  {note}" for note in self.notes]
+        if not self.fits:
+            out.append(f"  to fit: {self.advice}")
+        return out
+
+
+def usable_bytes(cfg) -> int:
+    return int(USABLE_SHARE * cfg.plan.gpu_memory_gib * GIB)
+
+
+def with_changes(cfg, **changes):
+    """A copy of ``cfg`` with ``section__key=value`` changes."""
+    out = copy.deepcopy(cfg)
+    for name, value in changes.items():
+        section, key = name.split("__")
+        setattr(getattr(out, section), key, value)
+    return out
+
+
+def smallest_fix(build, shape, cfg, ranks: int, candidates: list) -> str:
+    """The first of ``candidates`` ((advice, {section__key: value}, ranks or None)) under
+    which ``build``'s plan fits, or ''."""
+    for advice, changes, new_ranks in candidates:
+        if build(shape, with_changes(cfg, **changes), new_ranks or ranks, advise=False).fits:
+            return advice
+    return ""
+
+
+def evaluation_phase(shape: ModelShape, cfg, resident: list, k: int, budget: int) -> Phase:
+    """The held-out evaluation's sampled pass (the larger of its two) on top of ``resident``."""
+    return Phase("evaluation", resident + engine_parts(
+        shape, cfg, "eval.batch_size x eval.n_samples rows, own adapter", evaluation_rows(cfg),
+        k, budget))
+
+
+def total(parts: list) -> int:
+    return sum(b for _, b in parts)
+
+
+def job_has_plan(cfg, device_type: str) -> bool:
+    """A job is planned on CUDA with a local model folder and ``plan.gpu_memory_gib`` > 0."""
+    return (device_type == "cuda" and cfg.plan.gpu_memory_gib > 0
+            and os.path.isfile(os.path.join(cfg.model.path, "config.json")))
+
+
+HANDOVER_NOTE = ("engine hand-overs: each engine is released before the next is built and an "
+                 "evaluation's at its end, so no two are alive at once (no peak beyond the "
+                 "phases')")
+
+
+def model_summary(shape: ModelShape, cfg) -> list:
+    n = shape.parameters()
+    weights = ", ".join(f"{name} {gib(n * b)}" for name, b in DTYPE_BYTES.items())
+    n_lora = shape.lora_parameters(cfg.lora.rank, cfg.lora.targets)
+    unknown = [t for t in cfg.lora.targets if t not in shape.module_shapes()]
+    return [f"model {cfg.model.path}: {n:,} parameters ({shape.layers} layers, hidden "
+            f"{shape.hidden}, {shape.heads} heads / {shape.kv_heads} KV heads of {shape.head_dim}, "
+            f"intermediate {shape.intermediate}, vocabulary {shape.vocab}, "
+            f"{'tied' if shape.tied else 'untied'} embeddings)",
+            f"weights: {weights}",
+            f"LoRA rank {cfg.lora.rank} on {', '.join(cfg.lora.targets)}: {n_lora:,} parameters"
+            + (f" (not counted, unknown to the plan: {', '.join(unknown)})" if unknown else ""),
+            f"sequence: {cfg.plan.max_prompt_tokens} prompt tokens (plan.max_prompt_tokens) + "
+            f"{cfg.task.max_new_tokens} new (task.max_new_tokens) = {sequence_tokens(cfg)} tokens",
+            f"GPU memory assumed: {cfg.plan.gpu_memory_gib:g} GiB (plan.gpu_memory_gib), "
+            f"{USABLE_SHARE:.0%} usable"]
+
+
+def unseen_parts(shape: ModelShape, tokens: int, chunk: int, activations: int) -> list:
+    """(label, bytes) of what torch's tensor trackers cannot see on a GPU, which
+    ``model.activation_checkpointing=auto`` keeps free before it turns checkpointing off: the
+    CUDA context, cuBLAS workspaces, the fp32 log-softmax scratch of the LM head's positions
+    (``chunk`` of the micro-batch's ``tokens``, all of them for 0) and FRAGMENTATION_SHARE of
+    the ``activations`` bytes (the caching allocator's rounding and split blocks)."""
+    positions = min(chunk, tokens) if chunk else tokens
+    return [("CUDA context, kernels, NCCL", CUDA_CONTEXT_BYTES),
+            ("cuBLAS workspaces", CUBLAS_WORKSPACE_BYTES),
+            (f"fp32 log-softmax scratch of {positions} positions", 4 * positions * shape.vocab),
+            (f"fragmentation ({FRAGMENTATION_SHARE:.0%} of the activations)",
+             int(FRAGMENTATION_SHARE * activations))]
+
+
+def resolve_checkpointing(cfg, device_type: str, needed, planned: bool = False) -> bool:
+    """``model.activation_checkpointing`` resolved: on / off as given; auto = ``needed(shape)``
+    (the method's own rule, on the model's :class:`ModelShape`) on CUDA with a local model
+    folder and ``plan.gpu_memory_gib`` > 0, else off. ``planned``: for the plan itself, which
+    may assume any model folder."""
+    choice = cfg.model.activation_checkpointing
+    if choice != "auto":
+        return choice == "on"
+    path = cfg.model.path
+    if ((device_type != "cuda" and not planned) or cfg.plan.gpu_memory_gib <= 0
+            or not os.path.isfile(os.path.join(path, "config.json"))):
+        return False
+    return needed(ModelShape.from_folder(path))
