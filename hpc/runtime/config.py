@@ -252,6 +252,11 @@ class RunConfig:
     min_free_mb: float = param(512.0, "refuse to start when the output folder's disk has less "
                                "free space than this (MiB): checkpoints and logs need room",
                                min=0.0, max=1e12)
+    report_to: list = param(["none"], "where the run file's scalars also go, rank 0 only: "
+                            "tensorboard (<run.out>/tensorboard), wandb (offline unless "
+                            "WANDB_MODE says otherwise, <run.out>/wandb), both (a list), or "
+                            "none; each needs the package extra of its name",
+                            choices=["none", "tensorboard", "wandb"])
     collective_timeout_s: float = param(600.0, "a rank that has not reached a step's exchange "
                                         "after this many seconds is named and the job aborted",
                                         min=1.0, max=604800.0)
@@ -359,8 +364,11 @@ def _coerce(key: str, value, ftype, meta):
         raise TypeError(f"unsupported config type {ftype} for {key}")
     if isinstance(out, str):
         _check_text(key, out)
-    if meta.get("choices") is not None and out not in meta["choices"]:
-        raise UserError(f"config key '{key}': {shown(out)} is not one of {meta['choices']}")
+    if meta.get("choices") is not None:  # a list key: each item
+        for item in out if isinstance(out, list) else [out]:
+            if item not in meta["choices"]:
+                raise UserError(f"config key '{key}': {shown(item)} is not one of "
+                                f"{meta['choices']}")
     if meta.get("min") is not None and out < meta["min"]:
         raise UserError(f"config key '{key}': {out} is below the minimum {meta['min']}")
     if meta.get("above") is not None and not out > meta["above"]:

@@ -16,6 +16,9 @@ Schema (documented in the README):
   ``eval/*`` at evaluation steps; methods add their own (``essa/fitness`` (n, P) ...).
   A key missing from a row is NaN (floats) or 0 (integers).
 
+Rank 0's store also hands the scalars of every row to the ``run.report_to`` reporters
+(TensorBoard, W&B: :mod:`hpc.runtime.report_to`), at the row's step.
+
 The file uses the default (oldest compatible) HDF5 format and is flushed after every row, so a
 job killed with SIGKILL leaves a file that h5py and ``h5dump`` read, holding every flushed step.
 Readers open files with locking disabled, so they work on files of jobs still running.
@@ -46,6 +49,7 @@ from hpc import __version__
 from hpc.runtime.atomic import refuse_link, write_bytes
 from hpc.runtime.errors import UserError
 from hpc.runtime.readback import MAX_STEP
+from hpc.runtime.report_to import scalars
 from hpc.runtime.world import _mpi
 
 _CHUNK_ROWS = 64
@@ -98,6 +102,8 @@ class RunStore:
                  backup: bytes | None = None):
         self.path = path
         self.file = None
+        # run.report_to (hpc.runtime.report_to): each also gets every row's scalars
+        self.reporters: list = []
         self._open: dict = {}  # group -> {name: Dataset}, see _datasets
         self._pending: dict = {}  # group -> rows written but not yet committed (_commit)
         if not active:
@@ -220,6 +226,35 @@ class RunStore:
             return
         with self._writing():
             self._append(group, step, flush, values)
+        if self.reporters:  # the row as stored: a missing key's fill value too
+            padded = {name: ds.fillvalue for name, ds in self._open[group].items()
+                      if name != "step" and name not in values}
+            self._report(group, step, {**values, **padded})
+
+    def _report(self, group: str, step: int, values: dict) -> None:
+        row = scalars(values)
+        for reporter in self.reporters if row else ():
+            reporter.add(group, step, row)
+
+    def replay(self) -> None:
+        """Send every committed row's scalars to the reporters, in step order: a resumed run's
+        reporters start over from what the run file holds (:mod:`hpc.runtime.report_to`)."""
+        if self.file is None or not self.reporters:
+            return
+        rows = []
+
+        def visit(name, obj):
+            if isinstance(obj, h5py.Group) and "step" in obj:
+                n = committed_rows(obj)
+                columns = {key: obj[key][:n] for key in obj if key != "step"
+                           and isinstance(obj[key], h5py.Dataset) and obj[key].ndim == 1}
+                rows.extend((int(step), name, {key: column[i] for key, column in
+                                               columns.items()})
+                            for i, step in enumerate(obj["step"][:n]))
+
+        self.file.visititems(visit)
+        for step, group, values in sorted(rows, key=lambda row: row[0]):
+            self._report(group, step, values)
 
     def _append(self, group: str, step: int, flush: bool, values: dict) -> None:
         datasets = self._datasets(group)
@@ -300,6 +335,8 @@ class RunStore:
         if self.file is not None:
             with self._writing():
                 self._commit()
+        for reporter in self.reporters:
+            reporter.flush()
 
     def truncate_after(self, step: int | None) -> None:
         """Drop the rows from the first whose step is > ``step`` on (used when resuming from a
@@ -344,6 +381,9 @@ class RunStore:
             self._open.clear()
             self.file.close()
         self.file = None
+        for reporter in self.reporters:
+            reporter.close(status)
+        self.reporters = []
 
 
 _MAX_DEPTH = 8  # groups within groups: the store writes 2 ("eval/..."); a link cycle never ends
