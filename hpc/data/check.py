@@ -16,6 +16,7 @@ import statistics
 import sys
 
 from hpc.data.mathdata import _REWARDS, _ROW_READERS, read_jsonl
+from hpc.models.hub import local_or_cached
 from hpc.runtime.cli import EXIT_CODES_HELP, tool_parser
 from hpc.runtime.config import BUILT_IN_MODEL_NAMES, JobConfig, load_config
 from hpc.runtime.errors import UserError, user_errors_exit
@@ -29,10 +30,12 @@ def _lines(numbers: list) -> str:
 
 
 def _tokenizer(path: str):
-    """A ``tokenizers.Tokenizer`` from ``path/tokenizer.json``, or None if there is none (or
-    ``path`` names a built-in model); UserError if ``path`` is no folder at all."""
+    """A ``tokenizers.Tokenizer`` from ``path/tokenizer.json`` (``path``: a folder, or a Hub id
+    in the local cache), or None if there is none (or ``path`` names a built-in model);
+    UserError if ``path`` is no folder at all."""
     if path in BUILT_IN_MODEL_NAMES:
         return None
+    path = local_or_cached(path, "config key 'model.path'").path
     if not os.path.isdir(path):
         raise UserError(f"config key 'model.path': model folder not found: {path} (hpc-data "
                         f"reads its tokenizer.json; built-in models: "

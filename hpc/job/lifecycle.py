@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from hpc.engine.config import EngineConfig
 from hpc.engine.decoder import Decoder
+from hpc.job.inputs import InputSources, resolve_sources
 from hpc.models.base_model import check_base
 from hpc.models.loading import model_folder
 from hpc.plan.registry import check_job_memory, planned_engine_budget
@@ -219,6 +220,7 @@ class Job:
     method: str
     signals: object  # hpc.runtime.preempt.StopSignals, installed before any loading
     decoder: Decoder  # the job's decoding engine, passed to whoever decodes
+    sources: InputSources  # where model.path and lora.adapter lie (Hub ids resolved)
 
     @property
     def run_file(self) -> str:
@@ -232,15 +234,22 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
     signals = stop_signals()
     config_path, overrides, resume = parse_args(prog, argv)
     cfg = load_config(job_cls, config_path, overrides)
+    config_text = config_to_yaml(cfg)  # as the user gave it: a Hub id, not its snapshot
     world = get_world()
     world.timeout_s = cfg.run.collective_timeout_s
     cfg.validate_world(world)
+    # rank 0 looks Hub ids up, so every rank loads the snapshot it found (a download on the
+    # login node may move refs/main while the ranks start)
+    sources = world.comm.bcast(on_all_ranks(
+        world, lambda: resolve_sources(cfg) if world.is_root else None), root=0)
+    sources.apply(cfg)
     device = on_all_ranks(world, lambda: select_device(world, cfg.model.device))
     if world.size > 1:  # before any GPU work: a bootstrap that cannot connect ends here
         world.rendezvous = agree(world, "nccl" if device.type == "cuda" else "gloo")
     on_all_ranks(world, lambda: check_quantize(cfg.model.quantize, cfg.model.dtype, device))
     on_all_ranks(world, lambda: check_cached(cfg.model.path))
-    on_all_ranks(world, lambda: check_base(cfg.lora.adapter, cfg.model.path, model_folder,
+    on_all_ranks(world, lambda: check_base(cfg.lora.adapter, sources.model.given,
+                                           lambda _: model_folder(cfg.model.path),
                                            cfg.lora.allow_other_base))
     on_all_ranks(world, lambda: check_job_memory(cfg, method, world.size, device.type))
     decoder = Decoder(EngineConfig.from_model(cfg.model, on_all_ranks(
@@ -264,8 +273,8 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
 
     on_all_ranks(world, claim_folder)
     return Job(cfg=cfg, world=world, device=device, out_dir=out_dir, resume=resume,
-               config_text=config_to_yaml(cfg), method=method, signals=signals,
-               decoder=decoder)
+               config_text=config_text, method=method, signals=signals, decoder=decoder,
+               sources=sources)
 
 
 def stop_if_preempted(job: Job, after: str, store: RunStore | None = None) -> None:
@@ -283,8 +292,8 @@ def stop_if_preempted(job: Job, after: str, store: RunStore | None = None) -> No
     startup_delay()
     if not any_rank_signalled(world, job.signals):
         return
-    attrs = (dict(environment_attrs(world, job.device), method=job.method,
-                  config=job.config_text) if store is None else {})
+    attrs = (dict(environment_attrs(world, job.device), **job.sources.attrs(),
+                  method=job.method, config=job.config_text) if store is None else {})
 
     def mark_run_file():
         if not world.is_root:

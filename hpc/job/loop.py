@@ -163,8 +163,8 @@ def run_attrs(job: Job, method: Method) -> dict:
     unknown = set(phases.values()) - set(PHASE_KINDS)
     if unknown:
         raise ValueError(f"{method.name}: phase kinds {sorted(unknown)} not in {PHASE_KINDS}")
-    return dict(environment_attrs(job.world, job.device), method=method.name,
-                config=job.config_text, step_name=method.step_name,
+    return dict(environment_attrs(job.world, job.device), **job.sources.attrs(),
+                method=method.name, config=job.config_text, step_name=method.step_name,
                 phases=json.dumps(phases), metrics=json.dumps(list(method.metrics) + list(LOOP_METRICS)),
                 heldout_accuracy=method.heldout_accuracy, preempted_before_first_step=False,
                 **method.attrs())

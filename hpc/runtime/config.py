@@ -147,9 +147,12 @@ BUILT_IN_MODEL_NAMES = ("toy", "toy-chat")
 
 @dataclass
 class ModelConfig:
-    path: str = param("toy", "Hugging Face model folder, or a built-in model built and cached "
-                      "on first use: 'toy' (character tokenizer, arith) or 'toy-chat' (BPE "
-                      "tokenizer with a chat template, wordprob)")
+    path: str = param("toy", "Hugging Face model folder, a Hub id (org/name or "
+                      "org/name@revision) found in the local Hugging Face cache (HF_HOME, "
+                      "HF_HUB_CACHE; never downloaded: hf download org/name on a login node), "
+                      "or a built-in model built and cached on first use: 'toy' (character "
+                      "tokenizer, arith) or 'toy-chat' (BPE tokenizer with a chat template, "
+                      "wordprob)")
     dtype: str = param("float32", "weights dtype", choices=["float32", "bfloat16", "float16"])
     device: str = param("auto", "auto: cuda:<local rank> where CUDA is present, else cpu",
                         choices=["auto", "cpu", "cuda"])
@@ -191,7 +194,8 @@ class LoraConfig:
     alpha: float = param(16.0, "LoRA scaling numerator (scale = alpha / rank)", min=0.0, max=1e6)
     targets: list = param(["q_proj", "k_proj", "v_proj", "o_proj"], "adapted module names")
     dropout: float = param(0.0, "LoRA dropout during SFT", min=0.0, max=1.0)
-    adapter: str = param("", "existing peft adapter folder to start from ('' = fresh LoRA)")
+    adapter: str = param("", "existing peft adapter to start from: a folder or a Hub id in "
+                         "the local Hugging Face cache, as model.path ('' = fresh LoRA)")
     allow_other_base: bool = param(False, "load lora.adapter although its base_model.json "
                                    "records another base model than model.path (the job "
                                    "refuses it otherwise, before any weights load)")

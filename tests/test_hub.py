@@ -1,0 +1,114 @@
+"""Hugging Face Hub ids as model.path and lora.adapter, found in a local cache laid out as
+huggingface_hub lays it out, never downloaded."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, hf_cached as cached
+from hpc.job.inputs import check_inputs, resolve_sources
+from hpc.models.base_model import check_base, record_base
+from hpc.models.hub import hub_id, local_or_cached
+from hpc.runtime.config import JobConfig, load_config
+from hpc.runtime.errors import UserError
+
+MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
+def placeholder_model(cache, repo, revision="a" * 40, config=b'{"model_type": "qwen2"}'):
+    return cached(cache, repo, {"config.json": config, "model.safetensors": b"weights",
+                                "tokenizer.json": b"{}"}, revision=revision)
+
+
+def test_what_is_spelt_as_an_id():
+    assert hub_id("Qwen/Qwen2.5-7B-Instruct") == ("Qwen/Qwen2.5-7B-Instruct", None)
+    assert hub_id("org/name@v1.0") == ("org/name", "v1.0")
+    for path in ("/models/x", "./x/y", "../x", "a/b/c", "toy", "runs/sft-1/adapter", "x/.."):
+        assert hub_id(path) is None, path
+
+
+def test_an_id_is_its_cached_snapshot_and_revision(tmp_path):
+    old = placeholder_model(tmp_path, "org/name", revision="1" * 40)
+    new = placeholder_model(tmp_path, "org/name", revision="2" * 40)
+    source = local_or_cached("org/name", "model.path", cache_dir=str(tmp_path))
+    assert (source.given, source.path, source.revision) == ("org/name", new, "2" * 40)
+    pinned = local_or_cached(f"org/name@{'1' * 40}", "model.path", cache_dir=str(tmp_path))
+    assert (pinned.path, pinned.revision) == (old, "1" * 40)
+    cached(tmp_path, "org/name", {}, revision="1" * 40, ref="v1")  # a tag naming the old one
+    assert local_or_cached("org/name@v1", "x", cache_dir=str(tmp_path)).path == old
+
+
+def test_a_local_folder_keeps_priority_over_an_id(tmp_path, monkeypatch):
+    placeholder_model(tmp_path / "cache", "org/name")
+    (tmp_path / "work" / "org" / "name").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "work")
+    source = local_or_cached("org/name", "model.path", cache_dir=str(tmp_path / "cache"))
+    assert (source.path, source.revision) == ("org/name", "")
+
+
+@pytest.mark.parametrize("given, words", [
+    ("org/missing", ["org/missing", "holds no snapshot of the model org/missing",
+                     "`hf download org/missing`", "HF_HUB_CACHE"]),
+    ("org/name@v9", ["at revision v9", "`hf download org/name --revision v9`"]),
+])
+def test_an_id_the_cache_lacks_is_one_line_naming_the_download(tmp_path, given, words):
+    placeholder_model(tmp_path, "org/name")
+    with pytest.raises(UserError) as err:
+        local_or_cached(given, "config key 'model.path'", cache_dir=str(tmp_path))
+    text = str(err.value)
+    assert "\n" not in text and text.startswith("config key 'model.path'") and str(tmp_path) in text
+    assert all(w in text for w in words), text
+
+
+def test_the_input_check_resolves_model_and_adapter_ids(tmp_path, monkeypatch):
+    """The torch-free check reads the cache huggingface_hub reads (its HF_HUB_CACHE, set from
+    the environment when it is imported), and the resolved folders and revisions are what the
+    run file records."""
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    model = placeholder_model(tmp_path, "org/base", revision="b" * 40)
+    adapter = cached(tmp_path, "org/lora", {"adapter_config.json": b"{}",
+                                            "adapter_model.safetensors": b"w"}, revision="c" * 40)
+    cfg = load_config(JobConfig, None, ["model.path=org/base", "lora.adapter=org/lora"])
+    check_inputs(cfg)
+    sources = resolve_sources(cfg)
+    assert sources.attrs() == {"model_folder": model, "model_revision": "b" * 40,
+                               "adapter_folder": adapter, "adapter_revision": "c" * 40}
+    sources.apply(cfg)
+    assert (cfg.model.path, cfg.lora.adapter) == (model, adapter)
+    builtin = resolve_sources(load_config(JobConfig, None, ["model.path=toy"]))
+    assert builtin.attrs() == {"model_folder": "toy", "model_revision": ""}
+    with pytest.raises(UserError, match="config key 'lora.adapter': org/nolora is no local"):
+        check_inputs(load_config(JobConfig, None, ["model.path=org/base",
+                                                   "lora.adapter=org/nolora"]))
+
+
+def test_the_base_model_check_names_the_id(tmp_path):
+    """An adapter records its base by content; given by id, the other base is named by it."""
+    base = placeholder_model(tmp_path, "org/base")
+    other = placeholder_model(tmp_path, "org/other", config=b'{"model_type": "llama"}')
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    record_base(str(adapter), base)
+    check_base(str(adapter), "org/base", lambda _: base, False)
+    with pytest.raises(UserError) as err:
+        check_base(str(adapter), "org/other", lambda _: other, False)
+    assert f"model.path=org/other ({other}) has other config.json and weights" in str(err.value)
+
+
+@pytest.mark.subprocess
+def test_a_missing_id_ends_a_job_before_torch(tmp_path):
+    probe = ("import sys\nfrom essa.__main__ import main\n"
+             "try:\n    main(sys.argv[1:])\nexcept SystemExit as stop:\n"
+             "    print('TORCH', 'torch' in sys.modules, stop.code)\n")
+    proc = subprocess.run([sys.executable, "-c", probe, "model.path=Qwen/Qwen2.5-7B-Instruct",
+                           "lora.adapter=x", f"run.out={tmp_path / 'run'}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=REPO, HF_HUB_CACHE=str(tmp_path)))
+    assert proc.stdout.strip() == "TORCH False 2", (proc.stdout, proc.stderr[-2000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    for words in ("Qwen/Qwen2.5-7B-Instruct", str(tmp_path),
+                  "`hf download Qwen/Qwen2.5-7B-Instruct`"):
+        assert words in lines[0], lines[0]
+    assert not (tmp_path / "run").exists()
