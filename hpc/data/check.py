@@ -1,5 +1,8 @@
 """``hpc-data check FILE [CONFIG.yaml] [section.key=value ...]``: check a task data file before a
-cluster job reads it.
+cluster job reads it. ``hpc-data prepare SOURCE FOLDER [CONFIG.yaml] [section.key=value ...]
+[--subset NAME]``: write a public math set as distributed (a parquet or jsonl file, a folder,
+or a Hugging Face Hub dataset id in the local cache) as the task's jsonl files
+``FOLDER/<split>.jsonl`` (:mod:`hpc.data.prepare`), then check each as ``check`` does.
 
 Counts the rows, the rows the loader rejects (a job stops at the first), the golds the task's
 grader cannot read (``The answer is \\boxed{<gold>}.`` must score 1 against its own gold), the
@@ -58,13 +61,18 @@ def _length_line(what: str, lengths: list, limit: int, key: str, numbers: list) 
     return text, over
 
 
-def check_file(path: str, cfg) -> tuple:
-    """(report lines, problem count) for the data file ``path`` read as task ``cfg.task.name``."""
-    name = cfg.task.name
-    if name not in _ROW_READERS:
-        raise UserError(f"config key 'task.name': {name!r} is not a file task "
-                        f"({', '.join(_ROW_READERS)})")
-    tokenizer = _tokenizer(cfg.model.path)  # a wrong model.path first: it is the config's
+def file_task(cfg) -> str:
+    """``cfg.task.name`` if it is a file task, else UserError."""
+    if cfg.task.name not in _ROW_READERS:
+        raise UserError(f"config key 'task.name': {cfg.task.name!r} is not a file task "
+                        f"({', '.join(_ROW_READERS)}); give the job's config or task.name=")
+    return cfg.task.name
+
+
+def check_file(path: str, cfg, tokenizer) -> tuple:
+    """(report lines, problem count) for the data file ``path`` read as task ``cfg.task.name``,
+    with ``tokenizer`` (:func:`_tokenizer` of model.path; None: lengths not counted)."""
+    name = file_task(cfg)
     rows = read_jsonl(path)
     reward = _REWARDS[name]
     items, rejected, unreadable, wrong = [], [], [], []
@@ -107,6 +115,10 @@ def check_file(path: str, cfg) -> tuple:
     return lines, problems
 
 
+CONFIG_HELP = ("the job's config (task.name, model.path for the tokenizer, "
+               "plan.max_prompt_tokens, task.max_new_tokens), then overrides")
+
+
 @user_errors_exit
 def main(argv=None):
     """``hpc-data``: see the module docstring."""
@@ -115,17 +127,45 @@ def main(argv=None):
                            epilog=EXIT_CODES_HELP)
     check.add_argument("file", metavar="FILE.jsonl")
     check.add_argument("items", nargs="*", metavar="CONFIG.yaml | section.key=value",
-                       help="the job's config (task.name, model.path for the tokenizer, "
-                            "plan.max_prompt_tokens, task.max_new_tokens), then overrides")
+                       help=CONFIG_HELP)
+    prepare = sub.add_parser(
+        "prepare", epilog=EXIT_CODES_HELP,
+        help="write a public math set (a parquet/jsonl file, a folder or a Hub dataset id in "
+             "the local cache) as the task's jsonl files, then check them",
+        description="Write SOURCE (a .parquet/.jsonl/.json file, a folder of them, or a Hugging "
+                    "Face Hub dataset id found in the local cache) as FOLDER/<split>.jsonl in "
+                    "the fields task.name reads (gsm8k, math, aime, amc), then check each file "
+                    "as hpc-data check does. Nothing is downloaded.")
+    prepare.add_argument("source", metavar="SOURCE")
+    prepare.add_argument("folder", metavar="FOLDER")
+    prepare.add_argument("items", nargs="*", metavar="CONFIG.yaml | section.key=value",
+                         help=CONFIG_HELP)
+    prepare.add_argument("--subset", help="the subfolder of a source that holds several "
+                                          "(GSM8K: main or socratic)")
     args = parser.parse_args(argv)
     config_path = next((i for i in args.items if "=" not in i), None)
     cfg = load_config(JobConfig, config_path, [i for i in args.items if "=" in i])
-    lines, problems = check_file(args.file, cfg)
-    print("\n  ".join(lines), flush=True)
+    task = file_task(cfg)
+    tokenizer = _tokenizer(cfg.model.path)  # a wrong model.path before the data: the config's
+    if args.command == "check":
+        files = [args.file]
+    else:
+        from hpc.data.prepare import prepare as write_task_files
+
+        files = []
+        for path, rows, sources in write_task_files(args.source, args.folder, task,
+                                                    args.subset):
+            print(f"wrote {path}: {rows} rows from {', '.join(sources)}", flush=True)
+            files.append(path)
+    problems = 0
+    for path in files:
+        lines, found = check_file(path, cfg, tokenizer)
+        print("\n  ".join(lines), flush=True)
+        problems += found
     if problems:
-        raise UserError(f"{args.file}: {problems} problem(s) above; a job would stop on a "
-                        f"rejected row, score an unreadable gold 0, or exceed the memory plan "
-                        f"with a long prompt")
+        raise UserError(f"{' '.join(files)}: {problems} problem(s) above; a job would stop "
+                        f"on a rejected row, score an unreadable gold 0, or exceed the memory "
+                        f"plan with a long prompt")
     return 0
 
 
