@@ -105,6 +105,18 @@ def hf_cached(cache, repo: str, files: dict, kind: str = "models", revision: str
     return snapshot
 
 
+def hpc_data(capsys, *args) -> tuple:
+    """``hpc-data ARGS`` in this process: (exit code, stdout, stderr)."""
+    from hpc.data.check import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as stop:
+        code = stop.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
 def placeholder_adapter(folder) -> str:
     """A folder that passes a job's input check as a peft adapter (its two files, empty), for
     tests whose job stops before any adapter loads."""

@@ -4,17 +4,8 @@ import os
 
 import pytest
 
-from hpc.data.check import main
+from conftest import hpc_data as run
 from hpc.toys.toy import toy_model_path
-
-
-def run(capsys, *args):
-    try:
-        code = main(list(args))
-    except SystemExit as stop:
-        code = stop.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 @pytest.mark.toy

@@ -9,20 +9,10 @@ import shutil
 import pandas
 import pytest
 
-from conftest import REPO, hf_cached as cached
-from hpc.data.check import main
+from conftest import REPO, hf_cached as cached, hpc_data as run
 from hpc.data.mathdata import load_file_task
 from hpc.data.prepare import split_of, task_row
 from hpc.runtime.config import TaskConfig
-
-
-def run(capsys, *args):
-    try:
-        code = main(list(args))
-    except SystemExit as stop:
-        code = stop.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def rows(path) -> list:
