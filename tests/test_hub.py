@@ -199,3 +199,18 @@ def test_model_ids_run_sft_essa_and_fgrpo_on_prepared_data(tmp_path):
     assert json.loads((runs / "sft" / "adapter" / "base_model.json").read_text())["folder"] \
         == snapshot
     assert tree(cache) == sorted(before)  # nothing downloaded, nothing written to the cache
+
+
+def test_the_readme_plan_reads_the_configs_model_by_its_id(tmp_path, monkeypatch, capsys):
+    """`hpc-plan configs/cluster/math.yaml --ranks 8` (README): the config names its model by
+    Hub id; hpc-plan reads the snapshot's config.json."""
+    from hpc.commands import plan
+    from hpc.engine.shape import QWEN25
+
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    config = dict(QWEN25["7B"], model_type="qwen2", architectures=["Qwen2ForCausalLM"])
+    snapshot = cached(tmp_path, "Qwen/Qwen2.5-7B-Instruct",
+                      {"config.json": json.dumps(config).encode()})
+    plan([os.path.join(REPO, "configs", "cluster", "math.yaml"), "--ranks", "8"])
+    out = capsys.readouterr().out
+    assert f"model {snapshot}: 7,615,616,512 parameters" in out and "fits" in out
