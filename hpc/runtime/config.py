@@ -256,10 +256,10 @@ class RunConfig:
     min_free_mb: float = param(512.0, "refuse to start when the output folder's disk has less "
                                "free space than this (MiB): checkpoints and logs need room",
                                min=0.0, max=1e12)
-    report_to: list = param(["none"], "where the run file's scalars also go, rank 0 only: "
-                            "tensorboard (<run.out>/tensorboard), wandb (offline unless "
-                            "WANDB_MODE says otherwise, <run.out>/wandb), both (a list), or "
-                            "none; each needs the package extra of its name",
+    report_to: list = param(["none"], "training jobs: where the run file's scalars also go, "
+                            "rank 0 only: tensorboard (<run.out>/tensorboard), wandb (offline "
+                            "unless WANDB_MODE says otherwise, <run.out>/wandb), both (a list), "
+                            "or none; each needs the package extra of its name",
                             choices=["none", "tensorboard", "wandb"])
     collective_timeout_s: float = param(600.0, "a rank that has not reached a step's exchange "
                                         "after this many seconds is named and the job aborted",
