@@ -174,7 +174,7 @@ def test_model_ids_run_sft_essa_and_fgrpo_on_prepared_data(tmp_path):
               f"task.eval_path={data / 'test.jsonl'}", "task.n_eval=8", "eval.n_samples=2",
               "eval.every=0", "run.progress=false"]
     runs = tmp_path / "runs"
-    proc = run_cli(["-m", "hpc.sft", *common, "sft.steps=2", "sft.batch_size=8",
+    proc = run_cli(["-m", "sft", *common, "sft.steps=2", "sft.batch_size=8",
                     f"run.out={runs / 'sft'}"], env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     adapter = cached(cache, "org/toy-sft", {f: str(runs / "sft" / "adapter" / f)

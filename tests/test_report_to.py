@@ -120,7 +120,7 @@ def test_a_missing_extra_is_one_line(monkeypatch):
 def test_a_job_names_a_missing_extra_before_torch(tmp_path):
     probe = ("import importlib.util, sys\nreal = importlib.util.find_spec\n"
              "importlib.util.find_spec = lambda n, *a: None if n == 'wandb' else real(n, *a)\n"
-             "from hpc.commands import sft\n"
+             "from sft.__main__ import main as sft\n"
              "try:\n    sft(sys.argv[1:])\nexcept SystemExit as stop:\n"
              "    print('TORCH', 'torch' in sys.modules, stop.code)\n")
     proc = subprocess.run([sys.executable, "-c", probe, "run.report_to=wandb",
@@ -202,7 +202,7 @@ def test_tensorboard_and_wandb_read_back_equal_to_the_run_file(tiny_models, tmp_
     0's), holding every scalar of the run file at its step (TensorBoard: as float32)."""
     model = tiny_models["small"][0]
     out = tmp_path / "run"
-    proc = run_mpi(2, ["-m", "hpc.sft", f"model.path={model}", "task.n_train=64",
+    proc = run_mpi(2, ["-m", "sft", f"model.path={model}", "task.n_train=64",
                        "task.n_eval=8", "eval.n_samples=2", "eval.every=1", "sft.steps=3",
                        "sft.batch_size=8", "run.progress=false", f"run.out={out}",
                        "run.report_to=tensorboard,wandb"],
