@@ -47,6 +47,11 @@ setup(
             "toy=hpc.toys.toy:toy_model_path",
             "toy-chat=hpc.toys.toy_chat:toy_chat_model_path",
         ],
+        # F-GRPO's per-token surrogates, fgrpo.surrogate (fgrpo/surrogates/__init__.py)
+        "fgrpo.surrogates": [
+            "clip=fgrpo.surrogates.clip:Clip",
+            "cispo=fgrpo.surrogates.cispo:CISPO",
+        ],
         # each method's memory plan and checkpointing rule (hpc/plan/registry.py)
         "hpc.method_plans": [
             "sft=sft.plan",

@@ -299,6 +299,7 @@ def fgrpo_step(model, device, lengths, decoder: Decoder | None = None) -> dict:
 
     from fgrpo.advantages import group_advantages
     from fgrpo.loss import policy_loss
+    from fgrpo.surrogates.clip import Clip
     from hpc.models.logprobs import sequence_logprobs
 
     prompt_len, new_tokens = lengths
@@ -351,7 +352,7 @@ def fgrpo_step(model, device, lengths, decoder: Decoder | None = None) -> dict:
             rows = slice(s, s + FGRPO["micro_batch"])
             logp, _ = sequence_logprobs(model, ids[rows], torch.ones_like(ids[rows]))
             loss, _ = policy_loss(logp, logp.detach(), adv[rows], cmask[rows, 1:],
-                                  "token-mean", FGRPO["epsilon"], FGRPO["epsilon_high"],
+                                  "token-mean", Clip(FGRPO["epsilon"], FGRPO["epsilon_high"]),
                                   normalizer=valid)
             loss.backward()
 

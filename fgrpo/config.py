@@ -4,6 +4,7 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass, field
 
+from fgrpo.surrogates import surrogates
 from hpc.runtime.config import JobConfig, param
 from hpc.runtime.errors import UserError
 
@@ -11,10 +12,10 @@ from hpc.runtime.errors import UserError
 # and with it `fgrpo --help`, needs no torch).
 LOSS_TYPES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
               "seq-mean-token-sum-norm")
-SURROGATES = ("clip", "cispo")  # the per-token policy objectives of fgrpo.loss
 
-# fgrpo.algorithm: the keys each preset sets, unless the config file or command line sets them
-# (a callable takes the job config). grpo leaves the keys' defaults (clip surrogate, token-mean,
+# fgrpo.algorithm: the keys each preset sets, unless the config file or command line sets them;
+# plain data: a value is the key's value, or {"of": "section.key", "divided_by": n, "at_least":
+# m} for max(m, that key's value // n). grpo leaves the keys' defaults (clip surrogate, token-mean,
 # clip 0.2 / 0.28). dapo: DAPO (arXiv 2503.14476) as verl's recipe runs it: clip-higher 0.2 /
 # 0.28, token-mean, dynamic sampling (filter_groups, max_num_gen_batches=10: 9 refills) and the
 # soft overlong punishment over the last fifth of the length limit (4096 of 20480 there),
@@ -25,7 +26,7 @@ PRESETS = {
              "overlong_filter": False},
     "dapo": {"surrogate": "clip", "loss_type": "token-mean", "epsilon": 0.2,
              "epsilon_high": 0.28, "dynamic_sampling": True, "max_refills": 9,
-             "overlong_buffer": lambda cfg: max(1, cfg.task.max_new_tokens // 5),
+             "overlong_buffer": {"of": "task.max_new_tokens", "divided_by": 5, "at_least": 1},
              "overlong_penalty": 1.0, "overlong_filter": False},
     "cispo": {"surrogate": "cispo", "loss_type": "token-mean", "cispo_epsilon_low": 1.0,
               "cispo_epsilon_high": 4.0, "clip_ratio_c": 0.0, "dynamic_sampling": False,
@@ -69,7 +70,8 @@ class FGRPOConfig:
                                 max=1000.0)
     surrogate: str = param("clip", "per-token policy objective: clip: PPO's clipped ratio "
                            "(GRPO, DAPO); cispo: -sg(clip(ratio)) * A * log pi, every token "
-                           "keeps its gradient (MiniMax-M1)", choices=list(SURROGATES))
+                           "keeps its gradient (MiniMax-M1); or another registered one "
+                           "(fgrpo.surrogates entry points)", choices=sorted(surrogates()))
     cispo_epsilon_low: float = param(1.0, "surrogate=cispo: the importance weight's lower "
                                      "bound is 1 - this (1 = none)", min=0.0, max=1.0)
     cispo_epsilon_high: float = param(4.0, "surrogate=cispo: its upper bound is 1 + this "
@@ -126,10 +128,15 @@ class FGRPOConfig:
 
     def resolve(self, job, given: frozenset) -> None:
         """Set the keys of ``algorithm``'s preset (:data:`PRESETS`) that the config file and
-        command line left unset (``given``); a callable value takes the job config."""
+        command line left unset (``given``); a share of another key is read from ``job``."""
         for key, value in PRESETS[self.algorithm].items():
-            if key not in given:
-                setattr(self, key, value(job) if callable(value) else value)
+            if key in given:
+                continue
+            if isinstance(value, dict):
+                section, name = value["of"].split(".")
+                value = max(value["at_least"], getattr(getattr(job, section), name)
+                            // value["divided_by"])
+            setattr(self, key, value)
 
 
 @dataclass

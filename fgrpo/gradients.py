@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from fgrpo.loss import policy_loss, step_counts, step_normalizer
+from fgrpo.surrogates import from_config
 from hpc.models.logprobs import masked_mean, sequence_logprobs
 
 # Per-step sums accumulate_gradients returns (token-weighted stats are sums over tokens).
@@ -50,7 +51,8 @@ def micro_batch_backward(model, rows, advantages, old_logp, ref_logp, cfg, max_n
                          normalizer: float) -> dict:
     """Loss and backward of one micro-batch: ``rows`` = (input_ids, attention_mask,
     completion_mask), each (b, T); ``old_logp`` / ``ref_logp`` (b, T-1) or None. The
-    surrogate is ``fgrpo.surrogate`` with its clip keys (``cispo_epsilon_*`` for CISPO). Returns
+    surrogate is the one ``fgrpo.surrogate`` names, with its own keys
+    (:func:`fgrpo.surrogates.from_config`). Returns
     :func:`fgrpo.loss.policy_loss`'s stats plus ``loss`` and ``entropy`` (mean over valid
     tokens) as floats only, so no tensor of this micro-batch outlives the call into the next
     one's forward. Log-probs go through ``model.logprob_chunk`` (:mod:`hpc.models.logprobs`)."""
@@ -59,12 +61,9 @@ def micro_batch_backward(model, rows, advantages, old_logp, ref_logp, cfg, max_n
     logp, entropy = sequence_logprobs(model, ids, attn, cfg.model.logprob_chunk,
                                       with_entropy=True)
     old = logp.detach() if old_logp is None else old_logp
-    clip = ((f.cispo_epsilon_low, f.cispo_epsilon_high) if f.surrogate == "cispo" else
-            (f.epsilon, f.epsilon_high))
-    loss, stats = policy_loss(logp, old, advantages, cm[:, 1:], f.loss_type, *clip, f.beta,
-                              ref_logp, max_completion_length=max_new_tokens,
-                              normalizer=normalizer, clip_ratio_c=f.clip_ratio_c,
-                              surrogate=f.surrogate)
+    loss, stats = policy_loss(logp, old, advantages, cm[:, 1:], f.loss_type, from_config(f),
+                              f.beta, ref_logp, max_completion_length=max_new_tokens,
+                              normalizer=normalizer)
     loss.backward()
     return dict(stats, loss=float(loss.detach()), entropy=masked_mean(entropy, cm[:, 1:]))
 

@@ -1,27 +1,12 @@
-"""The policy losses of GRPO/DAPO (clipped PPO surrogate) and CISPO, side by side, + k3 KL,
-their aggregations, and helpers.
+"""The F-GRPO policy loss: a surrogate's per-token loss (:mod:`fgrpo.surrogates`: the clip
+surrogate of GRPO and DAPO, CISPO, or any registered one) + k3 KL, aggregated, and helpers.
 
-Per valid token (b, t), with ratio rho = exp(logp - old_logp) and advantage A_b, the
-``surrogate`` is one of
-
-    clip  (GRPO, DAPO):  pg_bt = -min(rho * A_b, clip(rho, 1 - epsilon, 1 + epsilon_high) * A_b)
-    cispo (MiniMax-M1):  pg_bt = -sg(clip(rho, 1 - epsilon, 1 + epsilon_high)) * A_b * logp_bt
+Per valid token (b, t), with ratio rho = exp(logp - old_logp) and advantage A_b:
 
     loss_bt = pg_bt + beta * k3_bt
     k3_bt   = exp(ref - logp) - (ref - logp) - 1         (Schulman's k3 estimator, as in TRL)
 
-CISPO (arXiv 2506.13585, eq. 4-5) clips the importance weight itself under a stop-gradient
-``sg``, so every token keeps the gradient -w_bt * A_b of log pi (the clip surrogate's gradient
-is 0 on a token its clip acts on). TRL's ``loss_type="cispo"`` is
-``-clamp(rho, max=epsilon_high).detach() * A * logp`` (no lower bound; its docs suggest
-``epsilon_high=5.0``): the same as ``epsilon=1`` (lower bound 0) and ``epsilon_high=4`` here,
-the package's CISPO defaults (``fgrpo.cispo_epsilon_low``, ``fgrpo.cispo_epsilon_high``).
-With mu = 1 pass rho = 1, so both surrogates have the REINFORCE gradient -A * grad logp.
-
-Dual-clip PPO (Ye et al. 2020, arXiv 1912.09729; verl's ``clip_ratio_c``, 3.0 there), off by
-default as in TRL: with ``clip_ratio_c = c > 1``, tokens with A_b < 0 use
-``min(pg_bt, -c * A_b)``, so a large ratio on a negative-advantage token cannot make its loss
-(and gradient) unbounded; tokens with A_b >= 0 are unchanged. The KL term is added after.
+where pg_bt is the surrogate's (its own file gives its formula). The KL term is added after.
 
 Aggregations (``loss_type``), with m the (B, T) mask and L = ``max_completion_length``:
 
@@ -53,44 +38,21 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fgrpo.config import LOSS_TYPES, SURROGATES
-
-
-def clip_surrogate(ratio: Tensor, adv: Tensor, epsilon: float, epsilon_high: float,
-                   clip_ratio_c: float) -> tuple[Tensor, Tensor, Tensor]:
-    """GRPO/DAPO: per-token -min(rho A, clip(rho) A), with dual clip where ``clip_ratio_c``;
-    ratio (B, T), adv (B, 1). Returns (per-token loss, clip-acted mask, dual-clip mask)."""
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon_high) * adv
-    per_token = -torch.minimum(unclipped, clipped)
-    dual = torch.zeros_like(per_token, dtype=torch.bool)
-    if clip_ratio_c:
-        bound = -clip_ratio_c * adv  # > 0 where A < 0
-        dual = (adv < 0) & (per_token > bound)
-        per_token = torch.where(adv < 0, torch.minimum(per_token, bound), per_token)
-    return per_token, clipped < unclipped, dual
-
-
-def cispo_surrogate(logp: Tensor, ratio: Tensor, adv: Tensor, epsilon: float,
-                    epsilon_high: float) -> tuple[Tensor, Tensor]:
-    """CISPO: per-token -sg(clip(rho, 1 - epsilon, 1 + epsilon_high)) * A * logp; logp, ratio
-    (B, T), adv (B, 1). Returns (per-token loss, mask of tokens whose weight was clipped)."""
-    weight = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon_high).detach()
-    return -weight * adv * logp, weight != ratio
+from fgrpo.config import LOSS_TYPES
 
 
 def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, loss_type: str,
-                epsilon: float, epsilon_high: float, beta: float = 0.0,
-                ref_logp: Tensor | None = None, max_completion_length: int | None = None,
-                normalizer: float | None = None, clip_ratio_c: float = 0.0,
-                surrogate: str = "clip") -> tuple[Tensor, dict[str, float]]:
-    """The ``surrogate``'s loss (``clip`` or ``cispo``) aggregated by ``loss_type``, see the
-    module docstring; ``epsilon`` / ``epsilon_high`` are the clip's bounds in both.
+                surrogate, beta: float = 0.0, ref_logp: Tensor | None = None,
+                max_completion_length: int | None = None,
+                normalizer: float | None = None) -> tuple[Tensor, dict[str, float]]:
+    """``surrogate``'s per-token loss (a :mod:`fgrpo.surrogates` object, e.g.
+    ``fgrpo.surrogates.from_config(cfg.fgrpo)``) aggregated by ``loss_type``, see the module
+    docstring.
 
     logp, old_logp, ref_logp, mask: (B, T), log-probabilities in nats of the sampled tokens
     under the current / sampling / reference policy; mask is bool or 0/1 float (1 = valid).
     advantages: (B,). ``normalizer`` overrides the denominator D (see the module docstring).
-    ``clip_ratio_c``: dual-clip bound (clip surrogate only), 0 = off, else > 1. Returns
+    Returns
     (scalar loss with grad through ``logp``, stats) where stats are floats over this call's
     valid tokens: ``clip_fraction`` (tokens where the clip changed the objective: the PPO
     clip's min, or CISPO's weight clip), ``dual_clip_fraction`` (tokens where the
@@ -100,25 +62,14 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-    if surrogate not in SURROGATES:
-        raise ValueError(f"surrogate must be one of {SURROGATES}, got {surrogate!r}")
-    if surrogate == "cispo" and clip_ratio_c:
-        raise ValueError("dual clip (clip_ratio_c) bounds the clip surrogate; CISPO has none")
-    if clip_ratio_c != 0.0 and not clip_ratio_c > 1.0:
-        raise ValueError(f"clip_ratio_c must be 0 (off) or > 1, got {clip_ratio_c}")
     valid = mask.bool()
     m = valid.to(logp.dtype)
     # Zero the log-ratios at padding so garbage there cannot turn into inf/nan (forward or grad).
     log_ratio = torch.where(valid, logp - old_logp.detach(), torch.zeros_like(logp))
     ratio = torch.exp(log_ratio)
     adv = advantages.detach().to(logp.dtype)[:, None]
-    if surrogate == "cispo":
-        per_token, clip_acted = cispo_surrogate(torch.where(valid, logp, torch.zeros_like(logp)),
-                                                ratio, adv, epsilon, epsilon_high)
-        dual = torch.zeros_like(valid)
-    else:
-        per_token, clip_acted, dual = clip_surrogate(ratio, adv, epsilon, epsilon_high,
-                                                     clip_ratio_c)
+    per_token, clip_acted, dual = surrogate(torch.where(valid, logp, torch.zeros_like(logp)),
+                                            ratio, adv)
     use_kl = beta != 0.0 and ref_logp is not None
     if use_kl:
         ref_gap = torch.where(valid, ref_logp.detach() - logp, torch.zeros_like(logp))

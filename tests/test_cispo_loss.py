@@ -6,9 +6,12 @@ import pytest
 import torch
 
 from fgrpo.loss import LOSS_TYPES, policy_loss
+from fgrpo.surrogates.cispo import CISPO
+from fgrpo.surrogates.clip import Clip
 from test_fgrpo_loss import DELTA, MASK, REF_GAP, tensors
 
 ADV = [0.7, -0.7, 0.3, -0.3]
+SURROGATES = {"clip": Clip, "cispo": CISPO}
 EPS_LOW, EPS_HIGH = 0.2, 0.28  # delta = +-0.5 and +0.4, -0.4 leave [0.8, 1.28]: clipped
 
 
@@ -37,9 +40,9 @@ def hand_cispo(logp, loss_type, beta, max_len=3):
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_cispo_loss_and_gradient_equal_the_formula(loss_type, beta):
     logp, old, ref, mask = tensors()
-    loss, stats = policy_loss(logp, old, torch.tensor(ADV), mask, loss_type, EPS_LOW, EPS_HIGH,
-                              beta, ref if beta else None, max_completion_length=3,
-                              surrogate="cispo")
+    loss, stats = policy_loss(logp, old, torch.tensor(ADV), mask, loss_type,
+                              CISPO(EPS_LOW, EPS_HIGH), beta, ref if beta else None,
+                              max_completion_length=3)
     loss.backward()
     want_loss, want_grad = hand_cispo(logp.detach().tolist(), loss_type, beta)
     assert float(loss.detach()) == pytest.approx(want_loss, rel=1e-6, abs=1e-6)
@@ -56,8 +59,8 @@ def test_clipped_and_unclipped_tokens_both_carry_gradient():
     grads = {}
     for surrogate in ("clip", "cispo"):
         logp, old, _, mask = tensors()
-        loss, _ = policy_loss(logp, old, torch.tensor(ADV), mask, "token-mean", EPS_LOW,
-                              EPS_HIGH, surrogate=surrogate)
+        loss, _ = policy_loss(logp, old, torch.tensor(ADV), mask, "token-mean",
+                              SURROGATES[surrogate](EPS_LOW, EPS_HIGH))
         loss.backward()
         grads[surrogate] = logp.grad
     for b, t in ((0, 0), (1, 1), (3, 0)):  # clipped
@@ -76,17 +79,21 @@ def test_at_ratio_one_cispo_has_the_clip_surrogates_gradient():
     grads = []
     for surrogate in ("clip", "cispo"):
         x = logp.detach().clone().requires_grad_()
-        policy_loss(x, x.detach(), torch.tensor(ADV), mask, "seq-mean-token-mean", EPS_LOW,
-                    EPS_HIGH, surrogate=surrogate)[0].backward()
+        policy_loss(x, x.detach(), torch.tensor(ADV), mask, "seq-mean-token-mean",
+                    SURROGATES[surrogate](EPS_LOW, EPS_HIGH))[0].backward()
         grads.append(x.grad)
     torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-7)
 
 
-def test_cispo_rejects_dual_clip():
-    logp, old, _, mask = tensors()
-    with pytest.raises(ValueError, match="CISPO has none"):
-        policy_loss(logp, old, torch.tensor(ADV), mask, "token-mean", 1.0, 4.0,
-                    clip_ratio_c=3.0, surrogate="cispo")
+def test_cispo_has_no_dual_clip():
+    """CISPO reads no fgrpo.clip_ratio_c, and a config that sets it with CISPO is refused."""
+    from fgrpo.config import FGRPOJobConfig
+    from hpc.runtime.config import load_config
+    from hpc.runtime.errors import UserError
+
+    assert "clip_ratio_c" not in CISPO.KEYS.values()
+    with pytest.raises(UserError, match="fgrpo.surrogate=cispo has none"):
+        load_config(FGRPOJobConfig, None, ["fgrpo.surrogate=cispo", "fgrpo.clip_ratio_c=3"])
 
 
 # ---------------------------------------------------------------- fgrpo.algorithm presets
@@ -134,7 +141,7 @@ def test_help_lists_the_new_keys_with_ranges():
     text = subprocess.run([sys.executable, "-m", "fgrpo", "--help"], capture_output=True,
                           text=True, timeout=120).stdout
     for line in ("fgrpo.algorithm = 'grpo'  (one of grpo, dapo, cispo)",
-                 "fgrpo.surrogate = 'clip'  (one of clip, cispo)",
+                 "fgrpo.surrogate = 'clip'  (one of cispo, clip)",
                  "fgrpo.cispo_epsilon_low = 1.0  (>= 0.0 <= 1.0)",
                  "fgrpo.cispo_epsilon_high = 4.0  (>= 0.0 <= 1000.0)",
                  "fgrpo.max_refills = 9  (>= 0 <= 1000)",

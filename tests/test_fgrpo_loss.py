@@ -7,6 +7,7 @@ import torch
 from fgrpo.advantages import batch_moments, group_advantages, std_from_moments
 from fgrpo.config import FGRPOJobConfig
 from fgrpo.loss import LOSS_TYPES, policy_loss
+from fgrpo.surrogates.clip import Clip
 from hpc.models.logprobs import masked_mean, token_entropy, token_logprobs
 from hpc.runtime.config import load_config
 from hpc.runtime.errors import UserError
@@ -235,8 +236,8 @@ def test_loss_matches_hand_computation(loss_type, gamma, beta, clip, clip_ratio_
     adv_hand = hand_advantages(REWARDS, "group", gamma)
     adv = group_advantages(torch.tensor(REWARDS), "group", gamma).advantages.reshape(-1)
     logp, old, ref, mask = tensors()
-    loss, stats = policy_loss(logp, old, adv, mask, loss_type, eps, eps_high, beta=beta,
-                              ref_logp=ref, clip_ratio_c=clip_ratio_c)
+    loss, stats = policy_loss(logp, old, adv, mask, loss_type, Clip(eps, eps_high, clip_ratio_c),
+                              beta=beta, ref_logp=ref)
     want, clip_frac, kl, ratio, tok_mean, dual = hand_loss(adv_hand, loss_type, eps, eps_high,
                                                            beta, True, clip_ratio_c=clip_ratio_c)
     assert loss.item() == approx(want)
@@ -257,12 +258,12 @@ def test_loss_matches_hand_computation(loss_type, gamma, beta, clip, clip_ratio_
 def test_loss_literal_single_token():
     # ratio e^0.5 = 1.6487 > 1 + 0.28 with A = 2: objective 1.28 * 2; k3 at gap 0.1, beta 0.5.
     logp = torch.tensor([[0.5]])
-    args = (torch.zeros(1, 1), torch.tensor([2.0]), torch.ones(1, 1), "token-mean", 0.2, 0.28)
+    args = (torch.zeros(1, 1), torch.tensor([2.0]), torch.ones(1, 1), "token-mean", Clip(0.2, 0.28))
     loss, stats = policy_loss(logp, *args, beta=0.5, ref_logp=torch.tensor([[0.6]]))
     k3 = math.exp(0.1) - 0.1 - 1.0
     assert loss.item() == approx(-2.56 + 0.5 * k3)
     assert stats["clip_fraction"] == 1.0 and stats["kl"] == approx(k3)
-    loss_sum, _ = policy_loss(logp, *args[:3], "seq-mean-token-sum-norm", 0.2, 0.28,
+    loss_sum, _ = policy_loss(logp, *args[:3], "seq-mean-token-sum-norm", Clip(0.2, 0.28),
                               max_completion_length=4)
     assert loss_sum.item() == approx(-2.56 / 4)
 
@@ -272,15 +273,15 @@ def test_dual_clip_literals():
     # gradient); ratio e^0.5 = 1.65 -> 3.30 < 6, unchanged. A = +2 is never dual-clipped.
     logp = torch.tensor([[1.5, 0.5], [1.5, -1.5]], requires_grad=True)
     adv, mask = torch.tensor([-2.0, 2.0]), torch.ones(2, 2)
-    loss, stats = policy_loss(logp, torch.zeros(2, 2), adv, mask, "token-mean", 0.2, 0.28,
-                              clip_ratio_c=3.0)
+    loss, stats = policy_loss(logp, torch.zeros(2, 2), adv, mask, "token-mean",
+                              Clip(0.2, 0.28, 3.0))
     rows = [[6.0, 2 * math.exp(0.5)], [-2 * 1.28, -2 * math.exp(-1.5)]]
     assert loss.item() == approx(sum(rows[0] + rows[1]) / 4)
     assert stats["dual_clip_fraction"] == 0.25
     loss.backward()
     assert logp.grad[0, 0].item() == 0.0 and logp.grad[0, 1].item() == approx(
         2 * math.exp(0.5) / 4)
-    off, off_stats = policy_loss(logp, torch.zeros(2, 2), adv, mask, "token-mean", 0.2, 0.28)
+    off, off_stats = policy_loss(logp, torch.zeros(2, 2), adv, mask, "token-mean", Clip(0.2, 0.28))
     assert off.item() == approx((2 * math.exp(1.5) + sum(rows[0][1:] + rows[1])) / 4)
     assert off_stats["dual_clip_fraction"] == 0.0
 
@@ -303,17 +304,18 @@ def verl_vanilla_loss(logp, old, adv, mask, eps, eps_high, c, agg):
 def test_dual_clip_and_token_sum_match_verl(agg, c):
     logp, old, _, adv, mask = _split_batch()
     logp = old + 5.0 * (logp - old)  # spread log-ratios (std 2 nats), so the dual clip acts
-    mine, stats = policy_loss(logp, old, adv, mask, agg, 0.2, 0.28, clip_ratio_c=c)
+    mine, stats = policy_loss(logp, old, adv, mask, agg, Clip(0.2, 0.28, c))
     assert stats["dual_clip_fraction"] > 0
     assert mine.item() == approx(verl_vanilla_loss(logp, old, adv, mask, 0.2, 0.28, c, agg).item())
-    plain, _ = policy_loss(logp, old, adv, mask, agg, 0.2, 0.28)
+    plain, _ = policy_loss(logp, old, adv, mask, agg, Clip(0.2, 0.28))
     assert plain.item() > mine.item()  # the dual clip only ever lowers the loss
 
 
 def test_seq_mean_token_sum_literal():
     # rows of 3 and 1 valid tokens, ratio 1, A = [1, -2]: per-token losses -1 and +2
     loss, _ = policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.tensor([1.0, -2.0]),
-                          torch.tensor([[1, 1, 1], [1, 0, 0]]), "seq-mean-token-sum", 0.2, 0.28)
+                          torch.tensor([[1, 1, 1], [1, 0, 0]]), "seq-mean-token-sum",
+                          Clip(0.2, 0.28))
     assert loss.item() == approx((-3.0 + 2.0) / 2)
 
 
@@ -321,15 +323,15 @@ def test_seq_mean_token_sum_literal():
 def test_dual_clip_bound_must_exceed_one(c):
     logp, old, _, mask = tensors()
     with pytest.raises(ValueError, match="clip_ratio_c must be 0 .off. or > 1"):
-        policy_loss(logp, old, torch.zeros(4), mask, "token-mean", 0.2, 0.28, clip_ratio_c=c)
+        policy_loss(logp, old, torch.zeros(4), mask, "token-mean", Clip(0.2, 0.28, c))
 
 
 def test_kl_needs_both_beta_and_reference():
     logp, old, ref, mask = tensors()
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    plain, _ = policy_loss(logp, old, adv, mask, "token-mean", 0.2, 0.28)
-    no_ref, stats = policy_loss(logp, old, adv, mask, "token-mean", 0.2, 0.28, beta=0.1)
-    zero_beta, _ = policy_loss(logp, old, adv, mask, "token-mean", 0.2, 0.28, beta=0.0,
+    plain, _ = policy_loss(logp, old, adv, mask, "token-mean", Clip(0.2, 0.28))
+    no_ref, stats = policy_loss(logp, old, adv, mask, "token-mean", Clip(0.2, 0.28), beta=0.1)
+    zero_beta, _ = policy_loss(logp, old, adv, mask, "token-mean", Clip(0.2, 0.28), beta=0.0,
                                ref_logp=ref)
     assert torch.equal(plain, no_ref) and torch.equal(plain, zero_beta) and stats["kl"] == 0.0
 
@@ -340,7 +342,7 @@ def test_all_padding_gives_zero_loss_and_finite_grad(loss_type):
     mask = torch.zeros(2, 3, dtype=torch.bool)
     for normalizer in (None, 0.0):
         loss, stats = policy_loss(logp, torch.zeros(2, 3), torch.ones(2), mask, loss_type,
-                                  0.2, 0.28, beta=0.1, ref_logp=torch.zeros(2, 3),
+                                  Clip(0.2, 0.28), beta=0.1, ref_logp=torch.zeros(2, 3),
                                   normalizer=normalizer)
         loss.backward()
         assert loss.item() == 0.0 and torch.equal(logp.grad, torch.zeros(2, 3))
@@ -352,7 +354,7 @@ def test_bad_loss_type_lists_allowed():
     logp, old, _, mask = tensors()
     allowed = "token-mean.*seq-mean-token-mean.*seq-mean-token-sum-norm"
     with pytest.raises(ValueError, match=allowed):
-        policy_loss(logp, old, torch.zeros(4), mask, "dapo", 0.2, 0.28)
+        policy_loss(logp, old, torch.zeros(4), mask, "dapo", Clip(0.2, 0.28))
 
 
 def _split_batch():
@@ -372,7 +374,7 @@ def _chunk_grad(rows, loss_type, normalizer, logp, old, ref, adv, mask):
     width = max(int(mask[rows].sum(1).max()), 1)
     cols = slice(0, width)
     loss, _ = policy_loss(logp[rows, cols], old[rows, cols], adv[rows], mask[rows, cols], loss_type,
-                          0.2, 0.28, beta=0.05, ref_logp=ref[rows, cols],
+                          Clip(0.2, 0.28), beta=0.05, ref_logp=ref[rows, cols],
                           max_completion_length=mask.shape[1], normalizer=normalizer)
     loss.backward()
     return loss.item()
@@ -383,7 +385,8 @@ def test_normalizer_makes_microbatches_and_ranks_match_full_batch(loss_type):
     logp0, old, ref, adv, mask = _split_batch()
     data = (old, ref, adv, mask)
     full_logp = logp0.clone().requires_grad_()
-    full, _ = policy_loss(full_logp, old, adv, mask, loss_type, 0.2, 0.28, beta=0.05, ref_logp=ref)
+    full, _ = policy_loss(full_logp, old, adv, mask, loss_type, Clip(0.2, 0.28), beta=0.05,
+                          ref_logp=ref)
     full.backward()
     denom = float(mask.sum()) if loss_type == "token-mean" else float(mask.shape[0])
 
@@ -409,12 +412,12 @@ def test_normalizer_makes_microbatches_and_ranks_match_full_batch(loss_type):
 def test_without_normalizer_token_mean_microbatches_are_biased():
     logp0, old, ref, adv, mask = _split_batch()
     full_logp = logp0.clone().requires_grad_()
-    full, _ = policy_loss(full_logp, old, adv, mask, "token-mean", 0.2, 0.28)
+    full, _ = policy_loss(full_logp, old, adv, mask, "token-mean", Clip(0.2, 0.28))
     full.backward()
     naive = logp0.clone().requires_grad_()
     for i in (0, 4):  # mean of the two micro-batch token-means (18 vs 7 valid tokens)
         part, _ = policy_loss(naive[i:i + 4], old[i:i + 4], adv[i:i + 4], mask[i:i + 4],
-                              "token-mean", 0.2, 0.28)
+                              "token-mean", Clip(0.2, 0.28))
         (part / 2).backward()
     assert not torch.allclose(naive.grad, full_logp.grad, rtol=0, atol=1e-3)
 

@@ -1,0 +1,94 @@
+"""F-GRPO's surrogates are components: each one file with its formula and its own keys,
+registered by an entry point; the loss and the config find them there."""
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from conftest import REPO
+from fgrpo.config import FGRPOJobConfig
+from fgrpo.surrogates import from_config, surrogates
+from fgrpo.surrogates.cispo import CISPO
+from fgrpo.surrogates.clip import Clip
+from hpc.runtime.config import load_config
+
+
+def test_each_surrogate_reads_its_own_keys():
+    assert set(surrogates()) >= {"clip", "cispo"}
+    cfg = load_config(FGRPOJobConfig, None, ["fgrpo.epsilon=0.1", "fgrpo.epsilon_high=0.3",
+                                             "fgrpo.clip_ratio_c=3"]).fgrpo
+    assert from_config(cfg) == Clip(0.1, 0.3, 3.0)
+    cfg = load_config(FGRPOJobConfig, None, ["fgrpo.algorithm=cispo",
+                                             "fgrpo.cispo_epsilon_high=2"]).fgrpo
+    assert from_config(cfg) == CISPO(1.0, 2.0)
+
+
+TOY_LOSS = '''
+"""A toy surrogate: REINFORCE, -A * log pi, no ratio and no clip."""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Reinforce:
+    KEYS = {}
+
+    def __call__(self, logp, ratio, adv):
+        none = torch.zeros_like(ratio, dtype=torch.bool)
+        return -adv * logp, none, none
+'''
+
+PROBE = '''
+import torch
+from fgrpo.config import FGRPOJobConfig
+from fgrpo.loss import policy_loss
+from fgrpo.surrogates import from_config
+from hpc.runtime.config import load_config
+
+cfg = load_config(FGRPOJobConfig, None, ["fgrpo.surrogate=reinforce"]).fgrpo
+logp = torch.tensor([[-1.0, -2.0], [-0.5, -0.1]], requires_grad=True)
+adv = torch.tensor([1.0, -2.0])
+loss, stats = policy_loss(logp, logp.detach() - 0.3, adv, torch.ones(2, 2), "token-mean",
+                          from_config(cfg))
+loss.backward()
+print(float(loss), logp.grad.tolist(), stats["clip_fraction"])
+'''
+
+
+@pytest.mark.subprocess
+def test_a_new_surrogate_is_one_file_and_one_registration(tmp_path):
+    """A surrogate in a module of its own, registered as an entry point of fgrpo.surrogates
+    (here by a dist-info folder beside it, as pip would write for a plugin package): the config
+    accepts its name and the loss computes with it, -A * logp over the valid tokens."""
+    (tmp_path / "toyloss.py").write_text(TOY_LOSS)
+    info = tmp_path / "toyloss-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toyloss\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[fgrpo.surrogates]\nreinforce = toyloss:Reinforce\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), REPO]))
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(PROBE)], capture_output=True,
+                          text=True, timeout=120, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    loss, grad, clipped = proc.stdout.split(" [")[0], "[" + proc.stdout.split(" [", 1)[1], 0
+    # token-mean of -A * logp over 4 tokens: (1 + 2 - 2 * 0.5 - 2 * 0.1) / 4
+    assert float(loss) == pytest.approx((1.0 + 2.0 - 1.0 - 0.2) / 4)
+    assert grad.startswith("[[-0.25, -0.25], [0.5, 0.5]]") and clipped == 0
+    help_text = subprocess.run([sys.executable, "-m", "fgrpo", "--help"], capture_output=True,
+                               text=True, timeout=120, env=env, cwd=tmp_path).stdout
+    assert "fgrpo.surrogate = 'clip'  (one of cispo, clip, reinforce)" in help_text
+
+
+def test_the_loss_has_no_branch_per_surrogate():
+    """fgrpo/loss.py and fgrpo/gradients.py pick no surrogate by name: each lives in its own
+    file and is found by its registration."""
+    for name in ("loss.py", "gradients.py"):
+        with open(os.path.join(REPO, "fgrpo", name)) as fh:
+            text = fh.read()
+        assert "surrogate ==" not in text and not re.search(r"surrogates\.(clip|cispo)", text)
+    assert torch.equal(Clip()(torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1))[0],
+                       -torch.ones(1, 1))
