@@ -11,11 +11,12 @@ import h5py
 import pytest
 
 from conftest import REPO, hf_cached as cached, run_cli
-from hpc.job.inputs import check_inputs, resolve_sources
+from hpc.job.inputs import check_inputs, recorded_sources, resolve_sources
 from hpc.models.base_model import check_base, record_base
 from hpc.models.hub import hub_id, local_or_cached
 from hpc.runtime.config import JobConfig, load_config
 from hpc.runtime.errors import UserError
+from hpc.runtime.runstore import RunStore
 
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
@@ -85,6 +86,56 @@ def test_the_input_check_resolves_model_and_adapter_ids(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="config key 'lora.adapter': org/nolora is no local"):
         check_inputs(load_config(JobConfig, None, ["model.path=org/base",
                                                    "lora.adapter=org/nolora"]))
+
+
+def test_a_resumed_run_keeps_the_snapshot_it_began_with(tmp_path, monkeypatch):
+    """A download since the run began moved refs/main: the resumed run stays on the recorded
+    snapshot (its checkpoint's LoRA was trained on it) and says so; an id with @revision, or
+    another id, resolves as given."""
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    old = placeholder_model(tmp_path, "org/name", revision="1" * 40)
+    new = placeholder_model(tmp_path, "org/name", revision="2" * 40)
+    adapter = cached(tmp_path, "org/lora", {"adapter_config.json": b"{}"}, revision="3" * 40)
+    cfg = load_config(JobConfig, None, ["model.path=org/name", "lora.adapter=org/lora"])
+    recorded = {"model.path": ("org/name", "1" * 40), "lora.adapter": ("org/lora", "3" * 40)}
+    sources = resolve_sources(cfg, recorded)
+    assert (sources.model.path, sources.model.revision, sources.model.given) == (
+        old, "1" * 40, "org/name")
+    assert sources.adapter.path == adapter
+    (note,) = sources.notes
+    assert f"model.path=org/name stays at revision {'1' * 40}" in note and "2" * 40 in note
+    pinned = load_config(JobConfig, None, [f"model.path=org/name@{'2' * 40}"])
+    assert resolve_sources(pinned, recorded).model.path == new
+    assert resolve_sources(cfg, {"model.path": ("org/other", "1" * 40)}).model.path == new
+    with pytest.raises(UserError) as err:
+        resolve_sources(cfg, {"model.path": ("org/name", "9" * 40)})
+    assert str(err.value).startswith("--resume: config key 'model.path' (the snapshot the run "
+                                     "began with") and f"--revision {'9' * 40}`" in str(err.value)
+
+
+def test_the_run_file_records_what_a_resumed_run_keeps(tmp_path):
+    config = "model:\n  path: org/name\nlora:\n  adapter: ''\n"
+    RunStore(str(tmp_path / "sft.h5"), True, {"config": config, "model_revision": "1" * 40,
+                                              "model_folder": "x"}).close()
+    assert recorded_sources(str(tmp_path / "sft.h5")) == {
+        "model.path": ("org/name", "1" * 40), "lora.adapter": ("", "")}
+    assert recorded_sources(str(tmp_path / "none.h5")) == {}
+
+
+@pytest.mark.subprocess
+def test_a_resumed_run_whose_snapshot_is_gone_is_one_line(tmp_path):
+    """The job reads the revision from the run file it resumes, before any weights load."""
+    placeholder_model(tmp_path / "hub", "org/name", revision="2" * 40)
+    out = tmp_path / "run"
+    out.mkdir()
+    RunStore(str(out / "sft.h5"), True, {"config": "model:\n  path: org/name\n",
+                                         "model_revision": "1" * 40}).close()
+    proc = run_cli(["-m", "sft", "model.path=org/name", f"run.out={out}", "--resume"],
+                   env={"HF_HUB_CACHE": str(tmp_path / "hub")}, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert "--resume: config key 'model.path' (the snapshot the run began with" in lines[0]
+    assert f"`hf download org/name --revision {'1' * 40}`" in lines[0], lines[0]
 
 
 def test_the_base_model_check_names_the_id(tmp_path):

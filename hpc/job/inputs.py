@@ -6,7 +6,8 @@ or Hub id). A mistake in any ends the job here, instead of after the imports, th
 the task and the weights load, and before the run folder exists.
 :func:`hpc.runtime.cli.job_command` runs :func:`check_inputs`; :func:`hpc.job.lifecycle.start_job`
 resolves the ids again on rank 0 (:func:`resolve_sources`), so every rank loads the same
-snapshot, and the run file records it (:meth:`InputSources.attrs`)."""
+snapshot, and the run file records it (:meth:`InputSources.attrs`); a resumed run keeps the
+snapshot its run file records."""
 from __future__ import annotations
 
 import os
@@ -14,17 +15,20 @@ from dataclasses import dataclass
 
 from hpc.data.mathdata import check_task_files
 from hpc.models.folders import check_adapter_folder, check_model_folder
-from hpc.models.hub import Source, local_or_cached
+from hpc.models.hub import Source, hub_id, local_or_cached
 from hpc.runtime.config import BUILT_IN_MODEL_NAMES
+from hpc.runtime.errors import UserError
 from hpc.runtime.report_to import check_report_to
 
 
 @dataclass(frozen=True)
 class InputSources:
-    """Where ``model.path`` and ``lora.adapter`` lie (adapter None: a fresh LoRA)."""
+    """Where ``model.path`` and ``lora.adapter`` lie (adapter None: a fresh LoRA); ``notes``:
+    lines for rank 0 to print (a resumed run's id kept at the snapshot it began with)."""
 
     model: Source
     adapter: Source | None
+    notes: tuple = ()
 
     def apply(self, cfg) -> None:
         """Point ``cfg.model.path`` and ``cfg.lora.adapter`` at the folders (a Hub id becomes
@@ -45,14 +49,65 @@ class InputSources:
         return out
 
 
-def resolve_sources(cfg) -> InputSources:
-    """The :class:`InputSources` of ``cfg`` (UserError for an id the cache lacks)."""
+def resolve_sources(cfg, recorded: dict | None = None) -> InputSources:
+    """The :class:`InputSources` of ``cfg`` (UserError for an id the cache lacks).
+
+    ``recorded``: ``{config key: (as given, revision)}`` from the run file of the run being
+    resumed. An id given as then, without ``@revision``, stays at the snapshot the run began
+    with, so that a ``hf download`` since (which moves the cache's refs/main) does not put the
+    checkpoint's LoRA onto other weights; ``org/name@revision`` resumes on another snapshot."""
+    recorded = recorded or {}
     path = cfg.model.path
-    model = (Source(path, path) if path in BUILT_IN_MODEL_NAMES else
-             local_or_cached(path, "config key 'model.path'"))
     adapter = getattr(getattr(cfg, "lora", None), "adapter", "")
-    return InputSources(model, local_or_cached(adapter, "config key 'lora.adapter'")
-                        if adapter else None)
+    model, model_note = ((Source(path, path), "") if path in BUILT_IN_MODEL_NAMES else
+                         _source("model.path", path, recorded.get("model.path")))
+    lora, lora_note = (_source("lora.adapter", adapter, recorded.get("lora.adapter"))
+                       if adapter else (None, ""))
+    return InputSources(model, lora, tuple(note for note in (model_note, lora_note) if note))
+
+
+def _source(key: str, given: str, recorded: tuple | None) -> tuple:
+    """``(Source, note)`` of config key ``key`` = ``given``; ``recorded``: ``(as given, revision)``
+    in the run file of a resumed run (see :func:`resolve_sources`)."""
+    what = f"config key '{key}'"
+    then, revision = recorded or ("", "")
+    found = hub_id(given)
+    if not revision or then != given or found is None or found[1] or os.path.exists(given):
+        return local_or_cached(given, what), ""
+    kept = local_or_cached(f"{given}@{revision}", f"--resume: {what} (the snapshot the run "
+                           f"began with; {key}={given}@<revision> resumes on another)")
+    try:
+        now = local_or_cached(given, what).revision
+    except UserError:  # refs/main names no snapshot here: the kept one is all there is
+        now = revision
+    note = (f"--resume: {key}={given} stays at revision {revision}, the snapshot the run "
+            f"began with (refs/main in the cache names {now} now; {key}={given}@<revision> "
+            f"resumes on another)" if now != revision else "")
+    return Source(given, kept.path, kept.revision), note
+
+
+def recorded_sources(run_file: str) -> dict:
+    """``{config key: (as given, revision)}`` of ``model.path`` and ``lora.adapter`` as the run
+    file of a run to resume records them (:func:`resolve_sources` keeps that snapshot); empty where there is no readable run file (the checkpoint's copy replaces a
+    damaged one later)."""
+    import h5py
+    import yaml
+
+    try:
+        with h5py.File(run_file, "r", locking=False) as f:
+            attrs = {key: f.attrs.get(key, "") for key in ("config", "model_revision",
+                                                            "adapter_revision")}
+        attrs = {k: v.decode() if isinstance(v, bytes) else str(v) for k, v in attrs.items()}
+        config = yaml.safe_load(attrs["config"]) or {}
+    except (OSError, RuntimeError, KeyError, ValueError, yaml.YAMLError):
+        return {}
+
+    def given(section: str, key: str) -> str:
+        part = config.get(section) if isinstance(config, dict) else None
+        return str(part.get(key) or "") if isinstance(part, dict) else ""
+
+    return {"model.path": (given("model", "path"), attrs["model_revision"]),
+            "lora.adapter": (given("lora", "adapter"), attrs["adapter_revision"])}
 
 
 def check_inputs(cfg) -> None:

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from hpc.engine.config import EngineConfig
 from hpc.engine.decoder import Decoder
-from hpc.job.inputs import InputSources, resolve_sources
+from hpc.job.inputs import InputSources, recorded_sources, resolve_sources
 from hpc.models.base_model import check_base
 from hpc.models.loading import model_folder
 from hpc.plan.registry import check_job_memory, planned_engine_budget
@@ -238,10 +238,21 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
     world = get_world()
     world.timeout_s = cfg.run.collective_timeout_s
     cfg.validate_world(world)
+    job_id = _job_id(world)
+    out_dir = run_folder(cfg.run.out, method, job_id)
+    if resume and "{jobid}" in cfg.run.out and not os.environ.get("SLURM_JOB_ID"):
+        # a job id of this start's time names no earlier run: take the newest unfinished one
+        out_dir = world.comm.bcast(on_all_ranks(world, lambda: newest_unfinished(
+            cfg.run.out, method) if world.is_root else None), root=0)
+        if world.is_root:
+            print(f"--resume: the newest unfinished {method} run is {out_dir}", flush=True)
     # rank 0 looks Hub ids up, so every rank loads the snapshot it found (a download on the
-    # login node may move refs/main while the ranks start)
-    sources = world.comm.bcast(on_all_ranks(
-        world, lambda: resolve_sources(cfg) if world.is_root else None), root=0)
+    # login node may move refs/main while the ranks start); a resumed run keeps its snapshot
+    sources = world.comm.bcast(on_all_ranks(world, lambda: resolve_sources(
+        cfg, recorded_sources(os.path.join(out_dir, f"{method}.h5")) if resume else None)
+        if world.is_root else None), root=0)
+    for note in sources.notes if world.is_root else ():
+        print(note, flush=True)
     sources.apply(cfg)
     device = on_all_ranks(world, lambda: select_device(world, cfg.model.device))
     if world.size > 1:  # before any GPU work: a bootstrap that cannot connect ends here
@@ -254,14 +265,6 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
     on_all_ranks(world, lambda: check_job_memory(cfg, method, world.size, device.type))
     decoder = Decoder(EngineConfig.from_model(cfg.model, on_all_ranks(
         world, lambda: planned_engine_budget(cfg, method, world.size, device.type))))
-    job_id = _job_id(world)
-    out_dir = run_folder(cfg.run.out, method, job_id)
-    if resume and "{jobid}" in cfg.run.out and not os.environ.get("SLURM_JOB_ID"):
-        # a job id of this start's time names no earlier run: take the newest unfinished one
-        out_dir = world.comm.bcast(on_all_ranks(world, lambda: newest_unfinished(
-            cfg.run.out, method) if world.is_root else None), root=0)
-        if world.is_root:
-            print(f"--resume: the newest unfinished {method} run is {out_dir}", flush=True)
 
     def claim_folder():
         run_folder_entries(out_dir, method)  # every rank: the folder is shared
