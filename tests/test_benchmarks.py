@@ -68,12 +68,16 @@ def run_script(args: list) -> tuple:
     return proc.returncode, out, err
 
 
-LIBRARIES = {"common.py", "engine_speed.py"}  # imported by the scripts above, not run alone
+# imported by the scripts, not run alone (acceptance_ranks.py also runs as the ranks of
+# gpu_acceptance.py's all-reduce part)
+LIBRARIES = {"common.py", "engine_speed.py", "acceptance_parts.py", "acceptance_ranks.py"}
+OWN_TESTS = {"gpu_acceptance.py": "test_gpu_acceptance.py"}  # run with checks of their own
 
 
 def test_every_benchmark_has_a_smoke_test():
     scripts = {f for f in os.listdir(BENCHMARKS) if f.endswith(".py") and f not in LIBRARIES}
-    assert scripts == set(SMOKE)
+    assert scripts == set(SMOKE) | set(OWN_TESTS)
+    assert all(os.path.exists(os.path.join(REPO, "tests", t)) for t in OWN_TESTS.values())
 
 
 @pytest.mark.parametrize("script", sorted(SMOKE))
