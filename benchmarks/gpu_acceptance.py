@@ -21,8 +21,9 @@ random weights of Qwen2.5-1.5B's shape on CUDA or of a tiny Qwen2 on CPU):
 
 Each part gets its share of ``--minutes`` and what the parts before it left unspent; one whose
 time is spent, or whose dependency is missing (torchao, CUDA, a launcher), is skipped with the
-reason. OUT/gpu_acceptance-<device>-<date>.json is rewritten after every part, so a killed run
-keeps what it measured; the table at the end gives each part's verdict (ok, FAILED, skipped)
+reason. OUT/gpu_acceptance-<device>-<date>.json is rewritten as each part starts (verdict
+``running``) and ends, so a killed run keeps what it measured and names the part it ended in;
+the table at the end gives each part's verdict (ok, FAILED, skipped)
 and its key figures or reason. Exit status: 0 when every part that ran passed, 1 when one
 failed (the JSON and the table say what it found), 2 for a bad argument (one line).
 """
@@ -39,12 +40,15 @@ import traceback
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # hpc from this checkout, before torch is imported (by common.py)
 
+from hpc.models.folders import check_model_folder  # noqa: E402 (torch-free)
 from hpc.runtime.cli import OneLineParser  # noqa: E402
 from hpc.runtime.errors import UserError, user_errors_exit  # noqa: E402
 
 PARTS = (("engine_vs_hf", 0.20), ("cuda_graphs", 0.15), ("quantized_decode", 0.20),
          ("memory_plan", 0.20), ("nccl_all_reduce", 0.15), ("fsdp2_step", 0.10))
 MIN_PART_S = 5.0  # a part given less than this is skipped
+RUNNING = ("the run ended during this part (killed at a time limit, or the process died): "
+           "what it measured is lost, the parts before it are kept")
 
 
 def parse_args(argv=None):
@@ -60,6 +64,8 @@ def parse_args(argv=None):
         raise UserError(f"--minutes must be a positive number, not {args.minutes}")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise UserError(f"OUT {args.out} is a file, not a folder")
+    if args.toy is not None:  # before torch is imported (the default's place needs it)
+        check_model_folder(args.toy)
     return args
 
 
@@ -104,14 +110,16 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     import torch
 
-    from hpc.models.folders import check_model_folder
     from hpc.runtime.atomic import write_bytes
 
     if args.toy is None:
         from hpc.toys.toy import cache_dir
 
         args.toy = cache_dir()
-    check_model_folder(args.toy)
+        if not os.path.isdir(args.toy):
+            raise UserError(f"no trained toy model in {args.toy}: build it with hpc-toy, or "
+                            f"name its folder with --toy")
+        check_model_folder(args.toy)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is visible here (--device cpu runs "
                         "the CPU mode)")
@@ -142,6 +150,9 @@ def main(argv=None) -> int:
         began = time.perf_counter()
         seconds = min(share * total + unspent, start + total - began)
         fn = getattr(acceptance_parts, name, None) or getattr(acceptance_ranks, name)
+        report["parts"][name] = {"verdict": "running", "summary": "", "budget_s":
+                                 round(seconds, 1), "reason": RUNNING}
+        save()
         result = run_part(fn, setup, seconds)
         used = time.perf_counter() - began
         unspent = max(0.0, seconds - used)
