@@ -46,6 +46,8 @@ def test_cpu_mode_runs_every_part_a_cpu_can(tmp_path):
     assert toy["identical"] and toy["rows_identical"] == 1.0
     assert toy["engine_tokens_per_s"] > 0 and toy["hf_tokens_per_s"] > 0
     assert 0 <= parts["engine_vs_hf"]["tiny"]["tokens_before_first_difference"] <= 1
+    bf16 = parts["engine_vs_hf"]["toy_bf16"]  # a figure: bf16 may flip the closest choices
+    assert bf16["dtype"] == "bfloat16" and 0 <= bf16["rows_identical"] <= 1
 
     quantized = parts["quantized_decode"]
     assert quantized["toy"]["int8"]["tokens_before_first_difference"] >= 0.9
