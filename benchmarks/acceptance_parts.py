@@ -459,11 +459,13 @@ def _plan_config(s: Setup, folder: str):
 
 def _resident_bytes(device: torch.device) -> int:
     """What the allocator holds now, after a collection (0 on CPU: the tracker counts only
-    what the case allocates)."""
+    what the case allocates); on CUDA the peak statistics start again here, so no earlier
+    part's (or case's) peak is read as this case's."""
     gc.collect()
     if device.type != "cuda":
         return 0
     torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
     return torch.cuda.memory_allocated(device)
 
 
