@@ -8,7 +8,8 @@ the all-reduce part starts.
   started by mpirun (the package's bootstrap, :func:`hpc.runtime.dist.init_process_group`) or,
   without mpirun, by torchrun. Both ranks take ``cuda:0`` on purpose (a job's
   :func:`hpc.runtime.world.select_device` refuses more ranks than GPUs): whether NCCL allows
-  it is the finding, and a refusal by NCCL is recorded, not failed.
+  it is the finding, and a refusal by NCCL (or ranks that hang in it until the launch's
+  deadline) is recorded, not failed.
 * :func:`fsdp2_step`: one training step of a LoRA model sharded by
   :func:`hpc.models.parallelize.shard_model` in a one-rank group: with fp32 compute its
   updated weights equal an unsharded step's; with bf16 compute (a job's on GPUs) the step is
@@ -96,12 +97,15 @@ def _launcher() -> tuple:
 
 def _two_ranks(s, budget) -> dict:
     """Two ranks on the one device (module docstring): their ``outcome``, ``passed``,
-    ``refused`` (by NCCL, CUDA only) or ``failed``, what rank 0 wrote (``rank0``), the error
-    it met and what the launcher said (``rank0_error``, ``launcher_error``: not under an
-    ``error`` key, which would fail the part whatever the outcome)."""
+    ``refused`` (an error naming NCCL, CUDA only), ``hung`` (no end within the launch's
+    deadline, CUDA only: NCCL neither refused nor finished; rank 0's ``stage`` says where) or
+    ``failed``, what rank 0 wrote (``rank0``), the error it met and what the launcher said
+    (``rank0_error``, ``launcher_error``: not under an ``error`` key, which would fail the
+    part whatever the outcome)."""
     name, launch = _launcher()
     if launch is None:
         return {"skipped": "no rank launcher: neither mpirun nor torch's torchrun"}
+    timed_out = False
     with tempfile.TemporaryDirectory(prefix="acceptance-ranks-") as folder:
         path = os.path.join(folder, "rank0.json")
         argv = [os.path.abspath(__file__), path, "--device", s.device.type, "--launcher",
@@ -109,7 +113,9 @@ def _two_ranks(s, budget) -> dict:
         try:
             launch(2, argv, timeout=max(10.0, min(RANKS_TIMEOUT_S, budget.left())))
             error = ""
-        except (RuntimeError, TimeoutError) as err:
+        except TimeoutError as err:
+            error, timed_out = str(err), True
+        except RuntimeError as err:
             error = str(err)
         report = {}
         if os.path.exists(path):
@@ -124,22 +130,34 @@ def _two_ranks(s, budget) -> dict:
         out["outcome"] = "passed"
     elif s.device.type == "cuda" and "nccl" in (rank_error or error).lower():
         out["outcome"] = "refused"
+    elif s.device.type == "cuda" and timed_out:
+        out["outcome"] = "hung"
     else:
         out["outcome"] = "failed"
     return out
 
 
 def _first_words(two: dict) -> str:
-    """What went wrong on two ranks, short: a rank's error, else the launcher's last words."""
+    """What went wrong on two ranks, short: where rank 0 hung; a rank's error (NCCL's own
+    words, its ``Last error:`` line, where torch quotes them); else the launcher's last
+    words."""
+    if two.get("outcome") == "hung":
+        return (f"no end within the launch's deadline (killed), rank 0 at its "
+                f"'{two['rank0'].get('stage', 'start-up')}' stage")
     if two.get("rank0_error"):
-        return two["rank0_error"].splitlines()[0][:160]
+        lines = [line.strip() for line in two["rank0_error"].splitlines() if line.strip()]
+        last = next((i for i, line in enumerate(lines) if line.startswith("Last error")), None)
+        if last is not None and last + 1 < len(lines):
+            return f"{lines[0][:100]} ... {lines[last + 1][:160]}"
+        return lines[0][:160]
     lines = [line for line in two.get("launcher_error", "").splitlines() if line.strip("=- ")]
     return lines[-1][:160] if lines else "wrong mean or byte count"
 
 
 def nccl_all_reduce(s, budget) -> dict:
     """The gradient all-reduce (module docstring): exact on one rank; on two ranks the mean,
-    with its bytes counted, unless NCCL refuses two ranks on one GPU (recorded)."""
+    with its bytes counted, unless NCCL refuses (or hangs with) two ranks on one GPU
+    (recorded)."""
     from acceptance_parts import finish, ran
 
     out = {}
@@ -254,21 +272,27 @@ class _TorchrunWorld(World):
 
 
 def _world_and_group(launcher: str, device: torch.device) -> World:
-    """This rank's world, joined to the default process group (NCCL on CUDA, else gloo)."""
+    """This rank's world, joined to the default process group (NCCL on CUDA, else gloo) by
+    the package's bootstrap (:func:`hpc.runtime.dist.init_process_group`: a job's timeout,
+    ``device_id`` and teardown). Under mpirun the ranks agree on rank 0's address over MPI, as
+    a job's do; under torchrun the address is the one torchrun gives (``MASTER_ADDR``,
+    ``MASTER_PORT``: its agent's store, which torch's ``tcp://`` rendezvous joins as it does
+    ``env://``)."""
+    from hpc.runtime.dist import init_process_group
+
     if launcher == "mpirun":
-        from hpc.runtime.dist import init_process_group
         from hpc.runtime.world import get_world
 
         world = get_world()
-        init_process_group(world, device)
-        return world
-    env = os.environ
-    world = _TorchrunWorld(None, int(env["RANK"]), int(env["WORLD_SIZE"]),
-                           int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"]),
-                           socket.gethostname())
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=world.rank,
-                            world_size=world.size,
-                            device_id=device if device.type == "cuda" else None)
+    else:
+        from hpc.runtime.rendezvous import Rendezvous
+
+        env = os.environ
+        world = _TorchrunWorld(None, int(env["RANK"]), int(env["WORLD_SIZE"]),
+                               int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"]),
+                               socket.gethostname())
+        world.rendezvous = Rendezvous(env["MASTER_ADDR"], int(env["MASTER_PORT"]), "")
+    init_process_group(world, device)
     return world
 
 
