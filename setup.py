@@ -65,6 +65,13 @@ setup(
             "essa=essa.config:ESSAConfig",
             "fgrpo=fgrpo.config:FGRPOConfig",
         ],
+        # each method's job config class: hpc-doctor checks every job's config on its rank
+        # count and its memory plan (hpc/doctor/)
+        "hpc.method_jobs": [
+            "sft=hpc.sft_config:SFTJobConfig",
+            "essa=essa.config:ESSAJobConfig",
+            "fgrpo=fgrpo.config:FGRPOJobConfig",
+        ],
         "console_scripts": [
             "essa=essa.__main__:main",
             "fgrpo=fgrpo.__main__:main",
@@ -76,6 +83,7 @@ setup(
             "hpc-scaling=compare.scaling:main",
             "hpc-plan=hpc.commands:plan",
             "hpc-data=hpc.data.check:main",
+            "hpc-doctor=hpc.doctor.command:main",
         ],
     },
 )

@@ -30,7 +30,7 @@ print("EXIT", code or 0, "SCIPY", "scipy" in sys.modules, "TORCH", "torch" in sy
 def test_every_console_command_is_probed():
     names = {name for name, _, _ in ENTRY_POINTS}
     assert {"essa", "fgrpo", "hpc-sft", "hpc-eval", "hpc-toy", "hpc-report", "hpc-scaling",
-            "hpc-plan", "hpc-data"} <= names
+            "hpc-plan", "hpc-data", "hpc-doctor"} <= names
 
 
 @pytest.mark.parametrize("name,module,function", ENTRY_POINTS)
@@ -53,6 +53,7 @@ def test_help_without_torch(name, module, function):
     ("hpc-plan", ["--config", "x"], ["unrecognized arguments: --config"]),
     ("hpc-data", ["chek"], ["invalid choice: 'chek'"]),
     ("hpc-toy", ["--rebuilt"], ["unrecognized arguments: --rebuilt"]),
+    ("hpc-doctor", ["c.yaml", "--rank", "2"], ["unrecognized arguments: --rank"]),
 ])
 @pytest.mark.subprocess
 def test_a_mistyped_subcommand_or_flag_is_one_line(name, argv, words):

@@ -18,7 +18,7 @@ FLOORS = (
     ("toys", ("hpc.toys",)),  # the built-in toy models, built with models and data
     ("job", ("hpc.job",)),  # a job's lifecycle and step loop
     ("methods", ("hpc.evaluate", "hpc.gradient_method", "sft", "essa", "fgrpo")),
-    ("commands", ("hpc.commands", "hpc.analysis", "sft.__main__", "essa.__main__",
+    ("commands", ("hpc.commands", "hpc.analysis", "hpc.doctor", "sft.__main__", "essa.__main__",
                   "fgrpo.__main__", "compare")),
 )
 
@@ -180,6 +180,14 @@ def test_no_import_runs_up_a_floor():
                     for src, targets in _graph().items() for dst in targets
                     if floor(dst) > floor(src))
     assert upward == [], upward
+
+
+def test_the_preflight_imports_no_method():
+    """hpc-doctor reads the methods' config classes through setup.py's entry points only."""
+    graph = _graph()
+    methods = {m for m in graph if m.split(".")[0] in ("essa", "fgrpo")}
+    for module in sorted(m for m in graph if m.startswith("hpc.doctor")):
+        assert _reaches(graph, module, methods) == [], module
 
 
 def test_data_and_models_never_reach_the_toy_builders():

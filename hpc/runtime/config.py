@@ -314,6 +314,16 @@ def method_sections() -> dict[str, importlib.metadata.EntryPoint]:
     return {ep.name: ep for ep in importlib.metadata.entry_points(group=METHOD_SECTIONS_GROUP)}
 
 
+METHOD_JOBS_GROUP = "hpc.method_jobs"
+
+
+@functools.cache
+def method_jobs() -> dict[str, importlib.metadata.EntryPoint]:
+    """``{method name: entry point of its job config class}`` of the installed methods (the
+    preflight, ``hpc-doctor``, checks each job's config and memory plan)."""
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=METHOD_JOBS_GROUP)}
+
+
 def require_per_rank(key: str, value: int, world, what: str = "") -> None:
     """UserError unless config key ``key`` (``value`` items) gives every rank of ``world`` at
     least one item; ``what`` ends the message (why a rank needs one)."""

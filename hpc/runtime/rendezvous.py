@@ -37,11 +37,13 @@ _IFNAME_VARS = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
 
 @dataclass(frozen=True)
 class Rendezvous:
-    """Rank 0's address and the port of the store, and this rank's interface toward it."""
+    """Rank 0's address and the port of the store, and this rank's interface toward it;
+    ``how``: what chose the address (a variable, one node's loopback, or the networks)."""
 
     addr: str
     port: int
     ifname: str
+    how: str = ""
 
 
 def ipv4_interfaces() -> list[tuple[str, str, int]]:
@@ -199,4 +201,4 @@ def agree(world, backend: str) -> Rendezvous:
     for var in _IFNAME_VARS.values():
         if ifname and not os.environ.get(var):
             os.environ[var] = ifname
-    return Rendezvous(addr=addr, port=port, ifname=ifname)
+    return Rendezvous(addr=addr, port=port, ifname=ifname, how=how)

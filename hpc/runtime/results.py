@@ -39,5 +39,14 @@ def format_table(rows: list, ks=(1, 2, 4, 8, 16, 32, 64, 128, 256)) -> str:
                   for k in shown]
         cells += [str(extra.get(key, "")) for key in extra_keys]
         lines.append(cells)
+    return aligned(lines[0], lines[1:])
+
+
+def aligned(head: list, rows: list, left: int = 0) -> str:
+    """Text table of ``head`` and ``rows`` (lists of strings), columns two spaces apart, the
+    first ``left`` columns aligned left, the others right."""
+    lines = [head] + rows
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines)
+    return "\n".join("  ".join(c.ljust(w) if i < left else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(line, widths))).rstrip()
+                     for line in lines)
