@@ -73,8 +73,8 @@ def verdicts(out: str) -> dict:
     """{check: (verdict, what was found)} from the doctor's table of checks."""
     lines = out.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("check "))
-    rows = [re.split(r"\s{2,}", line, maxsplit=2) for line in lines[start + 1:]
-            if not line.startswith("hpc-doctor:")]
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("hpc-doctor:"))
+    rows = [re.split(r"\s{2,}", line, maxsplit=2) for line in lines[start + 1:end]]
     return {name: (verdict, found) for name, verdict, found in rows}
 
 
@@ -134,6 +134,19 @@ def test_hdf5_locking_that_fails_names_the_variable_that_fixes_it(model, tmp_pat
     fixed = mpmd(argv, NO_LOCKS + argv, env={"HDF5_USE_FILE_LOCKING": "FALSE"})
     assert fixed.returncode == 0, fixed.stderr
     assert "off (HDF5_USE_FILE_LOCKING=FALSE)" in fixed.stdout
+
+
+@pytest.mark.subprocess
+def test_a_job_whose_run_file_cannot_be_locked_names_the_same_fix(tmp_path):
+    require(shutil.which("strace") is not None, "strace (to make flock fail)")
+    code = ("from hpc.runtime.runstore import RunStore\nfrom hpc.runtime.errors import UserError\n"
+            f"try:\n    RunStore({str(tmp_path / 'x.h5')!r}, True, {{}})\n"
+            "except UserError as err:\n    print(err)\n")
+    proc = subprocess.run(NO_LOCKS + [sys.executable, "-c", code], capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.stdout.startswith(f"cannot write the run file {tmp_path / 'x.h5'}: No locks "
+                                  f"available; this file system refuses HDF5's file locks: "
+                                  f"export HDF5_USE_FILE_LOCKING=FALSE"), proc
 
 
 @pytest.mark.mpi

@@ -1,7 +1,9 @@
 """Across nodes, for real: a simulated Slurm cluster of 2 nodes (jobscripts/local-slurm/
 cluster.sh: one network + UTS + mount namespace per node, its own host name, /etc/hosts and
 /tmp, a slurmd each), the job scripts run on 2 nodes x 2 ranks and on 1 node x 4 ranks, the
-name traps of real clusters, local ranks per node, and a node's link taken down mid-run.
+name traps of real clusters, local ranks per node, a node's link taken down mid-run, and the
+preflight (hpc-doctor) across the nodes: passing, and naming the node that lacks the model
+folder, has its own run root or cannot reach the rendezvous.
 
 Needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN) and Debian's slurmctld, slurmd, slurm-client, munge
 and libpmix-dev: skipped where absent, failed under HPC_TEST_STRICT=1 (CI). The cluster lives
@@ -21,6 +23,7 @@ import numpy as np
 import pytest
 
 from conftest import MPI_ENV, REPO, our_lines, require
+from test_doctor import verdicts
 from test_slurm import ENDED, job_info, job_log, wait_for
 
 # the cluster's environment is taken when it comes up: every test here sees the toy cache
@@ -28,9 +31,12 @@ pytestmark = [pytest.mark.slurm, pytest.mark.toy]
 
 CLUSTER = os.path.join(REPO, "jobscripts", "local-slurm", "cluster.sh")
 CHECK = os.path.join(REPO, "tests", "mpi", "rendezvous_check.py")
-NET = "10.221.7"  # the test cluster's subnet, ports and names: apart from a user's own cluster
+# The test cluster's subnet, port and names: apart from a user's own cluster; the same
+# variables in the environment move them (to run this module beside another test cluster).
+NET = os.environ.get("HPC_CLUSTER_NET", "10.221.7")
 SETTINGS = dict(HPC_CLUSTER_NODES="2", HPC_CLUSTER_CPUS="4", HPC_CLUSTER_GPUS="4",
-                HPC_CLUSTER_NET=NET, HPC_CLUSTER_PORT="6927", HPC_CLUSTER_PREFIX="hpct",
+                HPC_CLUSTER_NET=NET, HPC_CLUSTER_PORT=os.environ.get("HPC_CLUSTER_PORT", "6927"),
+                HPC_CLUSTER_PREFIX=os.environ.get("HPC_CLUSTER_PREFIX", "hpct"),
                 # the job script, not Slurm's node failure, must be first to end a lost job
                 HPC_CLUSTER_SLURMD_TIMEOUT="60")
 EVAL = ["task.n_eval=16", "eval.n_samples=2", "run.progress=false", "model.path=toy"]
@@ -294,6 +300,80 @@ def test_name_trap_without_a_reachable_address_ends_with_one_line(cluster, hosts
     # each rank records when its bootstrap began and when it exited
     assert [r["rank"] for r in reports] == [0, 1, 2, 3]
     assert all(r["exit_code"] == 2 and r["bootstrap_s"] < 10 for r in reports), reports
+
+
+@pytest.fixture(scope="module")
+def shared_model(cluster):
+    """A tiny model folder in the cluster's shared folder: every node sees it."""
+    from hpc.toys.toy import tiny_model
+
+    folder = os.path.join(cluster["runs"], "tiny-model")
+    tiny_model(save_dir=folder)
+    return folder
+
+
+def doctor_lines(proc) -> list:
+    """The error lines of a preflight that must have exited 2 without a traceback."""
+    assert proc.returncode == 2, proc.stdout + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return [line for line in our_lines(proc.stderr) if line.startswith("error")]
+
+
+def srun_doctor(env, *args, **variables):
+    """hpc-doctor on 2 nodes x 2 ranks under srun, as doctor.sbatch starts it."""
+    cmd = ["srun", "--mpi=pmix", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks-per-node=2",
+           sys.executable, "-m", "hpc.doctor", "run.progress=false", *args]
+    return subprocess.run(cmd, env=dict(env, **variables), cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_doctor_job_on_two_nodes_prints_every_rank_and_passes(cluster, shared_model):
+    jobid = submit(cluster, "doctor", [f"model.path={shared_model}"], "2x2")
+    wait_ended(cluster, [jobid], 300)
+    completed(cluster, "doctor", jobid)
+    log = job_log(cluster["runs"], "doctor", jobid)
+    rows = [line.split()[:3] for line in log.splitlines() if line[:1].isdigit()][:4]
+    assert rows == [["0", "node1", "0/2"], ["1", "node1", "1/2"], ["2", "node2", "0/2"],
+                    ["3", "node2", "1/2"]], log
+    assert "hpc-doctor: 4 rank(s) on 2 node(s)" in log
+    checks = verdicts(log[log.index("hpc-doctor: 4 rank(s)"):])
+    assert {verdict for verdict, _ in checks.values()} == {"ok"}, log
+    assert checks["run root"][1].startswith(f"{cluster['runs']} "), checks["run root"]
+    assert checks["rendezvous"][1].startswith(f"{NET}.11:"), checks["rendezvous"]
+
+
+def test_doctor_names_the_node_without_the_model_and_its_own_run_root(cluster, shared_model):
+    """The model folder only in node1's /tmp (each node's /tmp is its own), the run root
+    there too: two lines, each naming node2 and the fix."""
+    private = "/tmp/hpc-doctor-model"
+    subprocess.run(["bash", CLUSTER, "exec", "node1", "cp", "-r", shared_model, private],
+                   env=cluster, check=True, timeout=60)
+    try:
+        proc = srun_doctor(cluster, f"model.path={private}",
+                           "run.out=/tmp/hpc-doctor-runs/{method}-{jobid}")
+    finally:
+        subprocess.run(["bash", CLUSTER, "exec", "node1", "rm", "-rf", private,
+                        "/tmp/hpc-doctor-runs"], env=cluster, timeout=60)
+    lines = doctor_lines(proc)
+    assert len(lines) == 2, lines
+    assert lines[0] == (f"error: model folder on node2 (ranks 2-3): model folder not found: "
+                        f"{private}; copy the same model folder to every node, or keep it on a "
+                        f"shared file system")
+    assert lines[1].startswith("error: run root on node2 (ranks 2-3): /tmp/hpc-doctor-runs is "
+                               "not the folder rank 0 wrote to"), lines[1]
+
+
+def test_doctor_names_the_rank_that_cannot_reach_the_rendezvous(cluster, hosts, shared_model):
+    """node1's own name resolves to 127.0.1.1 there, and MASTER_ADDR names it: node2's ranks
+    cannot connect; the other checks still run."""
+    loopback(hosts)
+    proc = srun_doctor(cluster, f"model.path={shared_model}",
+                       f"run.out={cluster['runs']}/{{method}}-{{jobid}}", MASTER_ADDR="node1")
+    lines = doctor_lines(proc)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("error: rendezvous: rank 2 on node2 and 1 more rank(s) cannot "
+                               "connect to rank 0 at 127.0.1.1:"), lines[0]
+    assert "set MASTER_ADDR to an address of node1 that every node reaches" in lines[0]
 
 
 LOST_TIMEOUT_S = 10

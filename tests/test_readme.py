@@ -43,6 +43,25 @@ TEST_NAME = re.compile(r"(?<![\w/])(test_\w+\*?)")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 OUTPUT_FLAGS = {"--json", "--csv", "--plots", ">"}
 
+# The shell lines a page may show besides the package's own commands, each checked by its own
+# rule (test_commands_shown_exist_and_answer_help_with_their_flags): pip (its subcommand's
+# --help offers every flag; extras and constraint files exist), python -c (what it imports is
+# installed), module (a subcommand of Lmod / Environment Modules), export and NAME=value
+# prefixes (a variable the package, its scripts or the library named in LIBRARY_VARIABLES
+# reads), . / source, and Slurm's srun / salloc / sbatch (flags from SLURM_FLAGS).
+ASSIGNMENT = re.compile(r"[A-Z_][A-Z0-9_]*=\S*")
+SHELL_COMMANDS = {"pip", "module", "export", ".", "source", "srun", "salloc"}
+MODULE_SUBCOMMANDS = {"load", "unload", "avail", "list", "purge", "spider", "show", "swap"}
+LIBRARY_VARIABLES = {"MPICC": "mpi4py's build: the MPI compiler wrapper it compiles with"}
+SLURM_FLAGS = {"--mpi", "--nodes", "--ntasks-per-node", "--gpus-per-node", "--partition",
+               "--account", "--time", "--chdir", "--export", "--output", "--cpus-per-task",
+               "--kill-on-bad-exit", "--signal", "--requeue", "--ntasks", "--dependency"}
+SLURM_COMMANDS = {"srun", "salloc", "sbatch"}
+# Pages on which every line of a shell code block (``` or ```bash) must be a command these
+# rules check; what a command prints goes in ```text blocks.
+STRICT_PAGES = ("docs/install.md",)
+CODE_FOLDERS = ("hpc", "essa", "fgrpo", "jobscripts", "benchmarks", "tests", ".ci")
+
 
 def _read(page: str) -> str:
     with open(os.path.join(REPO, page)) as fh:
@@ -86,25 +105,78 @@ def _all_keys() -> set:
     return keys
 
 
+def _command(line: str) -> list:
+    """The tokens of a command line from its command on ([] if it is none the tests know):
+    console scripts, ``python -m``, ``python FILE.py``, ``python -c``, ``bash FILE``,
+    ``sbatch``, ``make``, the repository's scripts and SHELL_COMMANDS, each after an optional
+    ``$ ``, ``NAME=value`` assignments and an ``mpirun``/``srun`` prefix (kept where no package
+    command follows it)."""
+    tokens = line.split(" #")[0].split()
+    if tokens[:1] == ["$"]:
+        tokens = tokens[1:]
+    while tokens and ASSIGNMENT.fullmatch(tokens[0]):
+        tokens = tokens[1:]
+    if tokens[:1] in (["mpirun"], ["srun"]):
+        starts = [i for i, t in enumerate(tokens)
+                  if t in _entry_points() or t in ("python", "python3")]
+        tokens = tokens[starts[0]:] if starts else tokens if tokens[0] == "srun" else []
+    if tokens and (tokens[0] in _entry_points() or tokens[0] in
+                   ("python", "python3", "bash", "sbatch", "make", *SHELL_COMMANDS)
+                   or re.fullmatch(r"jobscripts/\S+\.(sh|sbatch)", tokens[0])):
+        return tokens
+    return []
+
+
 def _commands(page: str) -> list:
-    """The command lines of a page as token lists, from the first known command on: console
-    scripts, ``python -m``, ``python FILE.py``, ``bash FILE``, ``sbatch``, ``make`` and the
-    repository's scripts, each after an optional ``$ `` and ``mpirun``/``srun`` prefix."""
+    """The command lines of a page (code blocks and inline code) as token lists
+    (:func:`_command`)."""
     lines, spans = _blocks_and_spans(_read(page))
-    found = []
+    return [tokens for tokens in map(_command, lines + spans) if tokens]
+
+
+def _assigned(page: str) -> list:
+    """The variables a page's commands set: ``NAME=value`` before a command, ``export``."""
+    lines, spans = _blocks_and_spans(_read(page))
+    names = []
     for line in lines + spans:
         tokens = line.split(" #")[0].split()
-        if tokens[:1] == ["$"]:
-            tokens = tokens[1:]
-        if tokens[:1] in (["mpirun"], ["srun"]):
-            starts = [i for i, t in enumerate(tokens)
-                      if t in _entry_points() or t in ("python", "python3")]
-            tokens = tokens[starts[0]:] if starts else []
-        if tokens and (tokens[0] in _entry_points() or tokens[0] in
-                       ("python", "python3", "bash", "sbatch", "make")
-                       or re.fullmatch(r"jobscripts/\S+\.(sh|sbatch)", tokens[0])):
-            found.append(tokens)
-    return found
+        exported = tokens[:1] == ["export"]
+        for token in tokens[1:] if exported else tokens:
+            if not ASSIGNMENT.fullmatch(token):
+                break
+            names.append(token.split("=")[0])
+    return names
+
+
+@functools.lru_cache(maxsize=None)
+def _code_text() -> str:
+    """Every file of the package, its scripts, benchmarks, tests and CI, and the Makefile."""
+    paths = [os.path.join(REPO, "Makefile")]
+    for folder in CODE_FOLDERS:
+        for root, _, files in os.walk(os.path.join(REPO, folder)):
+            paths += [os.path.join(root, f) for f in files if f.endswith((".py", ".sh", ".sbatch",
+                                                                          ".txt", "run"))]
+    text = []
+    for path in paths:
+        with open(path, errors="replace") as fh:
+            text.append(fh.read())
+    return "\n".join(text)
+
+
+def _bash_lines(page: str) -> list:
+    """The lines of a page's shell code blocks (``` and ```bash), joined at backslashes,
+    without comments and blank lines."""
+    lines, inside, shell = [], False, False
+    for line in _read(page).splitlines():
+        if line.startswith("```"):
+            inside, shell = not inside, line.strip() in ("```", "```bash", "```sh")
+            continue
+        if inside and shell:
+            if lines and lines[-1].endswith("\\"):
+                lines[-1] = lines[-1][:-1] + " " + line.strip()
+            elif line.split("#")[0].strip():
+                lines.append(line)
+    return lines
 
 
 def _flags(tokens: list) -> list:
@@ -210,6 +282,20 @@ def test_commands_shown_exist_and_answer_help_with_their_flags(page):
             for flag in _flags(args[1:]):
                 assert f'"{flag}"' in source or f"'{flag}'" in source, \
                     f"{page}: `{line}`: {args[0]} has no option {flag}"
+        elif name == "pip" or (name.startswith("python") and args[:2] == ["-m", "pip"]):
+            _check_pip(page, line, args[2:] if name.startswith("python") else args)
+        elif name.startswith("python") and args[:1] == ["-c"]:
+            for module in re.findall(r"\b(?:from|import)\s+([A-Za-z_][\w.]*)", line):
+                assert _is_module(module), f"{page}: `{line}`: {module} is not installed"
+        elif name == "module":
+            assert args[:1] and args[0] in MODULE_SUBCOMMANDS, \
+                f"{page}: `{line}`: not a subcommand of module ({sorted(MODULE_SUBCOMMANDS)})"
+        elif name == "export":
+            assert args and all(ASSIGNMENT.fullmatch(a) for a in args), f"{page}: `{line}`"
+        elif name in (".", "source"):
+            assert len(args) == 1, f"{page}: `{line}`: sources one file"
+        elif name in ("srun", "salloc"):
+            _check_slurm_flags(page, line, args)
         elif name == "make":
             with open(os.path.join(REPO, "Makefile")) as fh:
                 makefile = fh.read()
@@ -223,9 +309,56 @@ def test_commands_shown_exist_and_answer_help_with_their_flags(page):
                     assert target in targets, f"{page}: `{line}`: no make target {target}"
         else:  # bash SCRIPT, sbatch ... SCRIPT, jobscripts/SCRIPT
             scripts = [t for t in tokens if t.startswith("jobscripts/")]
+            if name == "sbatch" and scripts:
+                _check_slurm_flags(page, line, args[:args.index(scripts[0])])
             assert scripts, f"{page}: `{line}`: names no script of jobscripts/"
             for script in scripts:
                 assert os.path.isfile(os.path.join(REPO, script)), f"{page}: `{line}`: no {script}"
+
+
+def _check_slurm_flags(page: str, line: str, args: list) -> None:
+    for flag in _flags(args):
+        assert flag in SLURM_FLAGS, f"{page}: `{line}`: {flag} is not one of SLURM_FLAGS"
+
+
+def _check_pip(page: str, line: str, args: list) -> None:
+    """A pip line: its subcommand's --help offers every long flag; the extras (``.[a,b]``)
+    are setup.py's; a constraints or requirements file (``-c``/``-r``) exists."""
+    assert args, f"{page}: `{line}`: pip without a subcommand"
+    text = _pip_help(args[0])
+    for flag in _flags(args[1:]):
+        assert flag in text, f"{page}: `{line}`: pip {args[0]} --help does not offer {flag}"
+    with open(os.path.join(REPO, "setup.py")) as fh:
+        extras = re.search(r"extras_require=\{(.*?)\n    \}", fh.read(), re.S).group(1)
+    for group in re.findall(r"\.\[([\w,-]+)\]", line):
+        for extra in group.split(","):
+            assert f'"{extra}":' in extras, f"{page}: `{line}`: setup.py has no extra {extra}"
+    for flag, path in zip(args, args[1:]):
+        if flag in ("-c", "-r", "--constraint", "--requirement"):
+            assert os.path.isfile(os.path.join(REPO, path)), f"{page}: `{line}`: no {path}"
+
+
+@functools.lru_cache(maxsize=None)
+def _pip_help(sub: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "pip", sub, "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, f"pip {sub} --help exited {proc.returncode}: {proc.stderr}"
+    return proc.stdout
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_variables_set_are_read_by_the_package_or_a_library_it_names(page):
+    code = _code_text()
+    for name in _assigned(page):
+        assert name in LIBRARY_VARIABLES or re.search(rf"\b{name}\b", code), \
+            f"{page}: sets {name}, which neither the package nor its scripts read"
+
+
+@pytest.mark.parametrize("page", STRICT_PAGES)
+def test_every_shell_line_of_a_strict_page_is_a_checked_command(page):
+    unknown = [line.strip() for line in _bash_lines(page) if not _command(line)]
+    assert unknown == [], (f"{page}: lines of shell blocks that no rule of this test checks "
+                           f"(show output in ```text blocks): {unknown}")
 
 
 @pytest.mark.parametrize("page", PAGES)

@@ -3,8 +3,10 @@ torch.distributed's on the job's backend (F-GRPO's and SFT's gradients, FSDP2's 
 over a range of message sizes; the sums are checked and the time measured.
 
 Per size, every rank runs one checked all-reduce (float32 sums of ``rank + 1``, exact), a
-barrier, then ``iterations(size)`` timed all-reduces, and records its mean time per
-all-reduce (on CUDA after a device synchronisation). The time of a size is the slowest rank's
+barrier, then the timed all-reduces, as many as move about MOVED_BYTES and take about SIZE_S at
+the pace of rank 0's checked one (at least MIN_ITERATIONS, at most MAX_ITERATIONS; rank 0
+decides, so every rank runs as many), and records its mean time per all-reduce (on CUDA after
+a device synchronisation). The time of a size is the slowest rank's
 mean, and that rank is named. algbw = bytes / time; busbw = algbw x 2(n-1)/n, nccl-tests'
 definition for all-reduce (what each rank sends and receives in a bandwidth-optimal ring, so
 busbw compares across rank counts and with a link's speed). GB/s are 10^9 bytes a second.
@@ -21,12 +23,21 @@ from hpc.doctor.findings import Finding
 
 GPU_SIZES = [1 << k for k in range(10, 27, 2)]  # 1 KiB .. 64 MiB
 CPU_SIZES = [1 << k for k in range(10, 23, 2)]  # 1 KiB .. 4 MiB: gloo on CPU is slow
-MOVED_BYTES = 64 << 20  # each size runs about this many bytes, within MIN/MAX_ITERATIONS
+MOVED_BYTES = 64 << 20  # each size moves at most about this many bytes...
+SIZE_S = 0.5  # ...and takes about this long (a slow network must not make the preflight slow)
 MIN_ITERATIONS, MAX_ITERATIONS = 3, 50
 
 
-def iterations(nbytes: int) -> int:
-    return int(min(MAX_ITERATIONS, max(MIN_ITERATIONS, MOVED_BYTES // nbytes)))
+def iterations(nbytes: int, first_s: float) -> int:
+    """Timed all-reduces of ``nbytes`` after a first one that took ``first_s`` seconds."""
+    wanted = min(MOVED_BYTES // nbytes, int(SIZE_S / max(first_s, 1e-9)))
+    return int(min(MAX_ITERATIONS, max(MIN_ITERATIONS, wanted)))
+
+
+def agreed_iterations(world, nbytes: int, first_s: float) -> int:
+    """Rank 0's :func:`iterations`, on every rank (a deadline-checked broadcast)."""
+    return int(world.bcast(np.array([iterations(nbytes, first_s)], dtype=np.int64),
+                           tag="doctor")[0])
 
 
 def bus_factor(ranks: int) -> float:
@@ -45,12 +56,13 @@ def mpi_allreduce(world, sizes: list) -> tuple:
         send = np.full(nbytes // 4, world.rank + 1, dtype=np.float32)
         recv = np.empty_like(send)
         world.arrive("doctor: MPI all-reduce", world.timeout_s)
+        start = time.perf_counter()
         comm.Allreduce(send, recv)
+        k = agreed_iterations(world, nbytes, time.perf_counter() - start)
         if not np.all(recv == _expected(world.size)) and not findings:
             findings.append(Finding("MPI all-reduce", f"wrong sums at {human(nbytes)}",
                                     "check the MPI library and its network settings"))
         comm.Barrier()
-        k = iterations(nbytes)
         start = time.perf_counter()
         for _ in range(k):
             comm.Allreduce(send, recv)
@@ -72,10 +84,11 @@ def torch_allreduce(world, device, sizes: list) -> tuple:
         checked = torch.full((nbytes // 4,), float(world.rank + 1), device=device)
         timed = torch.zeros_like(checked)  # sums of zeros stay finite however many rounds
         world.arrive(label, world.timeout_s)
-        k = iterations(nbytes)
         try:
+            start = time.perf_counter()
             dist.all_reduce(checked)
             _synchronize(device)
+            k = agreed_iterations(world, nbytes, time.perf_counter() - start)
             world.comm.Barrier()
             start = time.perf_counter()
             for _ in range(k):

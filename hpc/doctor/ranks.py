@@ -7,7 +7,7 @@ import torch
 
 from hpc.doctor.findings import Finding
 from hpc.runtime.errors import UserError
-from hpc.runtime.world import select_device
+from hpc.runtime.world import mpi_library, select_device
 
 GIB = 2 ** 30
 
@@ -35,13 +35,6 @@ def nccl_version() -> str:
         return "-"
     version = torch.cuda.nccl.version()
     return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
-
-
-def mpi_library() -> str:
-    """The first line of the MPI library's own version string (MPI_Get_library_version)."""
-    from mpi4py import MPI
-
-    return MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0].strip()
 
 
 def rank_facts(world, device) -> dict:

@@ -53,7 +53,7 @@ from hpc.runtime.atomic import refuse_link, write_bytes
 from hpc.runtime.errors import UserError
 from hpc.runtime.readback import MAX_STEP
 from hpc.runtime.report_to import scalars
-from hpc.runtime.world import _mpi
+from hpc.runtime.world import mpi_library
 
 _CHUNK_ROWS = 64
 ROWS_ATTR = "rows"  # a step-indexed group's committed rows: readers read no further
@@ -88,7 +88,7 @@ def environment_attrs(world, device) -> dict:
         "torch_version": str(torch.__version__),
         "cpu_kernels": torch.backends.cpu.get_cpu_capability(),  # AVX512, AVX2, DEFAULT...
         "cuda_version": torch.version.cuda or "",
-        "mpi_version": _mpi().Get_library_version().replace("\0", "").strip().splitlines()[0],
+        "mpi_version": mpi_library(),
     }
 
 
@@ -180,6 +180,9 @@ class RunStore:
             self._abandon()
             hint = ("free space, then rerun with --resume (a damaged run file is restored from "
                     "the checkpoint)" if code in (errno.ENOSPC, errno.EDQUOT) else
+                    "this file system refuses HDF5's file locks: export "
+                    "HDF5_USE_FILE_LOCKING=FALSE for the job (hpc-doctor checks it)"
+                    if code == errno.ENOLCK else
                     "rerun with --resume once the output folder is writable")
             raise UserError(f"cannot write the run file {self.path}: {os.strerror(code)}; "
                             f"{hint}", same_on_all_ranks=False) from None

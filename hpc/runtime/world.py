@@ -259,6 +259,12 @@ class World:
         self.comm.Abort(1)
 
 
+def mpi_library() -> str:
+    """The first line of the MPI library's own version string (MPI_Get_library_version), e.g.
+    'Open MPI v5.0.11, package: ...' or 'MPICH Version: 4.0.2'."""
+    return _mpi().Get_library_version().replace("\0", "").strip().splitlines()[0].strip()
+
+
 _WORLD: World | None = None
 
 
