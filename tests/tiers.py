@@ -34,7 +34,8 @@ import time
 
 import pytest
 
-MPI_LAUNCHERS = {"mpirun", "mpiexec", "mpiexec.hydra", "orterun", "prterun"}
+MPI_LAUNCHERS = {"mpirun", "mpiexec", "mpiexec.hydra", "orterun", "prterun", "mpiexec.mpich",
+                 "mpirun.mpich", "mpiexec.openmpi", "mpirun.openmpi"}
 SLURM_COMMANDS = {"sbatch", "srun", "salloc", "scontrol", "sinfo", "squeue", "scancel",
                   "sacct", "slurmctld", "slurmd", "munged"}
 SLURM_SCRIPTS = ("local-slurm/",)  # start.sh, stop.sh, cluster.sh
