@@ -268,9 +268,9 @@ def test_commands_shown_exist_and_answer_help_with_their_flags(page):
         elif name.startswith("python") and args[:1] == ["-m"]:
             module = args[1]
             assert importlib.util.find_spec(module) is not None, f"{page}: `{line}`: no module"
-            if module in ("essa", "fgrpo"):
-                for flag in _flags(args[2:]):
-                    assert flag in _help(module), f"{page}: `{line}`: no {flag}"
+            for flag in _flags(args[2:]):
+                text = _help(module) if module in ("essa", "fgrpo") else _module_help(module)
+                assert flag in text, f"{page}: `{line}`: python -m {module} has no {flag}"
         elif name.startswith("python") and args and args[0].endswith(".py"):
             script = os.path.join(REPO, args[0])
             assert os.path.isfile(script), f"{page}: `{line}`: no file {args[0]}"
@@ -336,6 +336,15 @@ def _check_pip(page: str, line: str, args: list) -> None:
     for flag, path in zip(args, args[1:]):
         if flag in ("-c", "-r", "--constraint", "--requirement"):
             assert os.path.isfile(os.path.join(REPO, path)), f"{page}: `{line}`: no {path}"
+
+
+@functools.lru_cache(maxsize=None)
+def _module_help(module: str) -> str:
+    """What ``python -m MODULE --help`` prints (mpi4py, venv, the package's own modules)."""
+    proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,
+                          text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, f"python -m {module} --help exited {proc.returncode}"
+    return proc.stdout + proc.stderr
 
 
 @functools.lru_cache(maxsize=None)
