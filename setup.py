@@ -68,7 +68,7 @@ setup(
         # each method's job config class: hpc-doctor checks every job's config on its rank
         # count and its memory plan (hpc/doctor/)
         "hpc.method_jobs": [
-            "sft=hpc.sft_config:SFTJobConfig",
+            "sft=sft.config:SFTJobConfig",
             "essa=essa.config:ESSAJobConfig",
             "fgrpo=fgrpo.config:FGRPOJobConfig",
         ],

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.toy]
 
 MPICH_CC = "/usr/bin/mpicc.mpich"
 MPICH_EXEC = "/usr/bin/mpiexec.mpich"
-RUNS = {"sft": ("hpc.sft", SFT), "fgrpo": ("fgrpo", FGRPO), "essa": ("essa", ESSA)}
+RUNS = {"sft": ("sft", SFT), "fgrpo": ("fgrpo", FGRPO), "essa": ("essa", ESSA)}
 
 
 @pytest.fixture(scope="module")

@@ -54,7 +54,6 @@ def method_configs(cfg) -> tuple:
         job = entry.load()()
         for f in dataclasses.fields(job):
             setattr(job, f.name, copy.deepcopy(getattr(cfg, f.name)))
-        job.given_keys = cfg.given_keys
         try:
             if hasattr(job, "validate"):
                 job.validate()

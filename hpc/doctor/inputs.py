@@ -1,7 +1,7 @@
 """A job's inputs on every node: the model folder (present, and the same config.json, tokenizer
 files and weight sizes as rank 0's: sha256 of the small files, sizes of the weights, which
 hashing would read for minutes), the memory plan's verdict for this rank count
-(:func:`hpc.plan.memory_plan.check_job_memory`, the call every job makes at start), the data
+(:func:`hpc.plan.registry.check_job_memory`, the call every job makes at start), the data
 files (read row by row, as a job's input check does) and the space the run's checkpoints take.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hpc.data.mathdata import check_task_files
 from hpc.doctor.findings import Finding
 from hpc.engine.shape import ModelShape
 from hpc.models.folders import TOKENIZER_FILES, WEIGHT_FILES, check_model_folder
-from hpc.plan.memory_plan import check_job_memory
+from hpc.plan.registry import check_job_memory
 from hpc.runtime.config import BUILT_IN_MODEL_NAMES
 from hpc.runtime.errors import UserError
 
