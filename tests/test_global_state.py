@@ -7,10 +7,8 @@ from its own module or through an import), or stashes state on another object's 
 Constant tables (a dict nobody writes) are not state. The exceptions are process-wide by
 nature and named in :data:`ALLOWED` with why."""
 import ast
-import os
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("hpc", "sft", "essa", "fgrpo", "compare")
+from test_import_graph import _module_files
 MUTATORS = {"append", "extend", "insert", "pop", "popitem", "remove", "clear", "update",
             "setdefault", "add", "discard", "sort", "reverse", "__setitem__", "__delitem__"}
 CONTAINERS = {"dict", "list", "set", "defaultdict", "OrderedDict", "Counter", "deque"}
@@ -29,17 +27,11 @@ ALLOWED = {
 
 def _modules() -> dict:
     """{dotted module name: parsed tree} of every .py file of the packages."""
-    out = {}
-    for package in PACKAGES:
-        for folder, _, files in os.walk(os.path.join(REPO, package)):
-            for name in files:
-                if name.endswith(".py"):
-                    path = os.path.join(folder, name)
-                    parts = os.path.relpath(path, REPO)[:-3].split(os.sep)
-                    module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-                    with open(path) as fh:
-                        out[module] = ast.parse(fh.read(), path)
-    return out
+    modules = {}
+    for module, path in _module_files().items():
+        with open(path) as fh:
+            modules[module] = ast.parse(fh.read(), path)
+    return modules
 
 
 def _containers(tree) -> set:
