@@ -15,6 +15,7 @@ from scipy import stats
 from conftest import REPO
 from hpc.analysis.reproduce import PLOTS, gamma_summary, method_summary
 from hpc.runtime.runstore import RunFile
+from hpc.toys import TOY_VERSION
 
 TOKENS = 3000
 MINI = {"SEEDS": "0", "GAMMAS": "0 1", "STEPS": "2", "SAMPLES": "8", "N_EVAL": "8",
@@ -48,7 +49,12 @@ def test_miniature_experiment_writes_runs_summary_and_plots(tmp_path):
             .group("metrics")["generated_tokens"]
         assert tokens[-1] >= TOKENS and (len(tokens) == 1 or tokens[-2] < TOKENS)
     summary = json.loads((out / "summary.json").read_text())
-    assert sorted(summary) == ["family", "gamma", "tokens", "wall"]
+    assert sorted(summary) == ["family", "gamma", "provenance", "tokens", "wall"]
+    made = summary["provenance"]  # what hpc.analysis.pages names beside a quoted table
+    assert made["command"].startswith("hpc-report reproduce ")
+    assert [build.split()[0] for build in made["toy_build"]] == [TOY_VERSION]
+    assert made["commit"] and made["machine"]
+    assert summary["family"]["arms"]["cispo-g0"]["num_iterations"] == [2]  # CISPO_ITERATIONS
     assert sorted(summary["family"]["arms"]) == [f"{a}-g{g}" for a in ("cispo", "grpo")
                                                  for g in (0, 1)]
     for algo in ("grpo", "cispo"):
@@ -69,7 +75,7 @@ def test_miniature_experiment_writes_runs_summary_and_plots(tmp_path):
 def _run(seed, accuracy, passk, method="fgrpo", gamma=0.0):
     return SimpleNamespace(seed=seed, gamma=gamma, method=method, accuracy=accuracy,
                            passk=np.asarray(passk), start_passk=None, start_accuracy=0.5,
-                           steps=10, train_s=5.0, tokens=1000)
+                           steps=10, train_s=5.0, tokens=1000, num_iterations=1)
 
 
 def test_gamma_table_pairs_seeds_and_tests_each_gamma_against_zero():
@@ -113,3 +119,4 @@ def test_family_table_has_cis_and_pairs_each_focal_arm_with_its_plain_one():
     assert pair["mean_difference"] == pytest.approx(0.05)
     assert np.isnan(pair["p_value"]) or pair["p_value"] < 1e-6  # a constant gain
     assert record["arms"]["grpo-g0"]["seeds"] == [0, 1, 2]
+    assert record["arms"]["grpo-g0"]["num_iterations"] == [1, 1, 1]  # passes a batch, by seed

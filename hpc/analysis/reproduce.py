@@ -25,12 +25,19 @@ over seeds, the band from the lowest to the highest seed; the SFT start dashed),
 ``accuracy_vs_train_time.png`` and ``accuracy_vs_tokens.png`` (held-out greedy accuracy of
 each method against training seconds and generated tokens, interpolated onto one grid; mean
 and min-max band over seeds). Spreads are sample standard deviations (ddof = 1).
+
+The JSON (``--json``) holds every table's values per seed (each family arm with its
+``fgrpo.num_iterations``) and ``provenance``: the command, and the commits, toy builds
+(``model_build``) and machines its run files record, so that a page quoting it
+(:mod:`hpc.analysis.pages`) can name them.
 """
 from __future__ import annotations
 
 import glob
 import json
 import os
+import shlex
+import sys
 import warnings
 
 import numpy as np
@@ -65,6 +72,14 @@ class Run:
         self.gamma = float(cfg["fgrpo"]["gamma"]) if self.method == "fgrpo" else None
         self.algorithm = cfg["fgrpo"].get("algorithm", "grpo") if self.method == "fgrpo" \
             else None
+        self.num_iterations = int(cfg["fgrpo"].get("num_iterations", 1)) \
+            if self.method == "fgrpo" else None
+        # what the results file's provenance names (hpc.runtime.runstore's attributes)
+        self.commit = f.attrs.get("git_commit", "") or "unrecorded"
+        self.toy_build = f.attrs.get("model_build", "unrecorded") or None  # '': not a toy
+        self.machine = (f"{f.attrs.get('world_size')} rank(s) on {f.attrs.get('device_model')}"
+                        f", cpu kernels {f.attrs.get('cpu_kernels')}, torch "
+                        f"{f.attrs.get('torch_version')}")
         ev = f.group("eval")
         start, end = np.flatnonzero(ev["step"] == -1), np.flatnonzero(ev["step"] >= 0)
         self.start_passk = ev["pass_at_k"][start[0]] if start.size else None
@@ -233,6 +248,10 @@ def family_summary(runs: list) -> tuple:
         rows.append(["SFT start", len(starts), "0", "0", _ci_text([r.start_accuracy
                                                                    for r in starts])] +
                     [_ci_text([r.start_passk[k - 1] for r in starts]) for k in ks])
+        record["start"] = {"seeds": [r.seed for r in starts],
+                           "greedy": [r.start_accuracy for r in starts],
+                           "pass_at_k": {str(k): [float(r.start_passk[k - 1]) for r in starts]
+                                         for k in ks}}
     for a, g, rs in arms:
         name = ("" if g == 0.0 else "F-") + ALGORITHMS[a] + ("" if g == 0.0 else f" (γ={g:g})")
         rows.append([name, len(rs), f"{np.mean([r.steps for r in rs]):.0f}",
@@ -241,6 +260,7 @@ def family_summary(runs: list) -> tuple:
                     [_ci_text([r.passk[k - 1] for r in rs]) for k in ks])
         arm = record["arms"][f"{a}-g{g:g}"] = {
             "algorithm": a, "gamma": g, "seeds": [r.seed for r in rs],
+            "num_iterations": [r.num_iterations for r in rs],
             "steps": [r.steps for r in rs], "tokens": [r.tokens for r in rs],
             "greedy": [r.accuracy for r in rs],
             "pass_at_k": {str(k): [float(r.passk[k - 1]) for r in rs] for k in ks}}
@@ -280,6 +300,18 @@ def summarize(root: str) -> tuple:
         text, record["family"] = family_summary(runs["family"])
         parts.append(text)
     return "\n\n".join(parts), record, runs
+
+
+def provenance(runs: dict) -> dict:
+    """What made the summary: this command, and the runs' commits, toy builds and machines
+    (each a sorted list of the distinct values its run files record)."""
+    files = [r for group in runs.values() for r in group]
+
+    def distinct(name):
+        return sorted({getattr(r, name) for r in files if getattr(r, name) is not None})
+
+    return {"command": shlex.join(["hpc-report"] + sys.argv[1:]), "commit": distinct("commit"),
+            "toy_build": distinct("toy_build") or None, "machine": distinct("machine")}
 
 
 def _band(ax, x, ys, label, style="-"):
@@ -376,7 +408,7 @@ def main(args) -> None:
     print(text)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
+            json.dump(dict(record, provenance=provenance(runs)), f, indent=1)
         print(f"json: {args.json}")
     if args.plots:
         for path in draw(runs, args.plots):

@@ -48,6 +48,7 @@ import time
 import numpy as np
 import torch
 
+from hpc.models.loading import model_folder
 from hpc.runtime.checkpoint import load_latest, save_checkpoint
 from hpc.runtime.distckpt import (check_manifest, load_sharded, prune_sharded, save_sharded,
                                    verify_sharded)
@@ -60,6 +61,8 @@ from hpc.runtime.report_to import open_reporters
 from hpc.runtime.results import EvalResult, log_eval
 from hpc.runtime.runstore import RunStore, check_snapshot, environment_attrs
 from hpc.runtime.timing import PhaseTimer, gather_timings
+from hpc.runtime.config import BUILT_IN_MODEL_NAMES
+from hpc.toys.cache import build_words
 
 # What a phase's seconds are spent on, for readers of the run file (hpc-report, hpc-scaling):
 PHASE_KINDS = ("rollout",        # producing and scoring completions (decoding, rewards)
@@ -167,7 +170,13 @@ def run_attrs(job: Job, method: Method) -> dict:
                 method=method.name, config=job.config_text, step_name=method.step_name,
                 phases=json.dumps(phases), metrics=json.dumps(list(method.metrics) + list(LOOP_METRICS)),
                 heldout_accuracy=method.heldout_accuracy, preempted_before_first_step=False,
-                **method.attrs())
+                model_build=model_build(job.cfg.model.path), **method.attrs())
+
+
+def model_build(path: str) -> str:
+    """The build of a built-in model (:func:`hpc.toys.cache.build_words` of its cached folder,
+    loaded by now), '' for a model of the user's: results files name the toy build they ran."""
+    return build_words(model_folder(path)) if path in BUILT_IN_MODEL_NAMES else ""
 
 
 def resume_fields(state: dict, path: str) -> dict:

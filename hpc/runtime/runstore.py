@@ -17,7 +17,8 @@ Schema (documented in the README):
   A key missing from a row is NaN (floats) or 0 (integers).
 * where the model came from: ``model_folder`` (absolute; a built-in model's name),
   ``model_revision`` (the commit of a Hub id's cached snapshot, '' for a folder), and with an
-  adapter ``adapter_folder``, ``adapter_revision`` (:mod:`hpc.job.inputs`).
+  adapter ``adapter_folder``, ``adapter_revision`` (:mod:`hpc.job.inputs`); ``model_build``: a
+  built-in model's build, ``"<version> sha256:<weights>"`` ('' for the user's model).
 
 Rank 0's store also hands the scalars of every row to the ``run.report_to`` reporters
 (TensorBoard, W&B: :mod:`hpc.runtime.report_to`), at the row's step.

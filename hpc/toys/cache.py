@@ -65,6 +65,13 @@ def read_info(folder: str) -> dict:
         return json.load(fh)
 
 
+def build_words(folder: str) -> str:
+    """A built folder's build in words, ``"<version> sha256:<weights>"``: what a run file
+    (``model_build``) and a results file (``toy_build``) record of the model they ran."""
+    info = read_info(folder)
+    return f"{info['version']} sha256:{info.get('weights_sha256', 'unrecorded')}"
+
+
 def check_built(folder: str, expected: dict, rebuild: str) -> dict:
     """``folder``'s info if it records the ``expected`` values (e.g. ``{"version": ...,
     "steps": ...}``) and its weights match the recorded SHA-256 (folders from before the hash

@@ -36,11 +36,12 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from hpc.data.tasks import ARITH_TEMPLATE, _arith_problem
 from hpc.engine.generate import generate
 from hpc.runtime.errors import user_errors_exit
+from hpc.toys import TOY_VERSION
 from hpc.toys.cache import (INFO_FILE, build_into, cached_folder, check_built, read_info,
                             save_model_folder, train_steps)
 from hpc.toys.pinned import kernels_pinned, pinned_description, train_pinned
 
-VERSION = "toy-model-v3"
+VERSION = TOY_VERSION
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
 CHARACTERS = "0123456789+-*= abcdefghijklmnopqrstuvwxyz.,:?!()\n"
 REBUILD = "hpc-toy --rebuild"
