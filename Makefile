@@ -52,10 +52,13 @@ test: $(STAMP)
 	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not slurm" --durations=25 --budget=fail
 	$(PYTEST) -m slurm --durations=25 --budget=fail
 
-# docs/config.md from the config classes (the same source as every job's --help).
+# docs/config.md from the config classes (the same source as every job's --help), and every
+# generated figure of README.md and docs/*.md from its results file or hpc-plan
+# (hpc/analysis/pages.py).
 docs: $(STAMP)
 	$(BIN)/python -c 'from hpc.commands import config_reference; print(config_reference(), end="")' > docs/config.md.tmp
 	mv docs/config.md.tmp docs/config.md
+	$(BIN)/python -m hpc.analysis.pages
 
 clean:
 	rm -rf $(VENV) runs .cache

@@ -1,0 +1,74 @@
+"""Every generated figure of README.md and docs/*.md is what its results file or hpc-plan gives
+(hpc/analysis/pages.py; `make docs` writes them): a typed figure that differs, or a quoted
+results file of an older toy build whose block does not name that build, fails here."""
+import json
+import os
+
+import pytest
+
+from conftest import REPO
+from hpc.analysis import pages
+from hpc.toys import TOY_VERSION
+
+
+def _text(page):
+    with open(os.path.join(REPO, page)) as fh:
+        return fh.read()
+
+
+@pytest.mark.parametrize("page", pages.pages())
+def test_page_blocks_are_what_their_sources_give(page):
+    assert pages.problems(page, _text(page)) == []
+
+
+def test_every_block_is_on_a_page_and_every_results_file_names_its_provenance():
+    used = {m.group(2) for page in pages.pages() for m in pages.BLOCK.finditer(_text(page))}
+    assert used == set(pages.BLOCKS)
+    for sources, _ in pages.BLOCKS.values():
+        for path in sources:
+            prov = pages.provenance(path)
+            assert {"command", "commit", "toy_build", "machine"} <= set(prov), path
+
+
+def test_a_typed_figure_in_a_copy_of_a_page_fails_the_check():
+    text = _text("README.md")
+    block = text[text.index("<!-- figures: demo -->"):]
+    edited = text.replace(block, block.replace("92.6%", "93.6%", 1), 1)
+    assert edited != text
+    assert pages.problems("README.md", edited) == [
+        "README.md: block 'demo' differs from its source: regenerate with `make docs`"]
+    assert pages.render("README.md", edited) == text  # make docs puts the figure back
+
+
+def test_a_plan_figure_typed_otherwise_fails_the_check():
+    text = _text("docs/memory-plan.md")
+    edited = text.replace("46.19 GiB", "46.17 GiB", 1)
+    assert any("'plan-shipped' differs" in line for line in pages.problems("docs/memory-plan.md",
+                                                                            edited))
+
+
+def test_an_older_toy_build_must_be_named_where_its_figures_are_quoted(tmp_path, monkeypatch):
+    """A results file of another build than the current one: its block must name that build;
+    the same file at the current build needs no such words."""
+    folder = tmp_path / "benchmarks" / "results" / "run"
+    folder.mkdir(parents=True)
+    (folder / "summary.txt").write_text("table\n")
+    monkeypatch.setattr(pages, "REPO", str(tmp_path))
+    monkeypatch.setitem(pages.BLOCKS, "t", (["benchmarks/results/run/summary.txt"],
+                                            lambda page: "figures\n"))
+    page = "<!-- figures: t -->\nfigures\n<!-- /figures -->\n"
+    for build, named in ((f"{TOY_VERSION} sha256:ab", True), ("toy-model-v0 sha256:cd", False)):
+        (folder / "meta.json").write_text(json.dumps(dict(
+            command="c", commit="unrecorded", toy_build=build, machine="m")))
+        found = pages.problems("docs/x.md", page)
+        assert found == ([] if named else [
+            "docs/x.md: block 't' quotes benchmarks/results/run/summary.txt of toy build "
+            f"toy-model-v0 sha256:cd without naming it (the current build is {TOY_VERSION})"])
+    assert "toy-model-v0" in pages.caption("docs/x.md", "benchmarks/results/run/summary.txt")
+
+
+def test_family_table_states_each_arms_passes_from_the_results():
+    block = pages.BLOCKS["family-pairs"][1]("README.md")
+    passes = [row.split("|")[-2].strip() for row in block.splitlines()
+              if row.startswith("| ") and " -> F-" in row]
+    assert passes == ["1", "1", "2"]  # CISPO at fgrpo.num_iterations=2, as command.txt ran it
