@@ -23,7 +23,7 @@ The budget: with ``--budget=warn`` or ``--budget=fail`` (``make test``), a calib
 timed before the tests start and each test's time (setup + call + teardown) is scaled to the
 reference machine by the ratio of the calibration's time there (``tests/slow_tests.txt``) to
 its time now. A test over ``LIMIT_S`` at the reference speed that is not on that list with its
-reason is reported; ``fail`` also fails the run.
+reason is reported; ``fail`` also fails the run when one is over ``LIMIT_S * FAIL_MARGIN``.
 """
 from __future__ import annotations
 
@@ -45,6 +45,10 @@ FREE = {"git"}  # a run file's provenance (hpc/runtime/runstore.py: git rev-pars
 STARTERS = {"mpi", "slurm", "toy"}
 TOY_FORBIDDEN = "a-test-not-marked-toy-cannot-use-the-toy-cache"
 LIMIT_S = 60.0  # at the reference speed; a test over it must be on SLOW_LIST
+# ``--budget=fail`` fails the run only for a test over LIMIT_S * FAIL_MARGIN: the calibration
+# is timed once, before the tests, and a test's own time moves by a tenth or more with what
+# else runs beside it, so a test just over LIMIT_S is reported, not failed
+FAIL_MARGIN = 1.25
 SLOW_LIST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow_tests.txt")
 # The calibration step: a child Python that imports torch and multiplies matrices on one
 # thread, the two things most tests' time goes to (their subprocesses start the same way).
@@ -250,13 +254,17 @@ class Budget:
                        if s * self.scale > LIMIT_S and not self.listed(nodeid)),
                       key=lambda row: -row[1])
 
+    def failing(self) -> list:
+        """The rows of :meth:`over` past ``LIMIT_S * FAIL_MARGIN``: what fails the run."""
+        return [row for row in self.over() if row[2] > LIMIT_S * FAIL_MARGIN]
+
     def listed(self, nodeid: str) -> bool:
         return any(on_list(nodeid, pattern) for pattern in self.allowed)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtestloop(self, session):
         yield
-        if self.fail and self.over():
+        if self.fail and self.failing():
             session.testsfailed += 1
 
     def pytest_terminal_summary(self, terminalreporter):
@@ -275,6 +283,11 @@ class Budget:
                   f"speed) and is not on tests/slow_tests.txt", red=True)
         if not over:
             write(f"every other test is within {LIMIT_S:.0f} s at the reference speed")
-        elif self.fail:
-            write("the budget check failed: speed the test up, or add it to "
-                  "tests/slow_tests.txt with its reason", red=True)
+        elif self.fail and self.failing():
+            write(f"the budget check failed (a test over {LIMIT_S * FAIL_MARGIN:g} s at the "
+                  f"reference speed): speed the test up, or add it to tests/slow_tests.txt with "
+                  f"its reason", red=True)
+        else:
+            write(f"not failed: each is within {LIMIT_S * FAIL_MARGIN:g} s at the reference "
+                  f"speed, the margin for a test's time moving with what runs beside it; "
+                  f"speed it up, or add it to tests/slow_tests.txt with its reason")
