@@ -194,6 +194,13 @@ def reproduce_tables(page: str) -> str:
     return "```\n" + "\n".join(printed(REPRODUCE)).strip() + "\n```\n\n" + caption(page, REPRODUCE)
 
 
+def plot(page: str, image: str, alt: str, source: str) -> str:
+    """A plot that ``hpc-report reproduce`` drew beside its results file ``source``: the image
+    (linked from ``page``) and the caption naming ``source`` and its provenance."""
+    link = os.path.relpath(os.path.join(REPO, image), os.path.dirname(os.path.join(REPO, page)))
+    return f"![{alt}]({link})\n\n" + caption(page, source)
+
+
 # what each run of jobscripts/essa-ceiling.sh is (its run folder's name in the results file)
 CEILING_RUNS = {
     "essa-demo": "ESSA as in the demo (population 16, minibatch 256)",
@@ -359,6 +366,12 @@ BLOCKS = {  # name: (results files it reads, its text on a page)
                         lambda page: family_table(page, "summary-cispo-mu1.json")),
     "family": ([f"{FAMILY}/summary.json"], lambda page: family_table(page, "summary.json")),
     "reproduce": ([REPRODUCE], reproduce_tables),
+    "plot-family": ([f"{FAMILY}/summary.json"], lambda page: plot(
+        page, f"{FAMILY}/plots/passk_family.png", "pass@k against k, plain and focal, per "
+        "algorithm, with 95% intervals over seeds", f"{FAMILY}/summary.json")),
+    "plot-time": ([REPRODUCE], lambda page: plot(
+        page, f"{os.path.dirname(REPRODUCE)}/accuracy_vs_train_time.png", "held-out accuracy "
+        "of ESSA and F-GRPO against training seconds, min-max over seeds", REPRODUCE)),
     "essa-ceiling": ([CEILING], essa_ceiling),
     "plan-shipped": ([], lambda page: plan_full(SHIPPED)),
     "plan-peaks": ([], lambda page: plan_peaks(f"hpc-plan {CLUSTER} --ranks 8")),
