@@ -24,7 +24,9 @@
 #   FAMILY_TOKENS=12000  tokens a run (family/)   FAMILY_GAMMA=1   FAMILY_EVAL=128
 #   FAMILY_SAMPLES=32  samples a problem for the family's pass@k
 #   FAMILY_BATCH=32  prompts a step (family/)   FAMILY_ALGORITHMS="grpo dapo cispo"
-#   CISPO_ITERATIONS=2  fgrpo.num_iterations of the CISPO pair (at 1 CISPO's gradient is GRPO's)
+#   FAMILY_ITERATIONS=2  fgrpo.num_iterations of every family arm: equal passes over each batch
+#                        (at 1 CISPO's gradient is GRPO's: its importance weight acts from the
+#                        second pass on)
 #   RANKS=2
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +42,7 @@ FAMILY_TOKENS=${FAMILY_TOKENS:-12000} FAMILY_GAMMA=${FAMILY_GAMMA:-1}
 FAMILY_EVAL=${FAMILY_EVAL:-128} FAMILY_SAMPLES=${FAMILY_SAMPLES:-32}
 FAMILY_BATCH=${FAMILY_BATCH:-32}
 read -r -a algorithms <<<"${FAMILY_ALGORITHMS:-grpo dapo cispo}"
-CISPO_ITERATIONS=${CISPO_ITERATIONS:-2}
+FAMILY_ITERATIONS=${FAMILY_ITERATIONS:-2}
 STEPS=${STEPS:-150} SAMPLES=${SAMPLES:-256} N_EVAL=${N_EVAL:-128}
 METHOD_EVAL=${METHOD_EVAL:-256} TRAIN_S=${TRAIN_S:-60} TOKENS=${TOKENS:-400000}
 ESSA_EVERY=${ESSA_EVERY:-10} FGRPO_EVERY=${FGRPO_EVERY:-30}
@@ -95,15 +97,13 @@ done
 for algo in "${algorithms[@]}"; do
   has family || break
   mkdir -p "$OUT/family"
-  iterations=1
-  [[ $algo == cispo ]] && iterations=$CISPO_ITERATIONS
   for gamma in 0 "$FAMILY_GAMMA"; do
     for seed in "${seeds[@]}"; do
       run=$OUT/family/$algo-g$gamma-s$seed
       stage "$algo gamma $gamma seed $seed: $FAMILY_TOKENS tokens, pass@k from $FAMILY_SAMPLES samples"
       "${MPIRUN[@]}" $PY -m fgrpo configs/demo/fgrpo.yaml "lora.adapter=$adapter" \
         "fgrpo.algorithm=$algo" "fgrpo.gamma=$gamma" fgrpo.steps=100000 \
-        "fgrpo.batch_prompts=$FAMILY_BATCH" "fgrpo.num_iterations=$iterations" \
+        "fgrpo.batch_prompts=$FAMILY_BATCH" "fgrpo.num_iterations=$FAMILY_ITERATIONS" \
         "run.max_generated_tokens=$FAMILY_TOKENS" "run.seed=$seed" "task.n_eval=$FAMILY_EVAL" \
         "eval.every=0" "eval.n_samples=$FAMILY_SAMPLES" "run.out=$run" "${QUIET[@]}" \
         >"$run.log" 2>&1 || { echo "failed: see $run.log"; exit 1; }
