@@ -535,3 +535,39 @@ def test_fgrpo_job_preempted_by_usr1_resumes_to_all_steps_without_gap(slurm, toy
         assert list(f["timings/step"][:]) == list(range(1, 41))
         assert list(f["eval/step"][:]) == [-1, 40]  # the start evaluation only once
     assert (run / "adapter").is_dir()
+
+
+@pytest.mark.subprocess
+def test_a_restart_without_its_gpus_is_requeued_once_then_names_the_fix(tmp_path):
+    """requeue_without_gpus (common.sh), outside Slurm with scontrol recorded: a restart that
+    asked for GPUs and holds none (Slurm before 23.02.2 after a lost node) is requeued once
+    (exit 3); a second such restart ends with exit 1 and the line naming the fix; a restart
+    that holds its GPUs, a first start and a job without GPUs go on (exit 0)."""
+    calls = tmp_path / "scontrol-calls"
+    (tmp_path / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (tmp_path / "scontrol").chmod(0o755)
+    run = tmp_path / "runs" / "fgrpo-42"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_"))}
+    env.update(PATH=f"{tmp_path}:{env['PATH']}", SLURM_JOB_ID="42")
+
+    def check(**variables) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", 'source jobscripts/slurm/common.sh && '
+                               'requeue_without_gpus "$1"', "-", str(run)], cwd=REPO,
+                              env=dict(env, **variables), capture_output=True, text=True,
+                              timeout=60)
+
+    lost = dict(SLURM_RESTART_COUNT="1", SLURM_GPUS_PER_NODE="2")
+    first = check(**lost)
+    assert first.returncode == 3, first.stderr
+    assert first.stderr.startswith("restart 1 of job 42 holds none of its GPUs"), first.stderr
+    assert calls.read_text() == "requeue 42\n"
+    again = check(**lost)
+    lines = again.stderr.strip().splitlines()
+    assert again.returncode == 1 and len(lines) == 1, again.stderr
+    assert "'scontrol reconfigure'" in lines[0] and "scontrol requeue 42" in lines[0]
+    for fine in (dict(lost, SLURM_GPUS_ON_NODE="2"), dict(lost, SLURM_RESTART_COUNT="0"),
+                 dict(lost, SLURM_GPUS_PER_NODE="0")):
+        proc = check(**fine)
+        assert proc.returncode == 0 and proc.stderr == "", (fine, proc.stderr)
+    assert calls.read_text() == "requeue 42\n"
+    assert not (run / ".requeued-without-gpus").exists()  # cleared once GPUs were held

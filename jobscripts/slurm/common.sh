@@ -38,6 +38,7 @@
 #     exit when a rank was lost (a node's link or slurmd gone mid-run): the surviving rank 0
 #     names it in the run file (status lost, lost_ranks, lost_hosts) and aborts after
 #     run.collective_timeout_s; the job is requeued and resumes from its last checkpoint.
+#     And when a restart holds none of the GPUs it asked for (requeue_without_gpus below).
 # A launcher can hang when a node is gone (srun waits for the lost node's tasks until its link
 # returns): once the run file says lost, the launcher has LAUNCHER_GRACE_S (default 10) seconds
 # to exit before it is killed; the run file is polled every RUN_FILE_POLL_S (default 5) s.
@@ -151,6 +152,33 @@ choose_launcher() {
   esac
 }
 
+# A restarted job that asked for GPUs (--gpus-per-node) but holds none of them: Slurm 21.08.0
+# to 23.02.1 (SchedMD bug 16121, fixed in 23.02.2) restarts a job that was requeued while one
+# of its nodes did not answer, and was then marked DOWN, with an empty GPU allocation, so that
+# every step fails ("Invalid generic resource (gres) specification"). A requeue from this
+# healthy allocation clears it: requeue once more (exit 3). Once per job (a marker in run
+# folder $1): if the next attempt still holds no GPUs, exit 1 naming the fix.
+requeue_without_gpus() {
+  local out=$1 marker=$1/.requeued-without-gpus
+  if ((${SLURM_RESTART_COUNT:-0} == 0)) || [[ ${SLURM_GPUS_PER_NODE:-0} == 0 ]] ||
+     [[ ${SLURM_GPUS_ON_NODE:-0} != 0 ]]; then
+    rm -f "$marker"
+    return 0
+  fi
+  if [[ -f $marker ]]; then
+    echo "error: job $SLURM_JOB_ID still holds none of its GPUs after a requeue (Slurm" \
+         "before 23.02.2, bug 16121): an administrator's 'scontrol reconfigure' frees them;" \
+         "then: scontrol requeue $SLURM_JOB_ID (docs/troubleshooting.md)" >&2
+    return 1
+  fi
+  mkdir -p "$out" && touch "$marker"
+  echo "restart ${SLURM_RESTART_COUNT} of job $SLURM_JOB_ID holds none of its GPUs" \
+       "(--gpus-per-node=$SLURM_GPUS_PER_NODE; Slurm before 23.02.2 after a lost node, bug" \
+       "16121): requeueing it once more (docs/troubleshooting.md)" >&2
+  scontrol requeue "$SLURM_JOB_ID"
+  return $EXIT_PREEMPTED
+}
+
 in_slurm_job() {
   if [[ -z ${SLURM_JOB_ID:-} ]]; then
     echo "error: not in a Slurm job: submit with sbatch" >&2
@@ -207,6 +235,7 @@ with h5py.File(sys.argv[1], "r", locking=False) as f:
   fi
 
   choose_launcher || return
+  requeue_without_gpus "$out" || return
 
   echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $SLURM_NTASKS ranks on" \
        "$SLURM_JOB_NUM_NODES node(s) [$SLURM_JOB_NODELIST], GPUs/node ${SLURM_GPUS_ON_NODE:-0}"
