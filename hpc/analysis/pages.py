@@ -56,8 +56,9 @@ def read(path: str) -> str:
 def provenance(path: str) -> dict:
     """The provenance of results file ``path`` (relative to the repository): its own
     ``provenance`` (a JSON written by ``hpc-report reproduce``), else its sidecar's."""
-    if path.endswith(".json") and "provenance" in json.loads(read(path)):
-        return json.loads(read(path))["provenance"]
+    own = json.loads(read(path)) if path.endswith(".json") else {}
+    if "provenance" in own:
+        return own["provenance"]
     folder = os.path.dirname(path)
     sidecar = os.path.join(folder, "meta.json") if folder != RESULTS else path + ".meta.json"
     return json.loads(read(sidecar))
@@ -74,11 +75,15 @@ def stale_builds(prov: dict) -> list:
     return [b for b in toy_builds(prov) if b.split()[0] != TOY_VERSION]
 
 
+def link(page: str, path: str) -> str:
+    """``path`` (relative to the repository) as a link from ``page``."""
+    return os.path.relpath(os.path.join(REPO, path), os.path.dirname(os.path.join(REPO, page)))
+
+
 def caption(page: str, path: str) -> str:
     """The line under a block: its file (linked from ``page``) and that file's provenance."""
     prov = provenance(path)
-    link = os.path.relpath(os.path.join(REPO, path), os.path.dirname(os.path.join(REPO, page)))
-    words = [f"from [`{path}`]({link})", f"command `{prov['command']}`"]
+    words = [f"from [`{path}`]({link(page, path)})", f"command `{prov['command']}`"]
     commits = prov["commit"] if isinstance(prov["commit"], list) else [prov["commit"]]
     words.append("commit " + ", ".join(c[:12] for c in commits) +
                  (f" (file added in {prov['added_in'][:12]})" if "added_in" in prov else ""))
@@ -197,8 +202,7 @@ def reproduce_tables(page: str) -> str:
 def plot(page: str, image: str, alt: str, source: str) -> str:
     """A plot that ``hpc-report reproduce`` drew beside its results file ``source``: the image
     (linked from ``page``) and the caption naming ``source`` and its provenance."""
-    link = os.path.relpath(os.path.join(REPO, image), os.path.dirname(os.path.join(REPO, page)))
-    return f"![{alt}]({link})\n\n" + caption(page, source)
+    return f"![{alt}]({link(page, image)})\n\n" + caption(page, source)
 
 
 # what each run of jobscripts/essa-ceiling.sh is (its run folder's name in the results file)
