@@ -21,9 +21,10 @@
 #   ESSA_EVERY=10 FGRPO_EVERY=30  held-out evaluations along the wall/ runs (steps)
 #   ESSA_EVERY_T=4 FGRPO_EVERY_T=40  ... along the tokens/ runs
 #   PARTS="gamma wall tokens family"  the groups to run
-#   FAMILY_TOKENS=12000  tokens a run (family/)   FAMILY_GAMMA=1   FAMILY_EVAL=128
+#   FAMILY_TOKENS=60000  tokens a run (family/)   FAMILY_GAMMA=1   FAMILY_EVAL=128
 #   FAMILY_SAMPLES=32  samples a problem for the family's pass@k
 #   FAMILY_BATCH=32  prompts a step (family/)   FAMILY_ALGORITHMS="grpo dapo cispo"
+#   FAMILY_LR=0.001  fgrpo.learning_rate of every family arm
 #   FAMILY_ITERATIONS=2  fgrpo.num_iterations of every family arm: equal passes over each batch
 #                        (at 1 CISPO's gradient is GRPO's: its importance weight acts from the
 #                        second pass on)
@@ -38,11 +39,11 @@ read -r -a seeds <<<"${SEEDS:-0 1 2}"
 read -r -a gammas <<<"${GAMMAS:-0 0.5 1 2}"
 read -r -a parts <<<"${PARTS:-gamma wall tokens family}"
 has() { [[ " ${parts[*]} " == *" $1 "* ]]; }
-FAMILY_TOKENS=${FAMILY_TOKENS:-12000} FAMILY_GAMMA=${FAMILY_GAMMA:-1}
+FAMILY_TOKENS=${FAMILY_TOKENS:-60000} FAMILY_GAMMA=${FAMILY_GAMMA:-1}
 FAMILY_EVAL=${FAMILY_EVAL:-128} FAMILY_SAMPLES=${FAMILY_SAMPLES:-32}
 FAMILY_BATCH=${FAMILY_BATCH:-32}
 read -r -a algorithms <<<"${FAMILY_ALGORITHMS:-grpo dapo cispo}"
-FAMILY_ITERATIONS=${FAMILY_ITERATIONS:-2}
+FAMILY_ITERATIONS=${FAMILY_ITERATIONS:-2} FAMILY_LR=${FAMILY_LR:-0.001}
 STEPS=${STEPS:-150} SAMPLES=${SAMPLES:-256} N_EVAL=${N_EVAL:-128}
 METHOD_EVAL=${METHOD_EVAL:-256} TRAIN_S=${TRAIN_S:-60} TOKENS=${TOKENS:-400000}
 ESSA_EVERY=${ESSA_EVERY:-10} FGRPO_EVERY=${FGRPO_EVERY:-30}
@@ -104,6 +105,7 @@ for algo in "${algorithms[@]}"; do
       "${MPIRUN[@]}" $PY -m fgrpo configs/demo/fgrpo.yaml "lora.adapter=$adapter" \
         "fgrpo.algorithm=$algo" "fgrpo.gamma=$gamma" fgrpo.steps=100000 \
         "fgrpo.batch_prompts=$FAMILY_BATCH" "fgrpo.num_iterations=$FAMILY_ITERATIONS" \
+        "fgrpo.learning_rate=$FAMILY_LR" \
         "run.max_generated_tokens=$FAMILY_TOKENS" "run.seed=$seed" "task.n_eval=$FAMILY_EVAL" \
         "eval.every=0" "eval.n_samples=$FAMILY_SAMPLES" "run.out=$run" "${QUIET[@]}" \
         >"$run.log" 2>&1 || { echo "failed: see $run.log"; exit 1; }

@@ -118,3 +118,23 @@ def test_family_table_has_cis_and_pairs_each_focal_arm_with_its_plain_one():
     assert np.isnan(pair["p_value"]) or pair["p_value"] < 1e-6  # a constant gain
     assert record["arms"]["grpo-g0"]["seeds"] == [0, 1, 2]
     assert record["arms"]["grpo-g0"]["num_iterations"] == [1, 1, 1]  # passes a batch, by seed
+
+
+def test_family_states_each_arms_change_over_its_own_seeds_sft_start():
+    """Each arm minus the start evaluation of the same seed (not the mean start): the mean
+    and the Student-t 95% half-width of those differences, in the text and the record."""
+    from hpc.analysis.reproduce import family_summary
+    runs = []
+    for seed, start, end in ((0, 0.40, 0.50), (1, 0.30, 0.36), (2, 0.35, 0.47)):
+        r = _run(seed, 0.6, [end, 0.9])
+        r.algorithm, r.start_passk, r.start_accuracy = "grpo", np.array([start, 0.8]), 0.55
+        runs.append(r)
+    text, record = family_summary(runs)
+    gains = 100 * np.array([0.10, 0.06, 0.12])
+    half = stats.t.ppf(0.975, 2) * np.std(gains, ddof=1) / np.sqrt(3)
+    over = record["arms"]["grpo-g0"]["over_start"]
+    assert over["pass@1"]["mean_difference"] == pytest.approx(gains.mean() / 100)
+    assert over["pass@1"]["ci95"] == pytest.approx(half / 100)
+    assert over["pass@2"]["mean_difference"] == pytest.approx(0.1)
+    assert over["greedy"]["mean_difference"] == pytest.approx(0.05)
+    assert "each arm minus its SFT start" in text and f"+{gains.mean():.1f} ± {half:.1f}" in text

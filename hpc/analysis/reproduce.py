@@ -252,6 +252,8 @@ def family_summary(runs: list) -> tuple:
                            "greedy": [r.start_accuracy for r in starts],
                            "pass_at_k": {str(k): [float(r.start_passk[k - 1]) for r in starts]
                                          for k in ks}}
+    start = {r.seed: r for r in starts}
+    gains = []
     for a, g, rs in arms:
         name = ("" if g == 0.0 else "F-") + ALGORITHMS[a] + ("" if g == 0.0 else f" (γ={g:g})")
         rows.append([name, len(rs), f"{np.mean([r.steps for r in rs]):.0f}",
@@ -264,6 +266,18 @@ def family_summary(runs: list) -> tuple:
             "steps": [r.steps for r in rs], "tokens": [r.tokens for r in rs],
             "greedy": [r.accuracy for r in rs],
             "pass_at_k": {str(k): [float(r.passk[k - 1]) for r in rs] for k in ks}}
+        from_start = [(start[r.seed], r) for r in rs if r.seed in start]
+        if len(from_start) >= 2:
+            metrics = {"greedy": [r.accuracy - s.start_accuracy for s, r in from_start]} | {
+                f"pass@{k}": [r.passk[k - 1] - s.start_passk[k - 1] for s, r in from_start]
+                for k in ks}
+            arm["over_start"] = {}
+            for metric, diffs in metrics.items():
+                mean, half = ci95(100 * np.asarray(diffs))
+                arm["over_start"][metric] = {"mean_difference": mean / 100, "ci95": half / 100}
+            gains.append([name, len(from_start)] + [
+                f"{d['mean_difference'] * 100:+.1f} ± {d['ci95'] * 100:.1f}"
+                for d in arm["over_start"].values()])
         paired = [(plain[a][r.seed], r) for r in rs if g != 0.0 and r.seed in plain.get(a, {})]
         if len(paired) < 2:
             continue
@@ -278,6 +292,10 @@ def family_summary(runs: list) -> tuple:
                                        "ci95": float(half / 100), "p_value": float(p)}
     text = ("The F-GRPO paper's pairs at equal generated tokens (final evaluation, pass@k "
             f"from {n} samples a problem; mean ± 95% CI over seeds, %)\n" + _table(head, rows))
+    if gains:
+        text += ("\n\neach arm minus its SFT start (the same seed's start evaluation; ± 95% CI, "
+                 "points)\n" + _table(["arm", "seeds", "greedy"] + [f"pass@{k}" for k in ks],
+                                      gains))
     if tests:
         text += ("\n\npaired t-test over seeds, focal minus plain (same seed: same first "
                  "batches and sampling keys; ± 95% CI, points)\n" +
