@@ -11,7 +11,7 @@
 #            final pass@k for k = 1..FAMILY_SAMPLES, paired by seed
 # then `hpc-report reproduce` prints the tables and tests (summary.txt), writes summary.json
 # and the plots, and `hpc-scaling --runs` predicts 16-128 GPUs from the wall/ runs
-# (scaling.txt). About 35 minutes on 2 idle cores with the defaults.
+# (scaling.txt). About 45 minutes on 2 idle cores with the defaults (the family group about 15).
 #
 #   jobscripts/reproduce.sh            knobs (environment):
 #   OUT=runs/reproduce                 SEEDS="0 1 2"   GAMMAS="0 0.5 1 2"

@@ -4,6 +4,7 @@ results file of an older toy build whose block does not name that build, fails h
 import json
 import os
 
+import numpy as np
 import pytest
 
 from conftest import REPO
@@ -71,4 +72,16 @@ def test_family_table_states_each_arms_passes_from_the_results():
     block = pages.BLOCKS["family-pairs"][1]("README.md")
     passes = [row.split("|")[-2].strip() for row in block.splitlines()
               if row.startswith("| ") and " -> F-" in row]
-    assert passes == ["1", "1", "2"]  # CISPO at fgrpo.num_iterations=2, as command.txt ran it
+    assert passes == ["2", "2", "2"]  # FAMILY_ITERATIONS=2: every arm, as its runs recorded
+
+
+def test_family_pairs_read_pass_at_k_where_the_start_has_headroom():
+    """The pairs table's k is the largest at which the SFT start's mean pass@k is below 90%
+    (at 16 and 32 the start is above it: no room left for the focal weight to show)."""
+    record = json.loads(pages.read(f"{pages.FAMILY}/summary.json"))["family"]
+    start = {k: 100 * np.mean(v) for k, v in record["start"]["pass_at_k"].items()}
+    assert pages.family_k(record) == 8 and start["8"] < 90 < start["16"]
+    record["start"]["pass_at_k"]["16"] = [0.89] * len(record["start"]["seeds"])
+    assert pages.family_k(record) == 16
+    block = pages.BLOCKS["family-pairs"][1]("README.md")
+    assert "toy: pass@8 over the SFT start" in block and "toy: focal - plain, pass@8" in block

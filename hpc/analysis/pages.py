@@ -119,7 +119,7 @@ def printed(path: str) -> list:
 # ---- the toy's results ----------------------------------------------------------------------
 
 DEMO = f"{RESULTS}/demo-kernels-pinned-2026-12-02.txt"
-FAMILY = f"{RESULTS}/reproduce-fgrpo-family-2026-12-02"
+FAMILY = f"{RESULTS}/reproduce-fgrpo-family-2026-12-04"
 REPRODUCE = f"{RESULTS}/reproduce-2026-11-30/summary.txt"
 CEILING = f"{RESULTS}/essa_ceiling-2026-11-30.txt"
 
@@ -145,43 +145,85 @@ def passes(folder: str, summary: str, arm: dict) -> int:
     return recorded[0]
 
 
-def family_start(folder: str, summary: str, k: int) -> float:
-    """The SFT start's mean pass@k (%): in the JSON, or its printed table's SFT start row."""
-    record = json.loads(read(f"{folder}/{summary}"))["family"]
-    if "start" in record:
-        values = record["start"]["pass_at_k"][str(k)]
-        return 100 * sum(values) / len(values)
-    row = next(line for line in printed(f"{folder}/{summary.replace('.json', '.txt')}")
-               if line.strip().startswith("SFT start"))
-    return float(row.split("±")[-2].split()[-1])
+HEADROOM = 90.0  # %: the pairs table's k is the largest at which the SFT start is below this
+
+
+def family_k(record: dict) -> int:
+    """The largest k of a family record at which the SFT start's mean pass@k is below
+    :data:`HEADROOM`: the paper's effect (pass@k kept at large k) needs a start with room."""
+    start = record["start"]["pass_at_k"]
+    return max(k for k in record["k"] if 100 * sum(start[str(k)]) / len(start[str(k)]) < HEADROOM)
+
+
+def family_facts(record: dict) -> dict:
+    """What the family's pages state of ``record`` (a ``summary.json``'s ``family``): ``k``
+    (:func:`family_k`), the start's mean ``start[metric]`` (%), ``up[metric]``: how many arms
+    end above their start, and ``pairs[algorithm]``: the paired test at pass@k."""
+    k = family_k(record)
+    metrics = ("pass@1", f"pass@{k}")
+    arms = record["arms"].values()
+    return {"k": k, "arms": len(arms),
+            "seeds": sorted({len(arm["seeds"]) for arm in arms}),
+            "tokens": max(t for arm in arms for t in arm["tokens"]),
+            "start": {m: 100 * sum(v) / len(v) for m, v in
+                      zip(metrics, (record["start"]["pass_at_k"][m[5:]] for m in metrics))},
+            "up": {m: sum(arm["over_start"][m]["mean_difference"] > 0 for arm in arms)
+                   for m in metrics},
+            "pairs": {algo: record["arms"][f"{algo}-g1"][f"paired_pass@{k}"]
+                      for algo in ALGORITHMS}}
+
+
+def points(d: dict) -> str:
+    """A recorded difference (fractions) as signed points ± its 95% half-width."""
+    return f"{100 * d['mean_difference']:+.1f} ± {100 * d['ci95']:.1f}"
 
 
 def family_pairs(page: str) -> str:
-    """README's table: each pair's plain -> focal pass@k at the largest k, its paired test's
-    p, passes a batch, beside the paper; and how the arms end against their SFT start."""
+    """README's table: each arm's change over its SFT start at pass@1 and at pass@k (k from
+    :func:`family_k`), with 95% intervals over seeds, plain -> focal beside the paper, the
+    paired test of focal against plain at that k, and the passes a batch of every arm."""
     record = json.loads(read(f"{FAMILY}/summary.json"))["family"]
-    k = record["k"][-1]
-    start = family_start(FAMILY, "summary.json", k)
-    seeds = {len(arm["seeds"]) for arm in record["arms"].values()}
-
-    def mean(arm):
-        values = arm["pass_at_k"][str(k)]
-        return 100 * sum(values) / len(values)
-
-    rows, below = [], 0
+    facts = family_facts(record)
+    k = facts["k"]
+    rows = []
     for algo, name in ALGORITHMS.items():
         plain, focal = record["arms"][f"{algo}-g0"], record["arms"][f"{algo}-g1"]
-        below += (mean(plain) < start) + (mean(focal) < start)
-        paper = PAPER_PASS256[algo]
-        rows.append(f"| {name} -> F-{name} | {paper[0]} -> {paper[1]} | {mean(plain):.1f} -> "
-                    f"{mean(focal):.1f} (p = {focal[f'paired_pass@{k}']['p_value']:.2f}) | "
+        over = [f"{points(plain['over_start'][m])} -> {points(focal['over_start'][m])}"
+                for m in facts["start"]]
+        paired, paper = facts["pairs"][algo], PAPER_PASS256[algo]
+        rows.append(f"| {name} -> F-{name} | {paper[0]} -> {paper[1]} | {over[0]} | {over[1]} | "
+                    f"{points(paired)} (p = {paired['p_value']:.2f}) | "
                     f"{passes(FAMILY, 'summary.json', plain)} |")
-    tokens = max(t for arm in record["arms"].values() for t in arm["tokens"])
-    head = (f"| pair | paper: Qwen2.5-7B, math pass@256, plain -> focal | toy: pass@{k}, plain "
-            f"-> focal ({'/'.join(map(str, sorted(seeds)))} seeds, about {tokens / 1e3:.0f}k "
-            f"tokens) | passes a batch (`fgrpo.num_iterations`) |\n|---|---|---|---|\n")
-    return (head + "\n".join(rows) + f"\n\n{below} of {2 * len(rows)} arms end below their SFT "
-            f"start's pass@{k} ({start:.1f}%).\n\n" + caption(page, f"{FAMILY}/summary.json"))
+    head = (f"| pair | paper: Qwen2.5-7B, math pass@256, plain -> focal | toy: pass@1 over the "
+            f"SFT start, plain -> focal | toy: pass@{k} over the SFT start, plain -> focal | "
+            f"toy: focal - plain, pass@{k} | passes a batch (`fgrpo.num_iterations`) |\n"
+            "|---|---|---|---|---|---|\n")
+    return (head + "\n".join(rows) + f"\n\nToy: points over the SFT start (pass@1 "
+            f"{facts['start']['pass@1']:.1f}%, pass@{k} {facts['start'][f'pass@{k}']:.1f}%), "
+            f"mean ± 95% interval over {'/'.join(map(str, facts['seeds']))} seeds, every run "
+            f"stopped at about {facts['tokens'] / 1e3:.0f}k generated tokens; p: paired t-test "
+            f"by seed. {family_counts(facts)}\n\n" + caption(page, f"{FAMILY}/summary.json"))
+
+
+def family_counts(facts: dict) -> str:
+    """How many arms end above their start, and how many pairs differ, in words."""
+    k, up, n = facts["k"], facts["up"], facts["arms"]
+    differ = [ALGORITHMS[a] for a, d in facts["pairs"].items() if d["p_value"] < 0.05]
+    return (f"{up['pass@1']} of {n} arms end above their SFT start at pass@1, {up[f'pass@{k}']} "
+            f"of {n} at pass@{k} ({k}: the largest k at which the start is below "
+            f"{HEADROOM:.0f}%); {len(differ)} of {len(facts['pairs'])} pairs differ, focal "
+            f"against plain, at p < 0.05 at pass@{k}" +
+            (f" ({', '.join(differ)})." if differ else ": within the seeds' spread, the toy "
+             "shows no difference between plain and focal at this budget."))
+
+
+def family_findings(page: str) -> str:
+    """docs/fgrpo.md: the family's outcome in words, from its results file."""
+    facts = family_facts(json.loads(read(f"{FAMILY}/summary.json"))["family"])
+    return (f"{family_counts(facts)} Focal minus plain at pass@{facts['k']}, in points: " +
+            ", ".join(f"{ALGORITHMS[a]} {points(d)} (p = {d['p_value']:.2f})"
+                      for a, d in facts["pairs"].items()) + ".\n\n" +
+            caption(page, f"{FAMILY}/summary.json"))
 
 
 def family_table(page: str, summary: str) -> str:
@@ -366,9 +408,8 @@ BLOCKS = {  # name: (results files it reads, its text on a page)
     "demo-native": ([DEMO], lambda page: demo_table(page, "## DEMO_NATIVE_KERNELS=1")),
     "demo-gains": ([DEMO], demo_gains),
     "family-pairs": ([f"{FAMILY}/summary.json"], family_pairs),
-    "family-one-pass": ([f"{FAMILY}/summary-cispo-mu1.json"],
-                        lambda page: family_table(page, "summary-cispo-mu1.json")),
     "family": ([f"{FAMILY}/summary.json"], lambda page: family_table(page, "summary.json")),
+    "family-findings": ([f"{FAMILY}/summary.json"], family_findings),
     "reproduce": ([REPRODUCE], reproduce_tables),
     "plot-family": ([f"{FAMILY}/summary.json"], lambda page: plot(
         page, f"{FAMILY}/plots/passk_family.png", "pass@k against k, plain and focal, per "

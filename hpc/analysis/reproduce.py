@@ -385,14 +385,19 @@ def draw(runs: dict, out_dir: str) -> list:
 
 
 def draw_family(runs: list, plt, out_dir: str) -> str:
-    """``passk_family.png``: a panel per algorithm, pass@k of each arm with its 95% CI band."""
+    """``passk_family.png``: a panel per algorithm, pass@k of each arm with its 95% CI band,
+    and the SFT start's mean (dashed) where the runs evaluated it."""
     n = min(len(r.passk) for r in runs)
     k = np.arange(1, n + 1)
     arms = family_arms(runs)
     algos = list(dict.fromkeys(a for a, _, _ in arms))
+    starts = start_evaluations(runs)
     fig, axes = plt.subplots(1, len(algos), figsize=(4.5 * len(algos), 4), squeeze=False,
                              sharey=True)
     for ax, algo in zip(axes[0], algos):
+        if starts:
+            ax.plot(k, np.mean([r.start_passk[:n] for r in starts], axis=0), "--", color="grey",
+                    label=f"SFT start (n={len(starts)})")
         for a, g, rs in arms:
             if a != algo:
                 continue
