@@ -35,6 +35,7 @@ import tempfile
 
 import yaml
 
+from hpc.analysis import page_tables as tables
 from hpc.toys import TOY_VERSION
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -394,6 +395,40 @@ BLOCKS = {  # name: (results files it reads, its text on a page)
          if "checkpointing auto" in line])),
 }
 
+
+
+# ---- the scaling model, benchmarks and runs (hpc.analysis.page_tables writes their text) -----
+
+TRAINING_MEMORY = f"{RESULTS}/training_memory-2026-12-01.txt"
+LOCAL_SCALING = f"{RESULTS}/local_scaling-2026-11-30.txt"
+GPU_CHECK = f"{RESULTS}/gpu_check-h200-2026-11-30.json"
+
+
+def printed_block(page: str, path: str) -> str:
+    """A results file as printed, in a code block, and its caption."""
+    return "```\n" + read(path).rstrip("\n") + "\n```\n\n" + caption(page, path)
+
+
+def gpu_check(page: str) -> str:
+    check = json.loads(read(GPU_CHECK))
+    return (tables.gpu_members_table(check) + "\n" + tables.gpu_fgrpo_step(check) + "\n" +
+            caption(page, GPU_CHECK))
+
+
+BLOCKS.update({
+    "scaling-intro": ([], lambda page: tables.scaling_intro()),
+    "scaling-offload": ([], lambda page: tables.scaling_offload()),
+    "scaling-sharded": ([], lambda page: plan_block(
+        "hpc-scaling --paper --sharded   # excerpt", tables.scaling_sharded_lines())),
+    "scaling-sharded-prose": ([], lambda page: tables.scaling_sharded_prose()),
+    "scaling-quantize": ([], lambda page: plan_block(
+        "hpc-scaling --paper   # excerpt", tables.scaling_quantize_lines())),
+    "scaling-quantize-prose": ([], lambda page: tables.scaling_quantize_prose()),
+    "local-scaling": ([LOCAL_SCALING], lambda page: tables.local_scaling(read(LOCAL_SCALING)) +
+                      "\n\n" + caption(page, LOCAL_SCALING)),
+    "training-memory": ([TRAINING_MEMORY], lambda page: printed_block(page, TRAINING_MEMORY)),
+    "gpu-check": ([GPU_CHECK], gpu_check),
+})
 
 # ---- pages ------------------------------------------------------------------------------------
 
