@@ -241,3 +241,38 @@ def gpu_fgrpo_step(check: dict) -> str:
                      f"{100 * step['shares']['forward_backward']:.0f}%)")
     rows = check["results"][0]["fgrpo_step"]["rows"]
     return (f"One F-GRPO step ({rows} rows, one GPU, no all-reduce): " + "; ".join(parts) + ".\n")
+
+
+# ---- the chat demo (make demo-chat) --------------------------------------------------------
+
+CHAT_COMPARISON = "== held-out comparison"
+
+
+def chat_table(text: str) -> list:
+    """The held-out comparison ``make demo-chat`` printed last (its lines)."""
+    return section(text.split(CHAT_COMPARISON, 1)[1].split("\n", 1)[1], "model")
+
+
+def percent(word: str) -> float:
+    return float(word.rstrip("%"))
+
+
+def chat_prose(text: str) -> str:
+    """docs/chat.md: the build's accuracy, what each method ran, and how far each moved the
+    SFT start's held-out accuracy (greedy, pass@4), with the sign each move has."""
+    rows = table_rows(chat_table(text))
+    essa = re.search(r"^essa mean .* (\d+) +(\d+)$", text, re.M).groups()  # steps, wall s
+    grpo = re.search(r"^f-grpo .* (\d+) +(\d+)$", text, re.M).groups()
+    build = number(r"held-out greedy accuracy ([\d.]+)", text)
+
+    def move(method):
+        greedy = percent(rows[method][0]) - percent(rows["sft"][0])
+        pass4 = percent(rows[method][3]) - percent(rows["sft"][3])
+        verb = "gained" if greedy > 0 else "lost"
+        return f"{verb} {abs(greedy):.1f} points of greedy accuracy ({pass4:+.1f} at pass@4)"
+
+    return (f"The build's greedy held-out accuracy (256 problems) is {100 * float(build):.1f}%. "
+            f"ESSA ran its {essa[0]} generations (population 8 x 32 prompts) in "
+            f"{essa[1]} s and F-GRPO {grpo[0]} of its 200 steps (8 prompts x 8 samples) "
+            f"in its {grpo[1]} s. From the SFT start, on these 64 problems, ESSA "
+            f"{move('essa')} and F-GRPO {move('fgrpo')}.\n")

@@ -36,7 +36,7 @@ import tempfile
 import yaml
 
 from hpc.analysis import page_tables as tables
-from hpc.toys import TOY_VERSION
+from hpc.toys import TOY_CHAT_VERSION, TOY_VERSION
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = "benchmarks/results"
@@ -71,9 +71,16 @@ def toy_builds(prov: dict) -> list:
     return [builds] if isinstance(builds, str) else list(builds)
 
 
+def current_build(build: str) -> str:
+    """The current version of ``build``'s toy (``toy-model-vN``, ``toy-chat-vN``)."""
+    toy = build.split()[0].rsplit("-v", 1)[0]
+    return next((v for v in (TOY_VERSION, TOY_CHAT_VERSION) if v.rsplit("-v", 1)[0] == toy),
+                TOY_VERSION)
+
+
 def stale_builds(prov: dict) -> list:
-    """The builds of ``prov`` that are not the current toy build."""
-    return [b for b in toy_builds(prov) if b.split()[0] != TOY_VERSION]
+    """The builds of ``prov`` that are not their toy's current build."""
+    return [b for b in toy_builds(prov) if b.split()[0] != current_build(b)]
 
 
 def link(page: str, path: str) -> str:
@@ -92,7 +99,8 @@ def caption(page: str, path: str) -> str:
     if builds:
         stale = stale_builds(prov)
         words.append("toy build " + ", ".join(f"`{b}`" for b in builds) +
-                     (f", not the current `{TOY_VERSION}`: the figures are that build's"
+                     (f", not the current `{current_build(stale[0])}`: the figures are that "
+                      "build's"
                       if stale else " (the current one)"))
     machines = prov["machine"] if isinstance(prov["machine"], list) else [prov["machine"]]
     words.append("machine: " + "; ".join(machines))
@@ -402,6 +410,7 @@ BLOCKS = {  # name: (results files it reads, its text on a page)
 TRAINING_MEMORY = f"{RESULTS}/training_memory-2026-12-01.txt"
 LOCAL_SCALING = f"{RESULTS}/local_scaling-2026-11-30.txt"
 GPU_CHECK = f"{RESULTS}/gpu_check-h200-2026-11-30.json"
+DEMO_CHAT = f"{RESULTS}/demo-chat-2026-12-04.txt"
 
 
 def printed_block(page: str, path: str) -> str:
@@ -428,6 +437,9 @@ BLOCKS.update({
                       "\n\n" + caption(page, LOCAL_SCALING)),
     "training-memory": ([TRAINING_MEMORY], lambda page: printed_block(page, TRAINING_MEMORY)),
     "gpu-check": ([GPU_CHECK], gpu_check),
+    "demo-chat": ([DEMO_CHAT], lambda page: "```\n" + "\n".join(tables.chat_table(read(
+        DEMO_CHAT))) + "\n```\n\n" + caption(page, DEMO_CHAT)),
+    "demo-chat-prose": ([DEMO_CHAT], lambda page: tables.chat_prose(read(DEMO_CHAT))),
 })
 
 # ---- pages ------------------------------------------------------------------------------------
@@ -465,7 +477,7 @@ def problems(page: str, text: str) -> list:
             for build in stale_builds(provenance(path)):
                 if build.split()[0] not in body:
                     out.append(f"{page}: block {name!r} quotes {path} of toy build {build} "
-                               f"without naming it (the current build is {TOY_VERSION})")
+                               f"without naming it (the current build is {current_build(build)})")
     return out
 
 
