@@ -72,3 +72,27 @@ def test_family_table_states_each_arms_passes_from_the_results():
     passes = [row.split("|")[-2].strip() for row in block.splitlines()
               if row.startswith("| ") and " -> F-" in row]
     assert passes == ["1", "1", "2"]  # CISPO at fgrpo.num_iterations=2, as command.txt ran it
+
+
+@pytest.mark.parametrize("page,block,typed,retyped", [
+    ("docs/chat.md", "demo-chat", "37.5%", "39.5%"),
+    ("docs/chat.md", "demo-chat-prose", "gained", "lost"),
+    ("docs/scaling.md", "scaling-sharded-prose", "0.41x", "0.39x"),
+    ("docs/scaling.md", "scaling-quantize", "0.85x", "0.86x"),
+    ("docs/benchmarks.md", "gpu-check", "**0.82**", "**0.83**"),
+    ("docs/memory-plan.md", "tracker", "| 73.3 |", "| 73.2 |"),
+    ("docs/memory-plan.md", "tracker-32b", "70.0 GiB", "69.9 GiB"),
+])
+def test_a_typed_figure_in_a_copy_of_a_measured_page_fails_the_check(page, block, typed,
+                                                                       retyped):
+    """A figure of a block generated from a results file or hpc-scaling, typed otherwise in a
+    copy of its page: the check names that block, and ``make docs`` puts the figure back."""
+    text = _text(page)
+    start = text.index(f"<!-- figures: {block} -->")
+    end = text.index("<!-- /figures -->", start)
+    assert typed in text[start:end]
+    edited = text[:start] + text[start:end].replace(typed, retyped, 1) + text[end:]
+    assert pages.problems(page, edited) == [
+        f"{page}: block {block!r} differs from its source: regenerate with `make docs`"]
+    assert pages.render(page, edited) == text
+

@@ -15,7 +15,8 @@ A block comes from one of two sources:
   --json`` records it in the file itself (``provenance``); files without it have a sidecar,
   ``<file>.meta.json`` (``meta.json`` in a results folder), recording what is known of them
   and ``unrecorded`` for the rest. The block ends with a line naming them, and says so where
-  the toy build is not the current one (:data:`hpc.toys.TOY_VERSION`): the toy's figures
+  the toy build is not the current one (:data:`hpc.toys.TOY_VERSION`,
+  :data:`hpc.toys.TOY_CHAT_VERSION`): the toy's figures
   depend on its build, so a page quoting an older one must say which;
 * ``hpc-plan`` itself (:func:`hpc.commands.plan`, run in-process on the command shown) on the
   released Qwen2.5 shape its ``model.path`` names (:data:`hpc.engine.shape.QWEN25`, written as
@@ -98,9 +99,10 @@ def caption(page: str, path: str) -> str:
     builds = toy_builds(prov)
     if builds:
         stale = stale_builds(prov)
+        current = ", ".join(f"`{v}`" for v in dict.fromkeys(map(current_build, stale)))
         words.append("toy build " + ", ".join(f"`{b}`" for b in builds) +
-                     (f", not the current `{current_build(stale[0])}`: the figures are that "
-                      "build's"
+                     (f", not the current {current}: the figures are "
+                      + ("those builds'" if len(stale) > 1 else "that build's")
                       if stale else " (the current one)"))
     machines = prov["machine"] if isinstance(prov["machine"], list) else [prov["machine"]]
     words.append("machine: " + "; ".join(machines))
@@ -411,11 +413,63 @@ TRAINING_MEMORY = f"{RESULTS}/training_memory-2026-12-01.txt"
 LOCAL_SCALING = f"{RESULTS}/local_scaling-2026-11-30.txt"
 GPU_CHECK = f"{RESULTS}/gpu_check-h200-2026-11-30.json"
 DEMO_CHAT = f"{RESULTS}/demo-chat-2026-12-04.txt"
+QUANTIZATION = f"{RESULTS}/quantization-2026-12-01.txt"
+# what each CPU benchmark printed: {block: file}
+BENCHMARKS = {f"bench-{name.replace('_', '-')}": f"{RESULTS}/{name}-2026-12-04.txt" for name in (
+    "members_per_second", "communication", "memory", "optimizer_cost", "host_ops")}
+# benchmarks/memory_tracker.py --json, one file a run, in the table's order (commands.txt)
+TRACKER = f"{RESULTS}/memory_tracker-2026-12-04"
+TRACKER_RUNS = [f"{TRACKER}/{name}.json" for name in (
+    "1.5B-essa", "1.5B-after_evaluation", "1.5B-fgrpo", "1.5B-fgrpo-full", "7B-essa",
+    "7B-evaluation", "7B-after_evaluation", "7B-fgrpo", "7B-fgrpo-no-savings",
+    "7B-fgrpo-checkpointing-only", "7B-fgrpo-full", "32B-essa", "32B-fgrpo", "32B-fgrpo-full",
+    "7B-fgrpo-fsdp2", "7B-fgrpo-fsdp2-full", "32B-fgrpo-fsdp2-full",
+    "32B-fgrpo-fsdp2-full-optimizer")]
+TRACKER_32B = f"{TRACKER}/32B-fgrpo-fsdp2-full.json"
 
 
 def printed_block(page: str, path: str) -> str:
     """A results file as printed, in a code block, and its caption."""
     return "```\n" + read(path).rstrip("\n") + "\n```\n\n" + caption(page, path)
+
+
+def tracker_plan(record: dict) -> float:
+    """The plan's GiB for what a tracker run measured, from ``hpc-plan`` on the same shape,
+    overrides and ranks: ESSA scoring, the evaluation, or the job's peak (after_evaluation);
+    F-GRPO's step without the evaluation, and sharded, its rollout and training (the tracker
+    does not measure AdamW over DTensors)."""
+    size = record["model"].split("-")[1].split()[0]
+    case, overrides = record["results"][0]["case"], " ".join(record["overrides"])
+    command = (f"hpc-plan {CLUSTER} model.path=/models/Qwen2.5-{size}-Instruct {overrides} "
+               f"--ranks {record['ranks']}")
+    if case != "fgrpo":
+        p = phase_peaks(command, "ESSA")
+        return {"essa": p["ESSA scoring"], "evaluation": p["evaluation"],
+                "after_evaluation": p["peak"]}[case]
+    p = phase_peaks(command, "F-GRPO")
+    skip = ("evaluation", "gradient reduction and AdamW step") \
+        if "fgrpo.parallelism=fsdp2" in overrides else ("evaluation",)
+    return max(v for k, v in p.items() if isinstance(v, float)
+               and k not in skip + ("peak", "usable"))
+
+
+def tracker_rows() -> list:
+    rows = []
+    for path in TRACKER_RUNS:
+        record = json.loads(read(path))
+        rows.append(tables.tracker_row(record, tracker_plan(record)))
+    return rows
+
+
+def tracker_32b(page: str) -> str:
+    """memory-plan.md: 32B full-parameter GRPO at 16 ranks, the tracker's peak and the plan's."""
+    command = (f"hpc-plan {CLUSTER} model.path=/models/Qwen2.5-32B-Instruct "
+               "fgrpo.full_finetune=true fgrpo.parallelism=fsdp2 --ranks 16")
+    p = phase_peaks(command, "F-GRPO")
+    row = tables.tracker_row(json.loads(read(TRACKER_32B)), p["peak"])
+    return (f"32B full-parameter GRPO at 16 ranks on 80 GB (`fgrpo.offload=state`, picked by "
+            f"auto) is therefore measured at {row['tracker']:.1f} GiB where the plan says "
+            f"{row['plan']:.1f} of {p['usable']:.1f} usable.\n")
 
 
 def gpu_check(page: str) -> str:
@@ -437,10 +491,21 @@ BLOCKS.update({
                       "\n\n" + caption(page, LOCAL_SCALING)),
     "training-memory": ([TRAINING_MEMORY], lambda page: printed_block(page, TRAINING_MEMORY)),
     "gpu-check": ([GPU_CHECK], gpu_check),
+    "gpu-host-bound": ([GPU_CHECK, BENCHMARKS["bench-host-ops"]], lambda page: (
+        tables.gpu_host_bound(json.loads(read(GPU_CHECK)), read(BENCHMARKS["bench-host-ops"])))),
     "demo-chat": ([DEMO_CHAT], lambda page: "```\n" + "\n".join(tables.chat_table(read(
         DEMO_CHAT))) + "\n```\n\n" + caption(page, DEMO_CHAT)),
+    "tracker": (TRACKER_RUNS, lambda page: tables.tracker_table(tracker_rows()) + "\n" +
+                caption(page, f"{TRACKER}/commands.txt")),
+    "tracker-spread": (TRACKER_RUNS, lambda page: tables.tracker_spread(tracker_rows())),
+    "tracker-32b": ([TRACKER_32B], tracker_32b),
+    "quantization": ([QUANTIZATION], lambda page: tables.quantization_table(read(QUANTIZATION)) +
+                     "\n" + caption(page, QUANTIZATION)),
     "demo-chat-prose": ([DEMO_CHAT], lambda page: tables.chat_prose(read(DEMO_CHAT))),
 })
+BLOCKS.update({name: ([path], lambda page, path=path: printed_block(page, path))
+               for name, path in BENCHMARKS.items()})
+
 
 # ---- pages ------------------------------------------------------------------------------------
 
