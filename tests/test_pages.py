@@ -82,6 +82,12 @@ def test_family_table_states_each_arms_passes_from_the_results():
     ("docs/benchmarks.md", "gpu-check", "**0.82**", "**0.83**"),
     ("docs/memory-plan.md", "tracker", "| 73.3 |", "| 73.2 |"),
     ("docs/memory-plan.md", "tracker-32b", "70.0 GiB", "69.9 GiB"),
+    ("docs/memory-plan.md", "tracker-jobs", "48.49 / 48.71", "48.49 / 48.70"),
+    ("docs/memory-plan.md", "tracker-handovers", "(1.26x)", "(1.25x)"),
+    ("docs/benchmarks.md", "bench-memory", "706 / 708", "706 / 707"),
+    ("docs/benchmarks.md", "gpu-host-bound", "= 0.739", "= 0.740"),
+    ("docs/engine.md", "quantization", "0.919", "0.918"),
+    ("docs/training-memory.md", "training-memory", "8.34", "8.35"),
 ])
 def test_a_typed_figure_in_a_copy_of_a_measured_page_fails_the_check(page, block, typed,
                                                                        retyped):

@@ -312,6 +312,27 @@ def tracker_spread(rows: list) -> str:
             f"{100 * sharded:.1f}% on the sharded runs")
 
 
+def job_table(rows: dict, columns: list) -> str:
+    """docs/memory-plan.md: each shape's whole-job peak, measured / planned (``{shape:
+    [tracker_row per column]}``)."""
+    out = ["| shape | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    out += [f"| {size} | " + " | ".join(f"{r['tracker']:.2f} / {r['plan']:.2f}" for r in cells)
+            + " |" for size, cells in rows.items()]
+    return "\n".join(out) + "\n\n(measured / planned, GiB)\n"
+
+
+def handover_table(pairs: dict) -> str:
+    """docs/memory-plan.md: whole-job peaks with the old engine kept until the next is built
+    (``--legacy-handover``) and released first (the package's), beside the plan (``{case:
+    (legacy row, package row)}``)."""
+    out = ["| case | plan | old engine kept until the next is built | released first (the "
+           "package) |", "|---|---|---|---|"]
+    out += [f"| {case} | {new['plan']:.2f} GiB | {old['tracker']:.2f} GiB "
+            f"({old['tracker'] / old['plan']:.2f}x) | {new['tracker']:.2f} GiB "
+            f"({new['tracker'] / new['plan'] - 1:+.1%}) |" for case, (old, new) in pairs.items()]
+    return "\n".join(out) + "\n"
+
+
 # ---- benchmarks/host_ops.py beside the GPU check ----------------------------------------------
 
 def host_ops_rows(text: str) -> list:

@@ -426,6 +426,14 @@ TRACKER_RUNS = [f"{TRACKER}/{name}.json" for name in (
     "7B-fgrpo-fsdp2", "7B-fgrpo-fsdp2-full", "32B-fgrpo-fsdp2-full",
     "32B-fgrpo-fsdp2-full-optimizer")]
 TRACKER_32B = f"{TRACKER}/32B-fgrpo-fsdp2-full.json"
+# memory_tracker.py --cases essa_job / fgrpo_job: {file name after the shape: column}
+JOBS = f"{RESULTS}/memory_tracker-jobs-2026-12-04"
+JOB_VARIANTS = {"essa_job": "ESSA bf16", "essa_job-int8": "ESSA INT8",
+                "fgrpo_job": "F-GRPO LoRA DDP", "fgrpo_job-fsdp2": "F-GRPO LoRA FSDP2"}
+HANDOVERS = {"ESSA Qwen2.5-32B INT8, 16 ranks": "32B-essa_job-int8",
+             "F-GRPO Qwen2.5-7B LoRA DDP, 8 ranks": "7B-fgrpo_job",
+             "ESSA Qwen2.5-7B bf16, 16 ranks": "7B-essa_job"}
+JOB_RUNS = [f"{JOBS}/{size}-{name}.json" for size in ("1.5B", "7B", "32B") for name in JOB_VARIANTS]
 
 
 def printed_block(page: str, path: str) -> str:
@@ -442,6 +450,8 @@ def tracker_plan(record: dict) -> float:
     case, overrides = record["results"][0]["case"], " ".join(record["overrides"])
     command = (f"hpc-plan {CLUSTER} model.path=/models/Qwen2.5-{size}-Instruct {overrides} "
                f"--ranks {record['ranks']}")
+    if case.endswith("_job"):  # the whole job: its peak
+        return phase_peaks(command, "ESSA" if case == "essa_job" else "F-GRPO")["peak"]
     if case != "fgrpo":
         p = phase_peaks(command, "ESSA")
         return {"essa": p["ESSA scoring"], "evaluation": p["evaluation"],
@@ -453,12 +463,31 @@ def tracker_plan(record: dict) -> float:
                and k not in skip + ("peak", "usable"))
 
 
-def tracker_rows() -> list:
+def tracker_rows(paths: list = TRACKER_RUNS) -> list:
     rows = []
-    for path in TRACKER_RUNS:
+    for path in paths:
         record = json.loads(read(path))
         rows.append(tables.tracker_row(record, tracker_plan(record)))
     return rows
+
+
+def job_table(page: str) -> str:
+    rows = {size: tracker_rows([f"{JOBS}/{size}-{name}.json" for name in JOB_VARIANTS])
+            for size in ("1.5B", "7B", "32B")}
+    return (tables.job_table(rows, list(JOB_VARIANTS.values())) + "\n" +
+            caption(page, f"{JOBS}/commands.txt"))
+
+
+def handover_table(page: str) -> str:
+    pairs = {case: tracker_rows([f"{JOBS}/{name}-legacy.json", f"{JOBS}/{name}.json"])
+             for case, name in HANDOVERS.items()}
+    return tables.handover_table(pairs) + "\n" + caption(page, f"{JOBS}/commands.txt")
+
+
+def job_fsdp2_7b(page: str) -> str:
+    row = tracker_rows([f"{JOBS}/7B-fgrpo_job-fsdp2.json"])[0]
+    return (f"Qwen2.5-7B FSDP2 LoRA at 8 ranks, whole job: {row['tracker']:.2f} GiB measured, "
+            f"{row['plan']:.2f} GiB planned.\n")
 
 
 def tracker_32b(page: str) -> str:
@@ -501,6 +530,10 @@ BLOCKS.update({
     "tracker-32b": ([TRACKER_32B], tracker_32b),
     "quantization": ([QUANTIZATION], lambda page: tables.quantization_table(read(QUANTIZATION)) +
                      "\n" + caption(page, QUANTIZATION)),
+    "tracker-jobs": (JOB_RUNS, job_table),
+    "tracker-handovers": ([f"{JOBS}/{name}{legacy}.json" for name in HANDOVERS.values()
+                           for legacy in ("-legacy", "")], handover_table),
+    "tracker-job-7b-fsdp2": ([f"{JOBS}/7B-fgrpo_job-fsdp2.json"], job_fsdp2_7b),
     "demo-chat-prose": ([DEMO_CHAT], lambda page: tables.chat_prose(read(DEMO_CHAT))),
 })
 BLOCKS.update({name: ([path], lambda page, path=path: printed_block(page, path))
