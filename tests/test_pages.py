@@ -89,16 +89,26 @@ def test_family_table_states_each_arms_passes_from_the_results():
     ("docs/engine.md", "quantization", "0.919", "0.918"),
     ("docs/training-memory.md", "training-memory", "8.34", "8.35"),
 ])
-def test_a_typed_figure_in_a_copy_of_a_measured_page_fails_the_check(page, block, typed,
-                                                                       retyped):
+def test_a_typed_figure_in_a_measured_block_fails_the_check(page, block, typed, retyped):
     """A figure of a block generated from a results file or hpc-scaling, typed otherwise in a
-    copy of its page: the check names that block, and ``make docs`` puts the figure back."""
+    copy of the block: the check names that block, and ``make docs`` puts the figure back."""
     text = _text(page)
     start = text.index(f"<!-- figures: {block} -->")
-    end = text.index("<!-- /figures -->", start)
-    assert typed in text[start:end]
-    edited = text[:start] + text[start:end].replace(typed, retyped, 1) + text[end:]
+    end = text.index("<!-- /figures -->", start) + len("<!-- /figures -->")
+    original = text[start:end]
+    assert typed in original
+    edited = original.replace(typed, retyped, 1)
     assert pages.problems(page, edited) == [
         f"{page}: block {block!r} differs from its source: regenerate with `make docs`"]
-    assert pages.render(page, edited) == text
+    assert pages.render(page, edited) == original
 
+
+def test_a_typed_figure_in_a_copy_of_the_chat_page_fails_the_check():
+    """The chat demo's page, copied with one figure of its results typed otherwise."""
+    text = _text("docs/chat.md")
+    block = text[text.index("<!-- figures: demo-chat -->"):]
+    edited = text.replace(block, block.replace("26.6%", "28.6%", 1), 1)
+    assert edited != text
+    assert pages.problems("docs/chat.md", edited) == [
+        "docs/chat.md: block 'demo-chat' differs from its source: regenerate with `make docs`"]
+    assert pages.render("docs/chat.md", edited) == text

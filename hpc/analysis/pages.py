@@ -26,6 +26,7 @@ A block comes from one of two sources:
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import io
 import json
@@ -244,6 +245,7 @@ def essa_ceiling(page: str) -> str:
 
 # ---- hpc-plan, run in-process ------------------------------------------------------------------
 
+@functools.cache  # the same plans serve several blocks of a page
 def plan_output(command: str) -> str:
     """What ``command`` (``hpc-plan CONFIG.yaml [key=value ...] [--ranks N]``) prints, on the
     released Qwen2.5 shape its ``model.path`` names (the config's when not given)."""
@@ -507,7 +509,7 @@ def gpu_check(page: str) -> str:
             caption(page, GPU_CHECK))
 
 
-BLOCKS.update({
+BLOCKS = {**BLOCKS, **{
     "scaling-intro": ([], lambda page: tables.scaling_intro()),
     "scaling-offload": ([], lambda page: tables.scaling_offload()),
     "scaling-sharded": ([], lambda page: plan_block(
@@ -535,9 +537,8 @@ BLOCKS.update({
                            for legacy in ("-legacy", "")], handover_table),
     "tracker-job-7b-fsdp2": ([f"{JOBS}/7B-fgrpo_job-fsdp2.json"], job_fsdp2_7b),
     "demo-chat-prose": ([DEMO_CHAT], lambda page: tables.chat_prose(read(DEMO_CHAT))),
-})
-BLOCKS.update({name: ([path], lambda page, path=path: printed_block(page, path))
-               for name, path in BENCHMARKS.items()})
+}, **{name: ([path], lambda page, path=path: printed_block(page, path))
+      for name, path in BENCHMARKS.items()}}
 
 
 # ---- pages ------------------------------------------------------------------------------------
