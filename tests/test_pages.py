@@ -88,6 +88,7 @@ def test_family_table_states_each_arms_passes_from_the_results():
     ("docs/benchmarks.md", "gpu-host-bound", "= 0.739", "= 0.740"),
     ("docs/engine.md", "quantization", "0.919", "0.918"),
     ("docs/training-memory.md", "training-memory", "8.34", "8.35"),
+    ("docs/reproduce.md", "pilot-scaling", "0.65x", "0.66x"),
 ])
 def test_a_typed_figure_in_a_measured_block_fails_the_check(page, block, typed, retyped):
     """A figure of a block generated from a results file or hpc-scaling, typed otherwise in a

@@ -408,3 +408,25 @@ def quantization_table(text: str) -> str:
                    f"on {f['fitness_on']}) | {f['fp32']} / {f['int8']} | {f['same']} | "
                    f"{f['spearman']} | {f['diff']} ({f['std']}) |")
     return "\n".join(out) + "\n"
+
+
+# ---- the pilots' scaling prediction (reproduce.md) -------------------------------------------
+
+def pilot_scaling(text: str, scaling_link: str) -> str:
+    """docs/reproduce.md: what ``hpc-scaling`` predicted from the pilot runs (``scaling.txt``:
+    first with the runs' own costs, then with the GPU check's)."""
+    own, gpu = [number(r"prediction: ([\d.]+x at 16 GPUs, [\d.]+x) at 128", part)
+                .split(" at 16 GPUs, ") for part in text.split("\npredicted per step")]
+    target = 100 * float(number(r"target: held-out accuracy ([\d.]+)", text))
+    essa = number(r"ESSA steps to .*; median (\d+)", text)
+    grpo = number(r"F-GRPO steps to .*; median (\d+)", text)
+    return (f"- **Scaling from these pilots:** the target both methods reach in every run is "
+            f"{target:.1f}% held-out; ESSA needs a median of {essa} "
+            f"generations, F-GRPO {grpo} steps (its "
+            f"first evaluation; the wall runs evaluate every 30 steps, so that is an upper "
+            f"bound). At the paper's workload (population 128 x 256 prompts, GRPO 512 prompts) "
+            f"with the H200 GPU check's Qwen2.5-1.5B costs, `hpc-scaling` predicts GRPO/ESSA "
+            f"time to target {gpu[0]} at 16 GPUs and {gpu[1]} at 128 (the paper: 2x and "
+            f"6-7.8x); with the runs' own CPU costs and workload, {own[0]} and {own[1]}. The "
+            f"model's reasons for the gap are printed with it ([`scaling.txt`]({scaling_link})); "
+            f"the model itself is described in [scaling.md](scaling.md).\n")

@@ -416,6 +416,7 @@ LOCAL_SCALING = f"{RESULTS}/local_scaling-2026-11-30.txt"
 GPU_CHECK = f"{RESULTS}/gpu_check-h200-2026-11-30.json"
 DEMO_CHAT = f"{RESULTS}/demo-chat-2026-12-04.txt"
 QUANTIZATION = f"{RESULTS}/quantization-2026-12-01.txt"
+PILOT_SCALING = f"{os.path.dirname(REPRODUCE)}/scaling.txt"
 # what each CPU benchmark printed: {block: file}
 BENCHMARKS = {f"bench-{name.replace('_', '-')}": f"{RESULTS}/{name}-2026-12-04.txt" for name in (
     "members_per_second", "communication", "memory", "optimizer_cost", "host_ops")}
@@ -536,6 +537,8 @@ BLOCKS = {**BLOCKS, **{
     "tracker-handovers": ([f"{JOBS}/{name}{legacy}.json" for name in HANDOVERS.values()
                            for legacy in ("-legacy", "")], handover_table),
     "tracker-job-7b-fsdp2": ([f"{JOBS}/7B-fgrpo_job-fsdp2.json"], job_fsdp2_7b),
+    "pilot-scaling": ([PILOT_SCALING], lambda page: tables.pilot_scaling(
+        read(PILOT_SCALING), link(page, PILOT_SCALING)) + "\n" + caption(page, PILOT_SCALING)),
     "demo-chat-prose": ([DEMO_CHAT], lambda page: tables.chat_prose(read(DEMO_CHAT))),
 }, **{name: ([path], lambda page, path=path: printed_block(page, path))
       for name, path in BENCHMARKS.items()}}
