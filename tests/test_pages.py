@@ -88,7 +88,8 @@ def test_family_table_states_each_arms_passes_from_the_results():
     ("docs/benchmarks.md", "gpu-host-bound", "= 0.739", "= 0.740"),
     ("docs/engine.md", "quantization", "0.919", "0.918"),
     ("docs/training-memory.md", "training-memory", "8.34", "8.35"),
-    ("docs/reproduce.md", "pilot-scaling", "0.65x", "0.66x"),
+    ("docs/reproduce.md", "pilot-findings", "0.65x", "0.66x"),
+    ("docs/reproduce.md", "pilot-findings", "p = 0.007", "p = 0.07"),
 ])
 def test_a_typed_figure_in_a_measured_block_fails_the_check(page, block, typed, retyped):
     """A figure of a block generated from a results file or hpc-scaling, typed otherwise in a
@@ -113,3 +114,14 @@ def test_a_typed_figure_in_a_copy_of_the_chat_page_fails_the_check():
     assert pages.problems("docs/chat.md", edited) == [
         "docs/chat.md: block 'demo-chat' differs from its source: regenerate with `make docs`"]
     assert pages.render("docs/chat.md", edited) == text
+
+
+def test_reproduce_words_are_checked_against_its_summary():
+    """The reproduction's findings are written from summary.txt only while their words hold:
+    a summary where gamma 2 loses plain GRPO's pass@1 is refused, naming the claim."""
+    text = _text(pages.REPRODUCE)
+    row = next(line for line in text.splitlines() if line.split()[:1] == ["2"])
+    changed = text.replace(row, row.replace("66.4 ± 2.4", "60.1 ± 2.4", 1), 1)
+    assert changed != text
+    with pytest.raises(ValueError, match="gamma 2 keeps plain GRPO's pass@1"):
+        pages.tables.pilot_findings(changed, "essa.md")

@@ -537,8 +537,10 @@ BLOCKS = {**BLOCKS, **{
     "tracker-handovers": ([f"{JOBS}/{name}{legacy}.json" for name in HANDOVERS.values()
                            for legacy in ("-legacy", "")], handover_table),
     "tracker-job-7b-fsdp2": ([f"{JOBS}/7B-fgrpo_job-fsdp2.json"], job_fsdp2_7b),
-    "pilot-scaling": ([PILOT_SCALING], lambda page: tables.pilot_scaling(
-        read(PILOT_SCALING), link(page, PILOT_SCALING)) + "\n" + caption(page, PILOT_SCALING)),
+    "pilot-findings": ([REPRODUCE, PILOT_SCALING], lambda page: tables.pilot_findings(
+        read(REPRODUCE), "essa.md#essas-ceiling-on-the-toy-the-search-space-or-the-search") +
+        tables.pilot_scaling(read(PILOT_SCALING), link(page, PILOT_SCALING)) + "\n" +
+        caption(page, REPRODUCE)),
     "demo-chat-prose": ([DEMO_CHAT], lambda page: tables.chat_prose(read(DEMO_CHAT))),
 }, **{name: ([path], lambda page, path=path: printed_block(page, path))
       for name, path in BENCHMARKS.items()}}
