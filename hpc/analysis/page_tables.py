@@ -61,7 +61,7 @@ def number(pattern: str, text: str) -> str:
     """The first group of ``pattern``'s first match in ``text`` (it must match)."""
     found = re.search(pattern, text)
     if not found:
-        raise ValueError(f"hpc-scaling's output no longer says {pattern!r}")
+        raise ValueError(f"the block's source no longer says {pattern!r}")
     return found.group(1)
 
 
@@ -492,3 +492,33 @@ def pilot_findings(text: str, ceiling_link: str) -> str:
         f"({time['essa']['pass@8']} against {time['fgrpo']['pass@8']}): it moves greedy and "
         f"pass@1, not coverage. Why ESSA stops near {time['essa']['greedy']:.0f}% is in "
         f"[ESSA's ceiling on the toy]({ceiling_link}) (half the search, half the space).\n")
+
+
+# ---- ESSA's initial step size (benchmarks/results/essa_sigma0.md) -----------------------------
+
+def essa_sigma0(text: str) -> str:
+    """docs/essa.md: ESSA's mean after about 60 generations per setting of ``essa.sigma0`` /
+    ``essa.sigma_scale``, and F-GRPO from the same start, as the results file records them."""
+    rows = {cells[0]: cells[1] for cells in (
+        [c.strip().strip("*") for c in line.strip("|").split("|")]
+        for line in text.splitlines() if line.startswith("| ") and "---" not in line)}
+
+    def row(start: str) -> str:
+        return next(v for k, v in rows.items() if k.startswith(start))
+
+    text = " ".join(text.split())  # sentences run over lines
+    f = dict(
+        start=number(r"SFT start scored ([\d.]+%)", text),
+        relative=number(r"([\d.]+%)", row("relative sigma0 = 0.3")),
+        collapsed=number(r"collapsed to ([\d.]+%)", row("absolute sigma0 = 1.0")),
+        small=number(r"([\d.]+%) at the end", row("absolute sigma0 = 0.1")),
+        fgrpo=number(r"([\d.]+%)", row("F-GRPO from the same start")),
+        steps=number(r"(\d+) steps", next(k for k in rows if k.startswith("F-GRPO"))),
+        stronger=number(r"stronger SFT start \(([^)]*)\)", text),
+        after=number(r"(\d+ generations of ESSA did not improve the mean \([\d.]+%\))", text))
+    return (f"On an earlier toy build (`toy-model-v1`), 2 ranks, seed 0, about 60 generations "
+            f"each, relative sigma0 = 0.3 took the mean from {f['start']} to {f['relative']} "
+            f"held-out; absolute sigma0 = 1.0 collapsed it to {f['collapsed']}, 0.3 gave no "
+            f"gain and 0.1 ended at {f['small']}; F-GRPO from the same start reached "
+            f"{f['fgrpo']} in {f['steps']} steps. From a stronger SFT start ({f['stronger']}), "
+            f"{f['after']}.\n")

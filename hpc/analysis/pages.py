@@ -417,6 +417,7 @@ GPU_CHECK = f"{RESULTS}/gpu_check-h200-2026-11-30.json"
 DEMO_CHAT = f"{RESULTS}/demo-chat-2026-12-04.txt"
 QUANTIZATION = f"{RESULTS}/quantization-2026-12-01.txt"
 PILOT_SCALING = f"{os.path.dirname(REPRODUCE)}/scaling.txt"
+SIGMA0 = f"{RESULTS}/essa_sigma0.md"
 # what each CPU benchmark printed: {block: file}
 BENCHMARKS = {f"bench-{name.replace('_', '-')}": f"{RESULTS}/{name}-2026-12-04.txt" for name in (
     "members_per_second", "communication", "memory", "optimizer_cost", "host_ops")}
@@ -541,6 +542,8 @@ BLOCKS = {**BLOCKS, **{
         read(REPRODUCE), "essa.md#essas-ceiling-on-the-toy-the-search-space-or-the-search") +
         tables.pilot_scaling(read(PILOT_SCALING), link(page, PILOT_SCALING)) + "\n" +
         caption(page, REPRODUCE)),
+    "essa-sigma0": ([SIGMA0], lambda page: tables.essa_sigma0(read(SIGMA0)) + "\n" +
+                    caption(page, SIGMA0)),
     "demo-chat-prose": ([DEMO_CHAT], lambda page: tables.chat_prose(read(DEMO_CHAT))),
 }, **{name: ([path], lambda page, path=path: printed_block(page, path))
       for name, path in BENCHMARKS.items()}}
