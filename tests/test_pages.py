@@ -95,6 +95,7 @@ def test_family_table_states_each_arms_passes_from_the_results():
     ("docs/reproduce.md", "pilot-findings", "0.65x", "0.66x"),
     ("docs/reproduce.md", "pilot-findings", "p = 0.007", "p = 0.07"),
     ("docs/essa.md", "essa-sigma0", "61.3%", "61.8%"),
+    ("docs/toy.md", "demo-kernels", "63.7%", "62.7%"),
 ])
 def test_a_typed_figure_in_a_measured_block_fails_the_check(page, block, typed, retyped):
     """A figure of a block generated from a results file or hpc-scaling, typed otherwise in a

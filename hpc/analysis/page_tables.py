@@ -522,3 +522,17 @@ def essa_sigma0(text: str) -> str:
             f"gain and 0.1 ended at {f['small']}; F-GRPO from the same start reached "
             f"{f['fgrpo']} in {f['steps']} steps. From a stronger SFT start ({f['stronger']}), "
             f"{f['after']}.\n")
+
+
+# ---- the demo under two CPU kernels (toy.md) -----------------------------------------------
+
+def kernels_sentence(text: str) -> str:
+    """docs/toy.md: ESSA's and F-GRPO's greedy accuracy in the demo under AVX2 and under the
+    default (AVX-512) kernels, from one toy build."""
+    default, avx2 = (table_rows(section(part, "model")) for part in
+                     text.split("# default kernels", 1)[1].split("# AVX2 kernels", 1))
+    build = number(r"(toy-model-v\d+)", text)
+    return (f"From one and the same toy, the demo's 150 ESSA generations and 600 F-GRPO steps "
+            f"compound rounding differences: on `{build}`, AVX2 and AVX-512 kernels gave ESSA "
+            f"{avx2['essa'][0]} against {default['essa'][0]} and F-GRPO {avx2['fgrpo'][0]} "
+            f"against {default['fgrpo'][0]}.\n")

@@ -418,6 +418,7 @@ DEMO_CHAT = f"{RESULTS}/demo-chat-2026-12-04.txt"
 QUANTIZATION = f"{RESULTS}/quantization-2026-12-01.txt"
 PILOT_SCALING = f"{os.path.dirname(REPRODUCE)}/scaling.txt"
 SIGMA0 = f"{RESULTS}/essa_sigma0.md"
+KERNELS = f"{RESULTS}/demo-kernels-avx2-avx512-2026-12-02.txt"
 # what each CPU benchmark printed: {block: file}
 BENCHMARKS = {f"bench-{name.replace('_', '-')}": f"{RESULTS}/{name}-2026-12-04.txt" for name in (
     "members_per_second", "communication", "memory", "optimizer_cost", "host_ops")}
@@ -544,6 +545,8 @@ BLOCKS = {**BLOCKS, **{
         caption(page, REPRODUCE)),
     "essa-sigma0": ([SIGMA0], lambda page: tables.essa_sigma0(read(SIGMA0)) + "\n" +
                     caption(page, SIGMA0)),
+    "demo-kernels": ([KERNELS], lambda page: tables.kernels_sentence(read(KERNELS)) + "\n" +
+                     caption(page, KERNELS)),
     "demo-chat-prose": ([DEMO_CHAT], lambda page: tables.chat_prose(read(DEMO_CHAT))),
 }, **{name: ([path], lambda page, path=path: printed_block(page, path))
       for name, path in BENCHMARKS.items()}}
