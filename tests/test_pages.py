@@ -31,14 +31,18 @@ def test_every_block_is_on_a_page_and_every_results_file_names_its_provenance():
             assert {"command", "commit", "toy_build", "machine"} <= set(prov), path
 
 
-def test_a_typed_figure_in_a_copy_of_a_page_fails_the_check():
-    text = _text("README.md")
-    block = text[text.index("<!-- figures: demo -->"):]
-    edited = text.replace(block, block.replace("92.6%", "93.6%", 1), 1)
+@pytest.mark.parametrize("page,block,typed,retyped", [
+    ("README.md", "demo", "92.6%", "93.6%"),
+    ("docs/chat.md", "demo-chat", "26.6%", "28.6%"),  # the chat demo's fresh results file
+])
+def test_a_typed_figure_in_a_copy_of_a_page_fails_the_check(page, block, typed, retyped):
+    text = _text(page)
+    rest = text[text.index(f"<!-- figures: {block} -->"):]
+    edited = text.replace(rest, rest.replace(typed, retyped, 1), 1)
     assert edited != text
-    assert pages.problems("README.md", edited) == [
-        "README.md: block 'demo' differs from its source: regenerate with `make docs`"]
-    assert pages.render("README.md", edited) == text  # make docs puts the figure back
+    assert pages.problems(page, edited) == [
+        f"{page}: block {block!r} differs from its source: regenerate with `make docs`"]
+    assert pages.render(page, edited) == text  # make docs puts the figure back
 
 
 def test_a_plan_figure_typed_otherwise_fails_the_check():
@@ -85,3 +89,47 @@ def test_family_pairs_read_pass_at_k_where_the_start_has_headroom():
     assert pages.family_k(record) == 16
     block = pages.BLOCKS["family-pairs"][1]("README.md")
     assert "toy: pass@8 over the SFT start" in block and "toy: focal - plain, pass@8" in block
+
+
+@pytest.mark.parametrize("page,block,typed,retyped", [
+    ("docs/chat.md", "demo-chat", "37.5%", "39.5%"),
+    ("docs/chat.md", "demo-chat-prose", "gained", "lost"),
+    ("docs/scaling.md", "scaling-sharded-prose", "0.41x", "0.39x"),
+    ("docs/scaling.md", "scaling-quantize", "0.85x", "0.86x"),
+    ("docs/benchmarks.md", "gpu-check", "**0.82**", "**0.83**"),
+    ("docs/memory-plan.md", "tracker", "| 73.3 |", "| 73.2 |"),
+    ("docs/memory-plan.md", "tracker-32b", "70.0 GiB", "69.9 GiB"),
+    ("docs/memory-plan.md", "tracker-jobs", "48.49 / 48.71", "48.49 / 48.70"),
+    ("docs/memory-plan.md", "tracker-handovers", "(1.26x)", "(1.25x)"),
+    ("docs/benchmarks.md", "bench-memory", "706 / 708", "706 / 707"),
+    ("docs/benchmarks.md", "gpu-host-bound", "= 0.739", "= 0.740"),
+    ("docs/engine.md", "quantization", "0.919", "0.918"),
+    ("docs/training-memory.md", "training-memory", "8.34", "8.35"),
+    ("docs/reproduce.md", "pilot-findings", "0.65x", "0.66x"),
+    ("docs/reproduce.md", "pilot-findings", "p = 0.007", "p = 0.07"),
+    ("docs/essa.md", "essa-sigma0", "61.3%", "61.8%"),
+    ("docs/toy.md", "demo-kernels", "63.7%", "62.7%"),
+])
+def test_a_typed_figure_in_a_measured_block_fails_the_check(page, block, typed, retyped):
+    """A figure of a block generated from a results file or hpc-scaling, typed otherwise in a
+    copy of the block: the check names that block, and ``make docs`` puts the figure back."""
+    text = _text(page)
+    start = text.index(f"<!-- figures: {block} -->")
+    end = text.index("<!-- /figures -->", start) + len("<!-- /figures -->")
+    original = text[start:end]
+    assert typed in original
+    edited = original.replace(typed, retyped, 1)
+    assert pages.problems(page, edited) == [
+        f"{page}: block {block!r} differs from its source: regenerate with `make docs`"]
+    assert pages.render(page, edited) == original
+
+
+def test_reproduce_words_are_checked_against_its_summary():
+    """The reproduction's findings are written from summary.txt only while their words hold:
+    a summary where gamma 2 loses plain GRPO's pass@1 is refused, naming the claim."""
+    text = _text(pages.REPRODUCE)
+    row = next(line for line in text.splitlines() if line.split()[:1] == ["2"])
+    changed = text.replace(row, row.replace("66.4 ± 2.4", "60.1 ± 2.4", 1), 1)
+    assert changed != text
+    with pytest.raises(ValueError, match="gamma 2 keeps plain GRPO's pass@1"):
+        pages.tables.pilot_findings(changed, "essa.md")

@@ -15,7 +15,8 @@ A block comes from one of two sources:
   --json`` records it in the file itself (``provenance``); files without it have a sidecar,
   ``<file>.meta.json`` (``meta.json`` in a results folder), recording what is known of them
   and ``unrecorded`` for the rest. The block ends with a line naming them, and says so where
-  the toy build is not the current one (:data:`hpc.toys.TOY_VERSION`): the toy's figures
+  the toy build is not the current one (:data:`hpc.toys.TOY_VERSION`,
+  :data:`hpc.toys.TOY_CHAT_VERSION`): the toy's figures
   depend on its build, so a page quoting an older one must say which;
 * ``hpc-plan`` itself (:func:`hpc.commands.plan`, run in-process on the command shown) on the
   released Qwen2.5 shape its ``model.path`` names (:data:`hpc.engine.shape.QWEN25`, written as
@@ -25,6 +26,7 @@ A block comes from one of two sources:
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import io
 import json
@@ -35,7 +37,8 @@ import tempfile
 
 import yaml
 
-from hpc.toys import TOY_VERSION
+from hpc.analysis import page_tables as tables
+from hpc.toys import TOY_CHAT_VERSION, TOY_VERSION
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = "benchmarks/results"
@@ -70,9 +73,16 @@ def toy_builds(prov: dict) -> list:
     return [builds] if isinstance(builds, str) else list(builds)
 
 
+def current_build(build: str) -> str:
+    """The current version of ``build``'s toy (``toy-model-vN``, ``toy-chat-vN``)."""
+    toy = build.split()[0].rsplit("-v", 1)[0]
+    return next((v for v in (TOY_VERSION, TOY_CHAT_VERSION) if v.rsplit("-v", 1)[0] == toy),
+                TOY_VERSION)
+
+
 def stale_builds(prov: dict) -> list:
-    """The builds of ``prov`` that are not the current toy build."""
-    return [b for b in toy_builds(prov) if b.split()[0] != TOY_VERSION]
+    """The builds of ``prov`` that are not their toy's current build."""
+    return [b for b in toy_builds(prov) if b.split()[0] != current_build(b)]
 
 
 def link(page: str, path: str) -> str:
@@ -90,8 +100,10 @@ def caption(page: str, path: str) -> str:
     builds = toy_builds(prov)
     if builds:
         stale = stale_builds(prov)
+        current = ", ".join(f"`{v}`" for v in dict.fromkeys(map(current_build, stale)))
         words.append("toy build " + ", ".join(f"`{b}`" for b in builds) +
-                     (f", not the current `{TOY_VERSION}`: the figures are that build's"
+                     (f", not the current {current}: the figures are "
+                      + ("those builds'" if len(stale) > 1 else "that build's")
                       if stale else " (the current one)"))
     machines = prov["machine"] if isinstance(prov["machine"], list) else [prov["machine"]]
     words.append("machine: " + "; ".join(machines))
@@ -275,6 +287,7 @@ def essa_ceiling(page: str) -> str:
 
 # ---- hpc-plan, run in-process ------------------------------------------------------------------
 
+@functools.cache  # the same plans serve several blocks of a page
 def plan_output(command: str) -> str:
     """What ``command`` (``hpc-plan CONFIG.yaml [key=value ...] [--ranks N]``) prints, on the
     released Qwen2.5 shape its ``model.path`` names (the config's when not given)."""
@@ -436,6 +449,150 @@ BLOCKS = {  # name: (results files it reads, its text on a page)
 }
 
 
+
+# ---- the scaling model, benchmarks and runs (hpc.analysis.page_tables writes their text) -----
+
+TRAINING_MEMORY = f"{RESULTS}/training_memory-2026-12-01.txt"
+LOCAL_SCALING = f"{RESULTS}/local_scaling-2026-11-30.txt"
+GPU_CHECK = f"{RESULTS}/gpu_check-h200-2026-11-30.json"
+DEMO_CHAT = f"{RESULTS}/demo-chat-2026-12-04.txt"
+QUANTIZATION = f"{RESULTS}/quantization-2026-12-01.txt"
+PILOT_SCALING = f"{os.path.dirname(REPRODUCE)}/scaling.txt"
+SIGMA0 = f"{RESULTS}/essa_sigma0.md"
+KERNELS = f"{RESULTS}/demo-kernels-avx2-avx512-2026-12-02.txt"
+# what each CPU benchmark printed: {block: file}
+BENCHMARKS = {f"bench-{name.replace('_', '-')}": f"{RESULTS}/{name}-2026-12-04.txt" for name in (
+    "members_per_second", "communication", "memory", "optimizer_cost", "host_ops")}
+# benchmarks/memory_tracker.py --json, one file a run, in the table's order (commands.txt)
+TRACKER = f"{RESULTS}/memory_tracker-2026-12-04"
+TRACKER_RUNS = [f"{TRACKER}/{name}.json" for name in (
+    "1.5B-essa", "1.5B-after_evaluation", "1.5B-fgrpo", "1.5B-fgrpo-full", "7B-essa",
+    "7B-evaluation", "7B-after_evaluation", "7B-fgrpo", "7B-fgrpo-no-savings",
+    "7B-fgrpo-checkpointing-only", "7B-fgrpo-full", "32B-essa", "32B-fgrpo", "32B-fgrpo-full",
+    "7B-fgrpo-fsdp2", "7B-fgrpo-fsdp2-full", "32B-fgrpo-fsdp2-full",
+    "32B-fgrpo-fsdp2-full-optimizer")]
+TRACKER_32B = f"{TRACKER}/32B-fgrpo-fsdp2-full.json"
+# memory_tracker.py --cases essa_job / fgrpo_job: {file name after the shape: column}
+JOBS = f"{RESULTS}/memory_tracker-jobs-2026-12-04"
+JOB_VARIANTS = {"essa_job": "ESSA bf16", "essa_job-int8": "ESSA INT8",
+                "fgrpo_job": "F-GRPO LoRA DDP", "fgrpo_job-fsdp2": "F-GRPO LoRA FSDP2"}
+HANDOVERS = {"ESSA Qwen2.5-32B INT8, 16 ranks": "32B-essa_job-int8",
+             "F-GRPO Qwen2.5-7B LoRA DDP, 8 ranks": "7B-fgrpo_job",
+             "ESSA Qwen2.5-7B bf16, 16 ranks": "7B-essa_job"}
+JOB_RUNS = [f"{JOBS}/{size}-{name}.json" for size in ("1.5B", "7B", "32B") for name in JOB_VARIANTS]
+
+
+def printed_block(page: str, path: str) -> str:
+    """A results file as printed, in a code block, and its caption."""
+    return "```\n" + read(path).rstrip("\n") + "\n```\n\n" + caption(page, path)
+
+
+def tracker_plan(record: dict) -> float:
+    """The plan's GiB for what a tracker run measured, from ``hpc-plan`` on the same shape,
+    overrides and ranks: ESSA scoring, the evaluation, or the job's peak (after_evaluation);
+    F-GRPO's step without the evaluation, and sharded, its rollout and training (the tracker
+    does not measure AdamW over DTensors)."""
+    size = record["model"].split("-")[1].split()[0]
+    case, overrides = record["results"][0]["case"], " ".join(record["overrides"])
+    command = (f"hpc-plan {CLUSTER} model.path=/models/Qwen2.5-{size}-Instruct {overrides} "
+               f"--ranks {record['ranks']}")
+    if case.endswith("_job"):  # the whole job: its peak
+        return phase_peaks(command, "ESSA" if case == "essa_job" else "F-GRPO")["peak"]
+    if case != "fgrpo":
+        p = phase_peaks(command, "ESSA")
+        return {"essa": p["ESSA scoring"], "evaluation": p["evaluation"],
+                "after_evaluation": p["peak"]}[case]
+    p = phase_peaks(command, "F-GRPO")
+    skip = ("evaluation", "gradient reduction and AdamW step") \
+        if "fgrpo.parallelism=fsdp2" in overrides else ("evaluation",)
+    return max(v for k, v in p.items() if isinstance(v, float)
+               and k not in skip + ("peak", "usable"))
+
+
+def tracker_rows(paths: list = TRACKER_RUNS) -> list:
+    rows = []
+    for path in paths:
+        record = json.loads(read(path))
+        rows.append(tables.tracker_row(record, tracker_plan(record)))
+    return rows
+
+
+def job_table(page: str) -> str:
+    rows = {size: tracker_rows([f"{JOBS}/{size}-{name}.json" for name in JOB_VARIANTS])
+            for size in ("1.5B", "7B", "32B")}
+    return (tables.job_table(rows, list(JOB_VARIANTS.values())) + "\n" +
+            caption(page, f"{JOBS}/commands.txt"))
+
+
+def handover_table(page: str) -> str:
+    pairs = {case: tracker_rows([f"{JOBS}/{name}-legacy.json", f"{JOBS}/{name}.json"])
+             for case, name in HANDOVERS.items()}
+    return tables.handover_table(pairs) + "\n" + caption(page, f"{JOBS}/commands.txt")
+
+
+def job_fsdp2_7b(page: str) -> str:
+    row = tracker_rows([f"{JOBS}/7B-fgrpo_job-fsdp2.json"])[0]
+    return (f"Qwen2.5-7B FSDP2 LoRA at 8 ranks, whole job: {row['tracker']:.2f} GiB measured, "
+            f"{row['plan']:.2f} GiB planned.\n")
+
+
+def tracker_32b(page: str) -> str:
+    """memory-plan.md: 32B full-parameter GRPO at 16 ranks, the tracker's peak and the plan's."""
+    command = (f"hpc-plan {CLUSTER} model.path=/models/Qwen2.5-32B-Instruct "
+               "fgrpo.full_finetune=true fgrpo.parallelism=fsdp2 --ranks 16")
+    p = phase_peaks(command, "F-GRPO")
+    row = tables.tracker_row(json.loads(read(TRACKER_32B)), p["peak"])
+    return (f"32B full-parameter GRPO at 16 ranks on 80 GB (`fgrpo.offload=state`, picked by "
+            f"auto) is therefore measured at {row['tracker']:.1f} GiB where the plan says "
+            f"{row['plan']:.1f} of {p['usable']:.1f} usable.\n")
+
+
+def gpu_check(page: str) -> str:
+    check = json.loads(read(GPU_CHECK))
+    return (tables.gpu_members_table(check) + "\n" + tables.gpu_fgrpo_step(check) + "\n" +
+            caption(page, GPU_CHECK))
+
+
+BLOCKS = {**BLOCKS, **{
+    "scaling-intro": ([], lambda page: tables.scaling_intro()),
+    "scaling-offload": ([], lambda page: tables.scaling_offload()),
+    "scaling-sharded": ([], lambda page: plan_block(
+        "hpc-scaling --paper --sharded   # excerpt", tables.scaling_sharded_lines())),
+    "scaling-sharded-prose": ([], lambda page: tables.scaling_sharded_prose()),
+    "scaling-quantize": ([], lambda page: plan_block(
+        "hpc-scaling --paper   # excerpt", tables.scaling_quantize_lines())),
+    "scaling-quantize-prose": ([], lambda page: tables.scaling_quantize_prose()),
+    "local-scaling": ([LOCAL_SCALING], lambda page: tables.local_scaling(read(LOCAL_SCALING)) +
+                      "\n\n" + caption(page, LOCAL_SCALING)),
+    "training-memory": ([TRAINING_MEMORY], lambda page: printed_block(page, TRAINING_MEMORY)),
+    "gpu-check": ([GPU_CHECK], gpu_check),
+    "gpu-host-bound": ([GPU_CHECK, BENCHMARKS["bench-host-ops"]], lambda page: (
+        tables.gpu_host_bound(json.loads(read(GPU_CHECK)), read(BENCHMARKS["bench-host-ops"])))),
+    "demo-chat": ([DEMO_CHAT], lambda page: "```\n" + "\n".join(tables.chat_table(read(
+        DEMO_CHAT))) + "\n```\n\n" + caption(page, DEMO_CHAT)),
+    "tracker": (TRACKER_RUNS, lambda page: tables.tracker_table(tracker_rows()) + "\n" +
+                caption(page, f"{TRACKER}/commands.txt")),
+    "tracker-spread": (TRACKER_RUNS, lambda page: tables.tracker_spread(tracker_rows())),
+    "tracker-32b": ([TRACKER_32B], tracker_32b),
+    "quantization": ([QUANTIZATION], lambda page: tables.quantization_table(read(QUANTIZATION)) +
+                     "\n" + caption(page, QUANTIZATION)),
+    "tracker-jobs": (JOB_RUNS, job_table),
+    "tracker-handovers": ([f"{JOBS}/{name}{legacy}.json" for name in HANDOVERS.values()
+                           for legacy in ("-legacy", "")], handover_table),
+    "tracker-job-7b-fsdp2": ([f"{JOBS}/7B-fgrpo_job-fsdp2.json"], job_fsdp2_7b),
+    "pilot-findings": ([REPRODUCE, PILOT_SCALING], lambda page: tables.pilot_findings(
+        read(REPRODUCE), "essa.md#essas-ceiling-on-the-toy-the-search-space-or-the-search") +
+        tables.pilot_scaling(read(PILOT_SCALING), link(page, PILOT_SCALING)) + "\n" +
+        caption(page, REPRODUCE)),
+    "essa-sigma0": ([SIGMA0], lambda page: tables.essa_sigma0(read(SIGMA0)) + "\n" +
+                    caption(page, SIGMA0)),
+    "demo-kernels": ([KERNELS], lambda page: tables.kernels_sentence(read(KERNELS)) + "\n" +
+                     caption(page, KERNELS)),
+    "demo-chat-prose": ([DEMO_CHAT], lambda page: tables.chat_prose(read(DEMO_CHAT))),
+}, **{name: ([path], lambda page, path=path: printed_block(page, path))
+      for name, path in BENCHMARKS.items()}}
+
+
 # ---- pages ------------------------------------------------------------------------------------
 
 def pages() -> list:
@@ -471,7 +628,7 @@ def problems(page: str, text: str) -> list:
             for build in stale_builds(provenance(path)):
                 if build.split()[0] not in body:
                     out.append(f"{page}: block {name!r} quotes {path} of toy build {build} "
-                               f"without naming it (the current build is {TOY_VERSION})")
+                               f"without naming it (the current build is {current_build(build)})")
     return out
 
 

@@ -6,3 +6,4 @@ through setup.py's ``hpc.built_in_models`` entry points (:func:`hpc.models.loadi
 # The toy's build (its cache folder's name, toy_info.json's ``version``), here rather than in
 # hpc.toys.toy so that readers of results files (hpc.analysis.pages) name it without torch.
 TOY_VERSION = "toy-model-v3"
+TOY_CHAT_VERSION = "toy-chat-v2"  # the chat toy's (hpc.toys.toy_chat)

@@ -37,11 +37,12 @@ from hpc.data.rewards import math_reward
 from hpc.data.wordproblems import MAX_STEPS as MAX_PROBLEM_STEPS, word_problems
 from hpc.engine.generate import generate
 from hpc.runtime.errors import UserError, user_errors_exit
+from hpc.toys import TOY_CHAT_VERSION
 from hpc.toys.cache import (build_into, cached_folder, check_built, read_info,
                             save_model_folder, train_steps)
 from hpc.toys.pinned import kernels_pinned, pinned_description, train_pinned
 
-VERSION = "toy-chat-v2"
+VERSION = TOY_CHAT_VERSION
 REBUILD = "hpc-toy-chat --rebuild"
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 VOCAB_SIZE = 2048
