@@ -8,6 +8,7 @@ Nothing here types a figure: every number is read from its source when the block
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import io
 import re
@@ -24,7 +25,13 @@ scaling_main = next(iter(SCALING)).load()
 # ---- hpc-scaling, run in-process (a model computed from its inputs: no measurement) --------
 
 def scaling_output(argv: list) -> str:
-    """What ``hpc-scaling ARGV`` prints."""
+    """What ``hpc-scaling ARGV`` prints (computed once per argument list: several blocks quote
+    the same prediction)."""
+    return _scaling_output(tuple(argv))
+
+
+@functools.cache
+def _scaling_output(argv: tuple) -> str:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         scaling_main(list(argv))

@@ -449,7 +449,6 @@ BLOCKS = {  # name: (results files it reads, its text on a page)
 }
 
 
-
 # ---- the scaling model, benchmarks and runs (hpc.analysis.page_tables writes their text) -----
 
 TRAINING_MEMORY = f"{RESULTS}/training_memory-2026-12-01.txt"
