@@ -8,6 +8,9 @@ export TRANSFORMERS_OFFLINE := 1
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export OMPI_MCA_rmaps_base_oversubscribe := 1
+# No libfabric BTL on one machine: unselected, it sleeps 1 s in each process's MPI_Init
+# (tests/conftest.py OFI_OFF)
+export OMPI_MCA_btl ?= ^ofi
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
 .PHONY: venv demo demo-chat report check test docs clean

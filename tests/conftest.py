@@ -28,10 +28,19 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_DATA = os.path.join(os.path.dirname(REPO), "shared", "data")
 STRICT = os.environ.get("HPC_TEST_STRICT") == "1"
 
+# Open MPI 5's libfabric BTL (ofi), opened and then not selected on a machine without a fabric,
+# sleeps 1 s as it closes in every process's MPI_Init (mca_btl_base_select ->
+# mca_base_component_close -> sleep(1)): a 1-rank job took 1.14 s to initialise MPI with it and
+# 0.16 s without, `mpirun -n 2` of a barrier 1.28 s and 0.28 s. The suite starts thousands of
+# such processes, one after the other in most tests. Ranks on one host talk over sm and tcp.
+OFI_OFF = "^ofi"
+os.environ.setdefault("OMPI_MCA_btl", OFI_OFF)  # also every Slurm job, which inherits it
+
 MPI_ENV = {
     "OMPI_ALLOW_RUN_AS_ROOT": "1",
     "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
     "OMPI_MCA_rmaps_base_oversubscribe": "1",
+    "OMPI_MCA_btl": OFI_OFF,
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "OMP_NUM_THREADS": "1",
