@@ -107,10 +107,19 @@ def toy_model(slurm):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def job_info(env, jobid) -> dict:
-    out = subprocess.run(["scontrol", "show", "job", "-o", jobid], env=env, capture_output=True,
-                         text=True, timeout=60).stdout
-    return dict(re.findall(r"(\w+)=(\S*)", out))
+def job_info(env, jobid, timeout=120) -> dict:
+    """``scontrol show job``'s fields of ``jobid``. slurmctld answers late on a busy machine
+    ("Socket timed out on send/recv operation", no fields): asked again until ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        proc = subprocess.run(["scontrol", "show", "job", "-o", jobid], env=env,
+                              capture_output=True, text=True, timeout=60)
+        info = dict(re.findall(r"(\w+)=(\S*)", proc.stdout))
+        if "JobState" in info:
+            return info
+        assert time.monotonic() < deadline, \
+            f"scontrol show job {jobid} gave no state for {timeout} s: {proc.stderr}"
+        time.sleep(1)
 
 
 def sbatch(env, method, args, out_dir, wait=True, **variables):

@@ -154,12 +154,12 @@ start_munge() {
   munged --force --socket="$DIR/munge/munge.socket.2" --key-file="$DIR/munge/munge.key" \
     --pid-file="$DIR/munge/munged.pid" --log-file="$DIR/munge/munged.log" \
     --seed-file="$DIR/munge/munged.seed"
-  for _ in $(seq 50); do
-    munge -S "$DIR/munge/munge.socket.2" -n 2>/dev/null |
-      unmunge -S "$DIR/munge/munge.socket.2" >/dev/null 2>&1 && return 0
-    sleep 0.1
-  done
-  die "munged does not answer (see $DIR/munge/munged.log)"
+  wait_until 60 munge_answers || die "munged does not answer (see $DIR/munge/munged.log)"
+}
+
+munge_answers() {
+  munge -S "$DIR/munge/munge.socket.2" -n 2>/dev/null |
+    unmunge -S "$DIR/munge/munge.socket.2" >/dev/null 2>&1
 }
 
 # Node $1's network namespace with address $2 on eth0, a veth to the bridge.
@@ -193,13 +193,17 @@ start_node() {
              touch '$DIR/$node/ready'; exec sleep infinity" \
     </dev/null >"$DIR/$node/holder.log" 2>&1 &
   echo $! >"$DIR/$node/holder.pid"
-  for _ in $(seq 50); do
-    [[ -e $DIR/$node/ready ]] && return 0
-    kill -0 "$(holder "$node")" 2>/dev/null || break
-    sleep 0.1
-  done
-  die "$node did not come up: $(cat "$DIR/$node/holder.log")"
+  wait_until 60 node_ready "$node" && [[ -e $DIR/$node/ready ]] ||
+    die "$node did not come up: $(cat "$DIR/$node/holder.log")"
 }
+
+# Whether node $1's holder is ready, or has ended (then it never will be).
+node_ready() {
+  [[ -e $DIR/$1/ready ]] || ! kill -0 "$(holder "$1")" 2>/dev/null
+}
+
+node_states() { sinfo -h -o %t 2>/dev/null | sort -u | tr '\n' ' '; }
+nodes_idle() { [[ $(node_states) == "idle " ]]; }
 
 up() {
   [[ $(id -u) == 0 ]] || die "run as root (namespaces, links, slurmd)"
@@ -227,13 +231,11 @@ up() {
   for node in $(nodes); do
     on_node "$node" slurmd
   done
-  local state=
-  for _ in $(seq 60); do
-    state=$(sinfo -h -o %t 2>/dev/null | sort -u | tr '\n' ' ')
-    [[ $state == "idle " ]] && break
-    sleep 0.5
-  done
-  [[ $state == "idle " ]] || die "nodes are '${state:-not registered}' (logs: $DIR/*.log $DIR/node*/*.log)"
+  if ! wait_until 180 nodes_idle; then
+    local states
+    states=$(node_states)
+    die "nodes are '${states:-not registered}' (logs: $DIR/*.log $DIR/node*/*.log)"
+  fi
   cat <<EOF
 Simulated cluster up: $NODES nodes (node[1-$NODES], $CPUS CPUs and $GPUS stand-in GPUs each),
 partition sim, login node $LOGIN ($NET.1). Use it with:

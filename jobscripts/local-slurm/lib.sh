@@ -1,6 +1,17 @@
 # What the one-node (start.sh, stop.sh) and the multi-node (cluster.sh) test Slurms share.
 # Sourced, not run.
 
+# Run "${@:2}" every 0.2 s until it succeeds or $1 seconds have passed; its status. The limits
+# are seconds, not tries: on a machine busy with other jobs a daemon takes seconds to answer.
+wait_until() {
+  local limit=$1 start=$SECONDS
+  shift
+  until "$@"; do
+    ((SECONDS - start < limit)) || return 1
+    sleep 0.2
+  done
+}
+
 # Whether the daemon whose pid is in file $1 runs.
 alive() { [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
 

@@ -31,7 +31,8 @@ mkdir -p "$DIR/state" "$DIR/spool"
 
 # munge: reuse a running daemon (e.g. the system's), else start one as the munge user, as the
 # Debian service would; the pid file in $DIR tells stop.sh that it is ours to stop.
-if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
+munge_answers() { munge -n 2>/dev/null | unmunge >/dev/null 2>&1; }
+if ! munge_answers; then
   if [[ ! -s /etc/munge/munge.key ]]; then
     mungekey --create --keyfile=/etc/munge/munge.key
   fi
@@ -40,10 +41,7 @@ if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
   install -d -o munge -g munge -m 0755 /run/munge   # normally made by systemd, absent in CI
   runuser -u munge -- munged --pid-file=/run/munge/munged.pid
   cp /run/munge/munged.pid "$DIR/munged.pid"
-  for _ in $(seq 50); do
-    munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && break
-    sleep 0.2
-  done
+  wait_until 60 munge_answers
   munge -n | unmunge >/dev/null || die "munged does not answer (see /var/log/munge/munged.log)"
 fi
 
@@ -78,7 +76,7 @@ alive "$DIR/slurmd.pid" || slurmd
 # Ready when the node is idle (or already running jobs); a node left down or drained by an
 # earlier run is resumed.
 state=
-for _ in $(seq 60); do
+for _ in $(seq 180); do
   state=$(sinfo -h -n "$HOST" -o %t 2>/dev/null || true)
   case $state in
     idle|mix|alloc) break ;;
