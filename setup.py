@@ -47,7 +47,7 @@ setup(
             "toy=hpc.toys.toy:toy_model_path",
             "toy-chat=hpc.toys.toy_chat:toy_chat_model_path",
         ],
-        # F-GRPO's per-token surrogates, fgrpo.surrogate (fgrpo/surrogates/__init__.py)
+        # F-GRPO's per-token surrogates, fgrpo.loss.surrogate (fgrpo/surrogates/__init__.py)
         "fgrpo.surrogates": [
             "clip=fgrpo.surrogates.clip:Clip",
             "cispo=fgrpo.surrogates.cispo:CISPO",

@@ -53,7 +53,8 @@ PLAN_MARGIN = 0.15  # the plan may exceed the measured peak by this share, never
 CLUSTER_CONFIG = os.path.join(REPO, "configs", "cluster", "math.yaml")
 CPU_PLAN_KEYS = ["plan.max_prompt_tokens=32", "task.max_new_tokens=64", "eval.batch_size=8",
                  "eval.n_samples=4", "essa.population=8", "essa.minibatch=8",
-                 "fgrpo.batch_prompts=4", "fgrpo.num_generations=4", "fgrpo.micro_batch=4"]
+                 "fgrpo.batch_prompts=4", "fgrpo.sampling.num_generations=4",
+                 "fgrpo.optim.micro_batch=4"]
 
 
 class Skipped(Exception):

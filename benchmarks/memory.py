@@ -69,16 +69,16 @@ def _fgrpo_step(model, tok, task, world, device, prompts: int, num_generations: 
 
     init_process_group(world, device)
     cfg = FGRPOJobConfig()
-    cfg.fgrpo.batch_prompts, cfg.fgrpo.num_generations = prompts, num_generations
+    cfg.fgrpo.batch_prompts, cfg.fgrpo.sampling.num_generations = prompts, num_generations
     f = cfg.fgrpo
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=f.learning_rate, weight_decay=f.weight_decay)
+    opt = torch.optim.AdamW(params, lr=f.optim.learning_rate, weight_decay=f.optim.weight_decay)
     mine = range(f.batch_prompts)[my_slice(f.batch_prompts, world)]
     rollouts = sample_rollouts(model, tok, task, [task.train.prompts[i] for i in mine],
                                [task.train.answers[i] for i in mine], f,
                                cfg.task.max_new_tokens, cfg.eval.batch_size, world.rank,
                                PhaseTimer(PHASES), Decoder(EngineConfig.from_model(cfg.model)))
-    adv = group_advantages(rollouts.rewards, f.scale_rewards, f.gamma)
+    adv = group_advantages(rollouts.rewards, f.advantage.scale_rewards, f.advantage.gamma)
     model.train()
     opt.zero_grad()
     accumulate_gradients(model, rollouts, adv.advantages.reshape(-1).to(device), cfg, world,

@@ -4,7 +4,7 @@ tensors: no weights, no GPU, any model shape (Qwen2.5-1.5B to 32B) in seconds.
     python benchmarks/memory_tracker.py [CONFIG.yaml] model.path=FOLDER [key=value ...]
         [--ranks N] [--cases essa,evaluation,after_evaluation,fgrpo]
     python benchmarks/memory_tracker.py configs/cluster/math.yaml --qwen25 1.5B \
-        fgrpo.parallelism=fsdp2 fgrpo.full_finetune=true --cases fgrpo --device cuda \
+        fgrpo.parallel.strategy=fsdp2 fgrpo.full_finetune=true --cases fgrpo --device cuda \
         --json benchmarks/results/gpu_memory-h200.json
     python benchmarks/memory_tracker.py configs/cluster/math.yaml --qwen25 1.5B \
         --cases essa_job --job-steps 1 --device cuda \
@@ -44,12 +44,12 @@ leaf that needs a gradient aborts the process) and runs, under
   group when ``--ranks`` > 1) and the AdamW step of
   :class:`hpc.models.parallelize.TrainedWeights` (fp32 masters for a 16-bit full fine-tune).
   The state a step starts from (fp32 masters, AdamW moments) is made before the tracker
-  starts and counted as it enters. ``fgrpo.parallelism=fsdp2``: the model is built in fp32 on
+  starts and counted as it enters. ``fgrpo.parallel.strategy=fsdp2``: the model is built in fp32 on
   fake storage and sharded by :func:`hpc.models.parallelize.shard_model` over the fake group
   (its settling forward runs too), the rollout decodes inside
-  :func:`hpc.models.parallelize.decoding` with ``fgrpo.offload`` resolved as the job resolves
-  it (what moves goes to ``meta``, not counted), and the step ends after the backward: on fake
-  tensors every operation on a DTensor (gradient norm, AdamW over the shards) shows a
+  :func:`hpc.models.parallelize.decoding` with ``fgrpo.parallel.offload`` resolved as the job
+  resolves it (what moves goes to ``meta``, not counted), and the step ends after the backward: on
+  fake tensors every operation on a DTensor (gradient norm, AdamW over the shards) shows a
   transient of the parameter's global size, which a real run does not have (checked under
   torchrun with gloo: the norm and AdamW over sharded gradients add nothing beyond the
   shards), so the AdamW step of a sharded model is the plan's alone.
@@ -112,8 +112,8 @@ class HostReadsOne(TorchDispatchMode):
 
 @contextlib.contextmanager
 def fake_tensors():
-    """Fake tensors on the ``cpu`` device stand for the GPU's; what fgrpo.offload moves to host
-    memory goes to ``meta`` instead, which the tracker's ``cpu`` figure does not count."""
+    """Fake tensors on the ``cpu`` device stand for the GPU's; what fgrpo.parallel.offload moves to
+    host memory goes to ``meta`` instead, which the tracker's ``cpu`` figure does not count."""
     from hpc.models import offload
 
     saved = offload.host_buffer
@@ -144,12 +144,12 @@ def fake_model(config: dict, cfg, case: str, ranks: int, stack: contextlib.ExitS
     from hpc.models.parallelize import load_dtype, shard_model
 
     training = case in ("fgrpo", "fgrpo_job")
-    sharded = training and cfg.fgrpo.parallelism == "fsdp2"
+    sharded = training and cfg.fgrpo.parallel.strategy == "fsdp2"
     shape = Qwen2Config(**dict(config, num_hidden_layers=layers or config["num_hidden_layers"]))
     shape._attn_implementation = "sdpa"
     with torch.device("meta"):
         model = Qwen2ForCausalLM._from_config(
-            shape, dtype=DTYPES[load_dtype(cfg.fgrpo.parallelism if training else "ddp",
+            shape, dtype=DTYPES[load_dtype(cfg.fgrpo.parallel.strategy if training else "ddp",
                                            cfg.model.dtype)])
         if not (training and cfg.fgrpo.full_finetune):
             model = attach_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets)
@@ -468,7 +468,7 @@ def fake_process_group(ranks: int):
 class _Step:
     """What an F-GRPO job holds for its steps on rank 0 of ``ranks`` (fgrpo.trainer.FGRPO):
     TrainedWeights with the state of a step after the first (AdamW moments, masters), two
-    micro-batches of full-length rollouts, the plan's engine budget, fgrpo.offload and the
+    micro-batches of full-length rollouts, the plan's engine budget, fgrpo.parallel.offload and the
     rollout engine's fate as the job resolves them, and a rollout's (rows, members)."""
 
     def __init__(self, decoder, model, cfg, ranks: int):
@@ -481,10 +481,11 @@ class _Step:
         _, seq = _lengths(cfg)
         self.cfg, self.ranks, self.model, self.decoder = cfg, ranks, model, decoder
         params = [p for p in model.parameters() if p.requires_grad]
-        self.rows = rows = 2 * f.micro_batch
+        self.rows = rows = 2 * f.optim.micro_batch
         self.device = device = next(model.parameters()).device
         ids = torch.zeros((rows, seq), dtype=torch.int64, device=device)
-        groups = torch.zeros((max(1, rows // f.num_generations), f.num_generations))
+        groups = torch.zeros((max(1, rows // f.sampling.num_generations),
+                              f.sampling.num_generations))
         self.rollouts = Rollouts(ids, torch.ones_like(ids), torch.ones((rows, seq), device=device),
                                  groups, torch.zeros_like(groups), torch.full((rows,), seq),
                                  torch.zeros((rows,), dtype=torch.bool))
@@ -494,11 +495,11 @@ class _Step:
         self.offload = rollout_offload(cfg, ranks, "cuda", planned=True)
         self.keep_engine = _engine_kept(shape, cfg, ranks)
         self.decode = (fgrpo_rollout_rows(cfg, ranks), 0 if f.full_finetune else 1)
-        self.weights = TrainedWeights(params, f.learning_rate, f.weight_decay)
+        self.weights = TrainedWeights(params, f.optim.learning_rate, f.optim.weight_decay)
         for p in params:  # the state of a step after the first: AdamW moments (and masters)
             p.grad = torch.zeros_like(p)
         self.weights.reduce_gradients(self.world)
-        self.weights.step(f.max_grad_norm)
+        self.weights.step(f.optim.max_grad_norm)
         self.weights.free_gradients()
 
     def decoding(self):
@@ -529,7 +530,7 @@ class _Step:
             if step_phase:
                 job_phase(tracker, step_phase)
             w.reduce_gradients(self.world)
-            w.step(cfg.fgrpo.max_grad_norm)
+            w.step(cfg.fgrpo.optim.max_grad_norm)
         w.free_gradients()
 
     def evaluation(self, sampled: bool, next_decode: tuple) -> None:
@@ -552,7 +553,7 @@ def fgrpo_step(decoder, model, cfg, ranks: int, tracker, real: bool = False) -> 
     with tracker:
         s.rollout()
         tracker.phase = "training"
-        s.train(tracker, real or cfg.fgrpo.parallelism != "fsdp2",  # see the module docstring
+        s.train(tracker, real or cfg.fgrpo.parallel.strategy != "fsdp2",  # see the module docstring
                 "step" if real else None)
 
 
@@ -562,7 +563,7 @@ def fgrpo_job(decoder, model, cfg, ranks: int, tracker, real: bool = False,
     ``steps`` steps (rollout, training, step), a periodic held-out evaluation (greedy) after
     the first, the final evaluation and the export, on the state of :class:`_Step`."""
     s = _Step(decoder, model, cfg, ranks)
-    step = real or cfg.fgrpo.parallelism != "fsdp2"
+    step = real or cfg.fgrpo.parallel.strategy != "fsdp2"
     job_phase(tracker, "start evaluation")
     _tracked_state(tracker, model, s)
     with tracker:

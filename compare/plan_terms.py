@@ -8,7 +8,7 @@ the package's defaults) with the scaling model's workload on top: the model shap
 all seven linears, prompt and completion lengths, the GPU's memory (``plan.gpu_memory_gib`` =
 the GPU's GB, as ``hpc-plan`` is given it for 80 GB GPUs), ESSA's ``model.quantize``, one
 member a pass with all its ``minibatch`` prompts asked at once (``eval.batch_size``), and for
-GRPO ``fgrpo.full_finetune`` / ``fgrpo.parallelism`` as the scaling model's flags say.
+GRPO ``fgrpo.full_finetune`` / ``fgrpo.parallel.strategy`` as the scaling model's flags say.
 """
 from __future__ import annotations
 
@@ -74,7 +74,8 @@ def plan_config(config: str | None, *, lora_rank: int, prompt: int, max_new: int
         f"plan.gpu_memory_gib={gpu_gb:g}", f"essa.minibatch={minibatch}",
         "essa.members_per_pass=1", f"eval.batch_size={minibatch}",
         f"fgrpo.full_finetune={str(full or sharded).lower()}",
-        f"fgrpo.parallelism={'fsdp2' if sharded else 'ddp'}", f"fgrpo.micro_batch={micro_batch}"]
+        f"fgrpo.parallel.strategy={'fsdp2' if sharded else 'ddp'}",
+        f"fgrpo.optim.micro_batch={micro_batch}"]
         + ([f"model.quantize={essa_quantize}"] if essa_quantize else []))
     if cfg.model.quantize not in QUANTIZE:
         raise UserError(f"model.quantize={cfg.model.quantize} is not one of {QUANTIZE}")
@@ -82,14 +83,14 @@ def plan_config(config: str | None, *, lora_rank: int, prompt: int, max_new: int
 
 
 def resolve_auto(shape: ModelShape, cfg, gpus: int) -> None:
-    """``model.activation_checkpointing`` and ``fgrpo.offload`` left at auto resolved in
+    """``model.activation_checkpointing`` and ``fgrpo.parallel.offload`` left at auto resolved in
     place as a job resolves them (:func:`checkpointing_needed`, :func:`offload_that_fits`),
     which the plan does itself only for a model folder."""
     if cfg.model.activation_checkpointing == "auto":
         cfg.model.activation_checkpointing = (
             "on" if checkpointing_needed(shape, cfg, gpus) else "off")
-    if cfg.fgrpo.offload == "auto":
-        cfg.fgrpo.offload = offload_that_fits(shape, cfg, gpus)
+    if cfg.fgrpo.parallel.offload == "auto":
+        cfg.fgrpo.parallel.offload = offload_that_fits(shape, cfg, gpus)
 
 
 def essa_decoding(shape: ModelShape, cfg, gpus: int) -> Decoding:

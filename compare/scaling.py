@@ -22,7 +22,6 @@ import re
 from dataclasses import dataclass
 
 import numpy as np
-import yaml
 
 from compare.plan_terms import (QUANTIZE, essa_decoding, grpo_decoding, model_shape,
                                 plan_config)
@@ -30,6 +29,7 @@ from fgrpo.plan import expected_rounds
 from hpc.analysis.report import open_run, phase_kinds, step_timings
 from hpc.engine.shape import ModelShape
 from hpc.runtime.cli import EXIT_CODES_HELP, OneLineParser, plain
+from hpc.runtime.config import stored_config
 from hpc.runtime.errors import UserError, user_errors_exit
 
 
@@ -110,8 +110,8 @@ class Network:
 @dataclass(frozen=True)
 class Sharding:
     """Full-parameter GRPO with the weights, gradients and AdamW state sharded over all GPUs
-    (FSDP2, ``fgrpo.parallelism=fsdp2``): per micro-batch the bf16 weights are all-gathered for
-    the forward and again for the backward (resharded after the forward) and the gradients
+    (FSDP2, ``fgrpo.parallel.strategy=fsdp2``): per micro-batch the bf16 weights are all-gathered
+    for the forward and again for the backward (resharded after the forward) and the gradients
     reduce-scattered; per step the rollout gathers the bf16 weights once into the decoding
     engine."""
 
@@ -319,7 +319,8 @@ class LinearCosts:
 
 
 METHOD_KEYS = {"essa": ("population", "minibatch"),
-               "fgrpo": ("batch_prompts", "num_generations", "num_iterations")}
+               "fgrpo": ("batch_prompts", "sampling.num_generations", "optim.num_iterations")}
+KEY_DEFAULTS = {"fgrpo": {"optim.num_iterations": 1}}  # what run files older than the key had
 METHOD_NAMES = {"essa": "ESSA", "fgrpo": "F-GRPO"}
 ACCURACY_TOLERANCE = 1e-9  # an accuracy within this of the target reaches it
 
@@ -346,8 +347,8 @@ class Measured(LinearCosts):
         self.essa_cfg = _shared_section(self.runs["essa"], "essa")
         self.grpo_cfg = _shared_section(self.runs["fgrpo"], "fgrpo")
         e, f = self.essa_cfg, self.grpo_cfg
-        iters = f["num_iterations"]
-        completions_g = f["batch_prompts"] * f["num_generations"]
+        iters = f["optim.num_iterations"]
+        completions_g = f["batch_prompts"] * f["sampling.num_generations"]
         essa = [(step_timings(r), phase_kinds(r)) for r in self.runs["essa"]]
         grpo = [(step_timings(r), phase_kinds(r)) for r in self.runs["fgrpo"]]
         self.s_essa = np.mean([_rank_sum(t, _of_kind(k, "rollout")) for t, k in essa]) / (
@@ -367,8 +368,9 @@ class Measured(LinearCosts):
     def workload_defaults(self) -> dict:
         e, f = self.essa_cfg, self.grpo_cfg
         return {"population": e["population"], "minibatch": e["minibatch"],
-                "grpo_batch": f["batch_prompts"], "grpo_generations": f["num_generations"],
-                "grpo_minibatch": max(1, f["batch_prompts"] // f["num_iterations"]),
+                "grpo_batch": f["batch_prompts"],
+                "grpo_generations": f["sampling.num_generations"],
+                "grpo_minibatch": max(1, f["batch_prompts"] // f["optim.num_iterations"]),
                 "essa_update_s": self.essa_update_s, "grpo_rounds": self.grpo_rounds}
 
     def steps_to_target(self, target: float | None = None) -> tuple:
@@ -419,16 +421,26 @@ class Measured(LinearCosts):
         ]
 
 
+def _dotted(data, key: str):
+    """The value at the dotted ``key`` of nested dicts ``data``; None where there is none."""
+    for part in key.split("."):
+        if not isinstance(data, dict) or part not in data:
+            return None
+        data = data[part]
+    return data
+
+
 def _shared_section(runs: list, method: str) -> dict:
     """The ``method`` section of the runs' config, checked to hold the workload keys and to
     agree on them across the runs (seeds of one experiment)."""
     keys = METHOD_KEYS[method]
     sections = []
     for run in runs:
-        cfg = yaml.safe_load(run.attrs.get("config", "")) or {}
-        section = cfg.get(method) if isinstance(cfg, dict) else None
-        section = {"num_iterations": 1, **section} if isinstance(section, dict) else None
-        if section is None or any(k not in section for k in keys):
+        cfg = stored_config(run.attrs.get("config", ""))
+        section = {**KEY_DEFAULTS.get(method, {}), **{
+            key: value for key in keys
+            if (value := _dotted(cfg, f"{method}.{key}")) is not None}}
+        if any(k not in section for k in keys):
             raise UserError(f"{run.path}: its config lacks {method}.{'/'.join(keys)}")
         if len(run.group("timings").get("step", [])) == 0:
             raise UserError(f"{run.path} has no completed step yet")
@@ -714,7 +726,7 @@ TERMS = {"generate": "generation", "forward_backward": "forward+backward",
          "allreduce": "gradient all-reduce", "gather_forward": "weight all-gather (forward)",
          "gather_backward": "weight all-gather (backward)",
          "reduce_scatter": "gradient reduce-scatter", "rollout_gather": "rollout weight gather",
-         "host_offload": "state to host and back (fgrpo.offload)",
+         "host_offload": "state to host and back (fgrpo.parallel.offload)",
          "optimizer": "optimizer", "communication": "fitness all-gather",
          "update": "CMA-ES update"}
 
@@ -1076,8 +1088,8 @@ def quantize_comparison(args) -> list:
 
 def host_offload(args, w: "Workload") -> tuple:
     """((GPUs, bytes), ...) a GPU moves to host memory and back around each rollout of sharded
-    full-parameter GRPO, as the job's memory plan decides it (fgrpo.offload=auto: the first of
-    none, optimizer, state that fits :data:`GPUS`' memory), and a note saying so. Computed for
+    full-parameter GRPO, as the job's memory plan decides it (fgrpo.parallel.offload=auto: the first
+    of none, optimizer, state that fits :data:`GPUS`' memory), and a note saying so. Computed for
     the Qwen2.5-32B shape the model defaults to; other shapes get no term."""
     from fgrpo.plan import offloaded_bytes, plan as fgrpo_plan
     from hpc.engine.shape import ModelShape
@@ -1092,16 +1104,16 @@ def host_offload(args, w: "Workload") -> tuple:
     shape = ModelShape.qwen25("32B")
     gib = GPUS[args.gpu].memory / 1e9
     cfg = load_config(plan_job_class(), None, [
-        "model.dtype=bfloat16", "fgrpo.full_finetune=true", "fgrpo.parallelism=fsdp2",
+        "model.dtype=bfloat16", "fgrpo.full_finetune=true", "fgrpo.parallel.strategy=fsdp2",
         "model.activation_checkpointing=on",
-        f"fgrpo.micro_batch={args.micro_batch}", f"fgrpo.batch_prompts={w.grpo_batch}",
-        f"fgrpo.num_generations={w.grpo_generations}",
+        f"fgrpo.optim.micro_batch={args.micro_batch}", f"fgrpo.batch_prompts={w.grpo_batch}",
+        f"fgrpo.sampling.num_generations={w.grpo_generations}",
         f"task.max_new_tokens={args.max_new_tokens}",
         f"plan.max_prompt_tokens={args.prompt_tokens}", f"plan.gpu_memory_gib={gib:g}"])
     moved, modes = [], []
     for n in sorted(set(args.gpus)):
         for mode in ("none", "optimizer", "state"):
-            cfg.fgrpo.offload = mode
+            cfg.fgrpo.parallel.offload = mode
             if fgrpo_plan(shape, cfg, n, advise=False).fits:
                 moved.append((n, offloaded_bytes(shape, cfg, n, mode)))
                 modes.append(f"{n} GPUs: {mode} ({moved[-1][1] / 2 ** 30:.1f} GiB)")
@@ -1109,7 +1121,8 @@ def host_offload(args, w: "Workload") -> tuple:
         else:
             modes.append(f"{n} GPUs: does not fit even with state")
     return tuple(moved), (
-        f"host offload (fgrpo.offload=auto as the job's memory plan picks it on {gib:g} GB "
+        f"host offload (fgrpo.parallel.offload=auto as the job's memory plan picks it on "
+        f"{gib:g} GB "
         f"with activation checkpointing, the job's other defaults): " + "; ".join(modes) + f"; there and back at "
         f"{cfg.plan.host_gb_per_s:g} GB/s a GPU (plan.host_gb_per_s)")
 

@@ -20,7 +20,7 @@ and g = 0.25 at gamma = 1 (a clamped mean would give p = 0.5). Groups the policy
 (p = 1) get weight 0 when gamma > 0. gamma = 0 gives g = 1.0 exactly, and multiplying by 1.0 is
 exact, so the result is bitwise plain GRPO.
 
-``eps`` is TRL's 1e-4 by default (``fgrpo.advantage_epsilon``); verl's GRPO uses 1e-6.
+``eps`` is TRL's 1e-4 by default (``fgrpo.advantage.epsilon``); verl's GRPO uses 1e-6.
 
 Distributed use: each rank holds whole groups, so group statistics are local. For ``"batch"``
 the std must be global: every rank calls :func:`batch_moments` on its rewards, the trainer sums

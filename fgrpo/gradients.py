@@ -29,10 +29,10 @@ def accumulate_gradients(model, rollouts, advantages: torch.Tensor, cfg, world,
     f = cfg.fgrpo
     rows = rollouts.input_ids.shape[0]
     counts = world.allgather(step_counts(rollouts.completion_mask[:, 1:]), tag="metrics")
-    normalizer = step_normalizer(f.loss_type, counts, world.size)
+    normalizer = step_normalizer(f.loss.aggregation, counts, world.size)
     sums = dict.fromkeys(GRADIENT_SUMS, 0.0)
-    for start in range(0, rows, f.micro_batch):
-        stop = min(start + f.micro_batch, rows)
+    for start in range(0, rows, f.optim.micro_batch):
+        stop = min(start + f.optim.micro_batch, rows)
         old = None if old_logp is None else old_logp[start:stop]
         ref = None if ref_logp is None else ref_logp[start:stop]
         stats = micro_batch_backward(model, rollouts.rows(start, stop), advantages[start:stop],
@@ -51,7 +51,7 @@ def micro_batch_backward(model, rows, advantages, old_logp, ref_logp, cfg, max_n
                          normalizer: float) -> dict:
     """Loss and backward of one micro-batch: ``rows`` = (input_ids, attention_mask,
     completion_mask), each (b, T); ``old_logp`` / ``ref_logp`` (b, T-1) or None. The
-    surrogate is the one ``fgrpo.surrogate`` names, with its own keys
+    surrogate is the one ``fgrpo.loss.surrogate`` names, with its own keys
     (:func:`fgrpo.surrogates.from_config`). Returns
     :func:`fgrpo.loss.policy_loss`'s stats plus ``loss`` and ``entropy`` (mean over valid
     tokens) as floats only, so no tensor of this micro-batch outlives the call into the next
@@ -61,9 +61,9 @@ def micro_batch_backward(model, rows, advantages, old_logp, ref_logp, cfg, max_n
     logp, entropy = sequence_logprobs(model, ids, attn, cfg.model.logprob_chunk,
                                       with_entropy=True)
     old = logp.detach() if old_logp is None else old_logp
-    loss, stats = policy_loss(logp, old, advantages, cm[:, 1:], f.loss_type, from_config(f),
-                              f.beta, ref_logp, max_completion_length=max_new_tokens,
-                              normalizer=normalizer)
+    loss, stats = policy_loss(logp, old, advantages, cm[:, 1:], f.loss.aggregation,
+                              from_config(f.loss), f.loss.beta, ref_logp,
+                              max_completion_length=max_new_tokens, normalizer=normalizer)
     loss.backward()
     return dict(stats, loss=float(loss.detach()), entropy=masked_mean(entropy, cm[:, 1:]))
 

@@ -10,12 +10,12 @@ held-out evaluation, from the terms of :mod:`hpc.plan.terms`.
   fine-tuning, fp32 gradient and moment shards, 1/ranks each, + the gathered model in
   ``model.dtype`` during rollouts and evaluation, two gathered layers, the root unit and a
   layer's gradients during training. Gradients live from a step's first backward to its
-  optimizer step only. While decoding, ``fgrpo.offload`` moves the moments and DDP's masters
-  (optimizer), or also FSDP2's shards (state), to host memory.
+  optimizer step only. While decoding, ``fgrpo.parallel.offload`` moves the moments and DDP's
+  masters (optimizer), or also FSDP2's shards (state), to host memory.
 * the rollout's engine (``min(eval.batch_size, prompts per rank) x G`` rows) stays on the model
   through training under DDP where the plan fits so, else it is released after each rollout
   (:func:`rollout_engine_kept`); FSDP2's gathered copy and its engine are freed after it.
-* training, one micro-batch of ``fgrpo.micro_batch`` sequences: without activation
+* training, one micro-batch of ``fgrpo.optim.micro_batch`` sequences: without activation
   checkpointing every layer keeps (6h + 2ad + 3I) values a token in 16 bits ((5h + ...) in
   fp32) plus the inputs of the LoRA targets in fp32 (not under FSDP2), or (4h + I) values more
   with full fine-tuning; with it each layer keeps its input and one layer is recomputed at a
@@ -48,7 +48,7 @@ def training_activation_parts(shape: ModelShape, cfg, ranks: int) -> list:
     """(label, bytes) of one F-GRPO micro-batch's forward/backward at its peak: what the
     forward keeps for the backward plus the larger backward transient."""
     e, f = dtype_bytes(cfg), cfg.fgrpo
-    tokens = f.micro_batch * sequence_tokens(cfg)
+    tokens = f.optim.micro_batch * sequence_tokens(cfg)
     # the LoRA targets' inputs are kept in fp32 where peft casts them up to the fp32 factors;
     # under FSDP2 the factors are gathered in model.dtype like every other weight
     targets = () if f.full_finetune or _sharded(cfg) else cfg.lora.targets
@@ -79,7 +79,7 @@ def training_activation_parts(shape: ModelShape, cfg, ranks: int) -> list:
 
 
 def _sharded(cfg) -> bool:
-    return cfg.fgrpo.parallelism == "fsdp2"
+    return cfg.fgrpo.parallel.strategy == "fsdp2"
 
 
 def fgrpo_state(shape: ModelShape, cfg, ranks: int) -> list:
@@ -87,7 +87,7 @@ def fgrpo_state(shape: ModelShape, cfg, ranks: int) -> list:
     (DDP: the model in ``model.dtype``; FSDP2: fp32 shards, 1/ranks of the model and of the
     LoRA factors), ``masters`` (DDP, full fine-tuning of a 16-bit model: fp32 copies),
     ``moments`` (fp32 AdamW, of the trained parameters or their shards), ``reference`` (full
-    fine-tuning with ``fgrpo.beta`` > 0), ``rollout copy`` (the quantised decoder linears under
+    fine-tuning with ``fgrpo.loss.beta`` > 0), ``rollout copy`` (the quantised decoder linears under
     ``model.quantize``), and ``gradients``, which exist only from a step's first backward to
     its optimizer step (:meth:`TrainedWeights.free_gradients`)."""
     f, n, e = cfg.fgrpo, shape.parameters(), dtype_bytes(cfg)
@@ -101,8 +101,8 @@ def fgrpo_state(shape: ModelShape, cfg, ranks: int) -> list:
                           4 * n_lora // ranks, "weights"))
         parts += [("fp32 AdamW moment shards", 8 * trained // ranks, "moments"),
                   ("fp32 gradient shards", 4 * trained // ranks, "gradients")]
-        if f.full_finetune and f.beta > 0:
-            parts.append(("reference model shards (fgrpo.beta > 0)", 4 * n // ranks,
+        if f.full_finetune and f.loss.beta > 0:
+            parts.append(("reference model shards (fgrpo.loss.beta > 0)", 4 * n // ranks,
                           "reference"))
         return parts
     parts = [(f"weights ({n:,} parameters, {cfg.model.dtype})", n * e, "weights")]
@@ -113,8 +113,8 @@ def fgrpo_state(shape: ModelShape, cfg, ranks: int) -> list:
                   (f"gradients ({cfg.model.dtype}" + (", and fp32 for the masters)" if e < 4
                                                       else ")"),
                    n * e + (4 * n if e < 4 else 0), "gradients")]
-        if f.beta > 0:
-            parts.append(("reference model (fgrpo.beta > 0 with full fine-tuning)", n * e,
+        if f.loss.beta > 0:
+            parts.append(("reference model (fgrpo.loss.beta > 0 with full fine-tuning)", n * e,
                           "reference"))
     else:
         parts += [(f"LoRA {n_lora:,} parameters: fp32 weights", 4 * n_lora, "weights"),
@@ -127,8 +127,8 @@ def fgrpo_state(shape: ModelShape, cfg, ranks: int) -> list:
 
 
 def moved_kinds(cfg, offload: str) -> tuple:
-    """The kinds of :func:`fgrpo_state` that ``fgrpo.offload`` (resolved) moves to host memory
-    while the GPU decodes (:func:`hpc.models.parallelize.decoding`)."""
+    """The kinds of :func:`fgrpo_state` that ``fgrpo.parallel.offload`` (resolved) moves to host
+    memory while the GPU decodes (:func:`hpc.models.parallelize.decoding`)."""
     kinds = {"none": (), "optimizer": ("moments", "masters"),
              "state": ("moments", "masters", "weights", "reference")}[offload]
     return kinds if _sharded(cfg) else tuple(k for k in kinds if k in ("moments", "masters"))
@@ -136,18 +136,18 @@ def moved_kinds(cfg, offload: str) -> tuple:
 
 def offloaded_bytes(shape: ModelShape, cfg, ranks: int, offload: str) -> int:
     """Bytes a rank moves to host memory (and back) around each rollout and evaluation under
-    ``offload`` (``fgrpo.offload`` resolved: none, optimizer or state)."""
+    ``offload`` (``fgrpo.parallel.offload`` resolved: none, optimizer or state)."""
     kinds = moved_kinds(cfg, offload)
     return sum(b for _, b, kind in fgrpo_state(shape, cfg, ranks) if kind in kinds)
 
 
 def rollout_offload(cfg, ranks: int, device_type: str, planned: bool = False) -> str:
-    """``fgrpo.offload`` resolved for an F-GRPO job on ``ranks`` ranks: as given, or for auto
-    the first of none, optimizer, state under which the plan fits (state when none does),
+    """``fgrpo.parallel.offload`` resolved for an F-GRPO job on ``ranks`` ranks: as given, or for
+    auto the first of none, optimizer, state under which the plan fits (state when none does),
     on CUDA with a local model folder and ``plan.gpu_memory_gib`` > 0 (when none fits: the
     first with the smallest peak, so nothing moves where the peak is the training); else none.
     ``planned``: for the plan itself, which may assume any model folder."""
-    choice = cfg.fgrpo.offload
+    choice = cfg.fgrpo.parallel.offload
     if choice != "auto":
         return choice
     path = cfg.model.path
@@ -158,10 +158,10 @@ def rollout_offload(cfg, ranks: int, device_type: str, planned: bool = False) ->
 
 
 def offload_that_fits(shape: ModelShape, cfg, ranks: int) -> str:
-    """``fgrpo.offload=auto`` for a model of ``shape`` (:func:`rollout_offload`)."""
+    """``fgrpo.parallel.offload=auto`` for a model of ``shape`` (:func:`rollout_offload`)."""
     peaks = {}
     for mode in ("none", "optimizer", "state"):
-        result = plan(shape, with_changes(cfg, fgrpo__offload=mode), ranks, advise=False)
+        result = plan(shape, with_changes(cfg, fgrpo__parallel__offload=mode), ranks, advise=False)
         if result.fits:
             return mode
         peaks[mode] = result.peak
@@ -186,7 +186,7 @@ def gathered_parts(shape: ModelShape, cfg) -> list:
 
 def fgrpo_rollout_rows(cfg, ranks: int) -> int:
     return min(cfg.eval.batch_size, math.ceil(cfg.fgrpo.batch_prompts / ranks)) * \
-        cfg.fgrpo.num_generations
+        cfg.fgrpo.sampling.num_generations
 
 
 def expected_rounds(filtered_share: float, max_refills: int) -> int:
@@ -202,14 +202,15 @@ def expected_rounds(filtered_share: float, max_refills: int) -> int:
 def dynamic_sampling_note(cfg) -> str:
     """The plan's line on dynamic sampling's extra rollouts ('' when it is off)."""
     f = cfg.fgrpo
-    if not f.dynamic_sampling:
+    if not f.sampling.dynamic_sampling:
         return ""
-    rounds = expected_rounds(f.filtered_share, f.max_refills)
+    rounds = expected_rounds(f.sampling.filtered_share, f.sampling.max_refills)
     return (f"dynamic sampling: {rounds} rollout rounds a step expected at a filtered share of "
-            f"{f.filtered_share:.0%} (fgrpo.filtered_share; a pilot run logs filtered_share), "
-            f"{(rounds - 1) * f.batch_prompts * f.num_generations} extra rollouts a step, at most "
-            f"{1 + f.max_refills} rounds; each round decodes in the same engine, so the peak "
-            f"is the one-round peak plus the kept rollouts' token ids")
+            f"{f.sampling.filtered_share:.0%} (fgrpo.sampling.filtered_share; a pilot run logs "
+            f"filtered_share), {(rounds - 1) * f.batch_prompts * f.sampling.num_generations} "
+            f"extra rollouts a step, at most {1 + f.sampling.max_refills} rounds; each round "
+            f"decodes in the same engine, so the peak is the one-round peak plus the kept "
+            f"rollouts' token ids")
 
 
 def plan(shape: ModelShape, cfg, ranks: int, advise: bool = True,
@@ -228,22 +229,24 @@ def plan(shape: ModelShape, cfg, ranks: int, advise: bool = True,
     rows = fgrpo_rollout_rows(cfg, ranks)
     decoding = list(state)  # the rollout's and the evaluation's
     if moved:
-        decoding.append((f"moved to host while decoding (fgrpo.offload={offload})", -moved))
+        decoding.append((f"moved to host while decoding (fgrpo.parallel.offload={offload})",
+                         -moved))
     if _sharded(cfg):
         decoding.append((f"gathered {cfg.model.dtype} model for decoding", n * dtype_bytes(cfg)))
     budget = engine_budget(cfg, sum(b for _, b in decoding))
-    rollout_engine = engine_parts(shape, cfg, f"{rows // f.num_generations} prompts x G="
-                                  f"{f.num_generations}", rows, k, budget)
+    rollout_engine = engine_parts(shape, cfg, f"{rows // f.sampling.num_generations} prompts x G="
+                                  f"{f.sampling.num_generations}", rows, k, budget)
     kept_rollouts = []
-    if f.dynamic_sampling:  # earlier rounds' kept groups (int64 ids and mask, fp32 mask) wait
-        rounds = expected_rounds(f.filtered_share, f.max_refills)
+    if f.sampling.dynamic_sampling:
+        # earlier rounds' kept groups (int64 ids and mask, fp32 mask) wait
+        rounds = expected_rounds(f.sampling.filtered_share, f.sampling.max_refills)
         kept_rollouts = [(f"rollouts kept over {rounds} sampling rounds",
                           rows * sequence_tokens(cfg) * 20 * (rounds - 1))]
     rollout = Phase("rollout", decoding + rollout_engine + kept_rollouts)
     if keep_engine is None:
         keep_engine = _engine_kept(shape, cfg, ranks)
     kept = [("rollout engine, kept on the model", rollout_engine[0][1])] if keep_engine else []
-    train = Phase(f"training (micro_batch {f.micro_batch})", state + gradients + kept
+    train = Phase(f"training (micro_batch {f.optim.micro_batch})", state + gradients + kept
                   + (gathered_parts(shape, cfg) if _sharded(cfg) else [])
                   + training_activation_parts(shape, cfg, ranks))
     phases = [rollout, train]
@@ -256,7 +259,7 @@ def plan(shape: ModelShape, cfg, ranks: int, advise: bool = True,
     resident = sum(b for _, b in state + gradients)
     chunk = cfg.model.logprob_chunk
     result = MethodPlan("F-GRPO", phases, usable_bytes(cfg), [
-        f"parallelism {f.parallelism} over {ranks} ranks; activation checkpointing "
+        f"parallelism {f.parallel.strategy} over {ranks} ranks; activation checkpointing "
         f"{'on' if _checkpointed(cfg, ranks) else 'off'} (model.activation_checkpointing="
         f"{cfg.model.activation_checkpointing}); "
         + (f"log-probs in chunks of {chunk} positions" if chunk else
@@ -269,20 +272,22 @@ def plan(shape: ModelShape, cfg, ranks: int, advise: bool = True,
     if advise and not result.fits:
         ckpt, chunked = {"model__activation_checkpointing": "on"}, {"model__logprob_chunk": 1024}
         both = dict(ckpt, **chunked)
-        fsdp = dict(both, fgrpo__parallelism="fsdp2")
+        fsdp = dict(both, fgrpo__parallel__strategy="fsdp2")
         result.advice = smallest_fix(plan, shape, cfg, ranks, [
-            *[(f"set fgrpo.offload={mode}", {"fgrpo__offload": mode}, None)
-              for mode in ("optimizer", "state") if f.offload not in ("auto", mode)],
+            *[(f"set fgrpo.parallel.offload={mode}", {"fgrpo__parallel__offload": mode}, None)
+              for mode in ("optimizer", "state") if f.parallel.offload not in ("auto", mode)],
             ("set model.activation_checkpointing=on", ckpt, None),
             ("set model.logprob_chunk=1024", chunked, None),
             ("set model.activation_checkpointing=on and model.logprob_chunk=1024", both, None),
-            *[(f"fgrpo.micro_batch={m} with checkpointing and chunked log-probs",
-               dict(both, fgrpo__micro_batch=m), None) for m in (4, 2, 1) if m < f.micro_batch],
-            *[(f"use {r} ranks with fgrpo.parallelism=fsdp2 (checkpointing, chunked log-probs)",
+            *[(f"fgrpo.optim.micro_batch={m} with checkpointing and chunked log-probs",
+               dict(both, fgrpo__optim__micro_batch=m), None)
+              for m in (4, 2, 1) if m < f.optim.micro_batch],
+            *[(f"use {r} ranks with fgrpo.parallel.strategy=fsdp2 (checkpointing, chunked "
+               f"log-probs)",
                fsdp, r) for r in (ranks, 8, 16, 32, 64, 128) if r >= ranks],
-            *[(f"use {r} ranks with fgrpo.parallelism=fsdp2, fgrpo.offload=state and "
-               f"model.engine_memory_gib={g}",
-               dict(fsdp, fgrpo__offload="state", model__engine_memory_gib=float(g)), r)
+            *[(f"use {r} ranks with fgrpo.parallel.strategy=fsdp2, fgrpo.parallel.offload=state "
+               f"and model.engine_memory_gib={g}",
+               dict(fsdp, fgrpo__parallel__offload="state", model__engine_memory_gib=float(g)), r)
               for r in (ranks, 16, 32, 64, 128) if r >= ranks for g in (8, 4, 2)],
         ]) or (f"weights and optimizer state alone need {gib(resident)}: "
                + ("train a LoRA (fgrpo.full_finetune=false)" if f.full_finetune else
@@ -316,8 +321,9 @@ def kept_engine_note(cfg, kept: bool) -> str:
 
 
 def offload_note(cfg, offload: str, moved: int) -> str:
-    """What ``fgrpo.offload`` moves and what it costs a step at ``plan.host_gb_per_s``."""
-    mode = f"fgrpo.offload={offload}" + (" (auto)" if cfg.fgrpo.offload == "auto" else "")
+    """What ``fgrpo.parallel.offload`` moves and what it costs a step at ``plan.host_gb_per_s``."""
+    mode = f"fgrpo.parallel.offload={offload}" + (" (auto)" if cfg.fgrpo.parallel.offload == "auto"
+                                                  else "")
     if not moved:
         return f"{mode}: nothing moves to host memory"
     seconds = 2 * moved / (cfg.plan.host_gb_per_s * 1e9)
@@ -332,7 +338,7 @@ def _unchecked(cfg):
 
 def fgrpo_unseen(shape: ModelShape, cfg, ranks: int) -> list:
     """:func:`unseen_parts` of an F-GRPO micro-batch trained without checkpointing."""
-    tokens = cfg.fgrpo.micro_batch * sequence_tokens(cfg)
+    tokens = cfg.fgrpo.optim.micro_batch * sequence_tokens(cfg)
     activations = total(training_activation_parts(shape, _unchecked(cfg), ranks))
     return unseen_parts(shape, tokens, cfg.model.logprob_chunk, activations)
 

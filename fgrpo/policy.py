@@ -24,13 +24,13 @@ from hpc.runtime.readback import count
 
 def build_model(cfg, device):
     """(policy, reference or None, tokenizer): LoRA (fresh or from lora.adapter) or full FT,
-    in fp32 under fgrpo.parallelism=fsdp2 (sharded later; see :mod:`hpc.models.parallelize`).
+    in fp32 under fgrpo.parallel.strategy=fsdp2 (sharded later; see :mod:`hpc.models.parallelize`).
     With ``model.quantize`` the LoRA policy decodes from a quantised copy of its frozen base
     linears (:func:`hpc.models.quantize.attach_generation_copy`) and trains on its own."""
-    model, tok = load_model(cfg.model.path, load_dtype(cfg.fgrpo.parallelism, cfg.model.dtype),
-                            device)
+    model, tok = load_model(cfg.model.path,
+                            load_dtype(cfg.fgrpo.parallel.strategy, cfg.model.dtype), device)
     if cfg.fgrpo.full_finetune:
-        ref = copy.deepcopy(model).eval() if cfg.fgrpo.beta > 0 else None
+        ref = copy.deepcopy(model).eval() if cfg.fgrpo.loss.beta > 0 else None
         return model, ref, tok
     if cfg.lora.adapter:
         policy = load_adapter(model, cfg.lora.adapter, is_trainable=True)
@@ -76,7 +76,7 @@ class TrainedPolicy(GradientMethod):
         stop_if_preempted(job, "model and adapter loading")
         self.checkpointed = self.checkpoint_activations()
         init_process_group(world, job.device)
-        self.sharded = f.parallelism == "fsdp2"
+        self.sharded = f.parallel.strategy == "fsdp2"
         if self.sharded:
             for m in (self.model, self.ref_model):
                 if m is not None:
@@ -87,7 +87,7 @@ class TrainedPolicy(GradientMethod):
             self.params = self.space.parametrize(self.model)
         else:
             self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.weights = TrainedWeights(self.params, f.learning_rate, f.weight_decay)
+        self.weights = TrainedWeights(self.params, f.optim.learning_rate, f.optim.weight_decay)
         self.offload = rollout_offload(cfg, world.size, job.device.type)
         self.keep_engine = rollout_engine_kept(cfg, world.size, job.device.type)
         self.collective_export = f.full_finetune or self.sharded  # gathers, rank 0 writes
@@ -95,8 +95,8 @@ class TrainedPolicy(GradientMethod):
     @contextlib.contextmanager
     def decoding(self, phase: str | None = "gather_weights"):
         """The rollout's or evaluation's weights (:func:`hpc.models.parallelize.decoding`):
-        gathered under FSDP2, with the training state ``fgrpo.offload`` names in host memory;
-        gathering and offloading, there and back, are timed as ``phase`` (None: the caller's
+        gathered under FSDP2, with the training state ``fgrpo.parallel.offload`` names in host
+        memory; gathering and offloading, there and back, are timed as ``phase`` (None: the caller's
         phase, as the job loop's ``eval``)."""
         timed = self.timer.phase if phase else lambda _: contextlib.nullcontext()
         with contextlib.ExitStack() as stack:

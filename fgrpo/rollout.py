@@ -6,15 +6,15 @@ the policy also learns when to stop). A completion without an eos was cut by the
 (``truncated``).
 
 Overlong reward shaping (DAPO, arXiv 2503.14476 eq. 13; verl's ``overlong_buffer``): with
-length limit L = ``task.max_new_tokens``, buffer B = ``fgrpo.overlong_buffer`` and factor
-c = ``fgrpo.overlong_penalty``, a completion of |y| tokens gets
+length limit L = ``task.max_new_tokens``, buffer B = ``fgrpo.reward.overlong_buffer`` and factor
+c = ``fgrpo.reward.overlong_penalty``, a completion of |y| tokens gets
 
     penalty(|y|) = min(0, -c * (|y| - (L - B)) / B)
 
 added to its reward: 0 up to L - B tokens, -c/B at L - B + 1, -c at L. The task reward alone
 decides success (the focal weight's p, ``success_rate``) and whether a group is uniform
 (dynamic sampling, as verl's ``filter_groups.metric=acc``); the shaped reward gives the
-advantages. Overlong filtering (``fgrpo.overlong_filter``) zeroes the ``completion_mask`` of
+advantages. Overlong filtering (``fgrpo.loss.overlong_filter``) zeroes the ``completion_mask`` of
 truncated completions: they stay in their group's statistics but carry no loss.
 """
 from __future__ import annotations
@@ -100,19 +100,20 @@ def pack(tokenizer, prompt_ids: list, completion_ids: list, device) -> tuple:
     return ids.to(device), attn.to(device), cmask.to(device)
 
 
-def sample_rollouts(model, tokenizer, task, prompts: list, answers: list, cfg, max_new_tokens,
+def sample_rollouts(model, tokenizer, task, prompts: list, answers: list, f, max_new_tokens,
                     batch_size: int, seed: int, timer, decoder,
                     first_index: int = 0) -> Rollouts:
-    """Sample ``cfg.num_generations`` completions per prompt and score them. Completion j of
-    prompt i draws with the key (``seed``, ``first_index`` + i, j)
+    """Sample ``f.sampling.num_generations`` completions per prompt and score them. Completion
+    j of prompt i draws with the key (``seed``, ``first_index`` + i, j)
     (:func:`hpc.engine.generate.generate_tokens`), whichever rank samples it, decoded by
-    ``decoder`` (:class:`hpc.engine.decoder.Decoder`). ``cfg``: the ``fgrpo`` section
+    ``decoder`` (:class:`hpc.engine.decoder.Decoder`). ``f``: the ``fgrpo`` section
     (sampling, overlong shaping and filtering)."""
-    G = cfg.num_generations
+    G = f.sampling.num_generations
     device = next(model.parameters()).device
     with timer.phase("generate"):
         completions = generate_tokens(model, tokenizer, prompts, max_new_tokens, do_sample=True,
-                                      temperature=cfg.temperature, top_p=cfg.top_p,
+                                      temperature=f.sampling.temperature,
+                                      top_p=f.sampling.top_p,
                                       num_return_sequences=G, batch_size=batch_size, seed=seed,
                                       first_index=first_index, decoder=decoder)
     with timer.phase("reward"):
@@ -123,11 +124,11 @@ def sample_rollouts(model, tokenizer, task, prompts: list, answers: list, cfg, m
                             device)
     stops = set(eos_ids(model, tokenizer))
     truncated = torch.tensor([not c or c[-1] not in stops for c in completions], dtype=torch.bool)
-    if cfg.overlong_filter:
+    if f.loss.overlong_filter:
         cmask[truncated.to(device)] = 0.0
     lengths = torch.tensor([len(c) for c in completions], dtype=torch.long)
     return Rollouts(ids, attn, cmask,
                     torch.tensor(rewards, dtype=torch.float32).reshape(len(prompts), G),
-                    overlong_penalty(lengths, max_new_tokens, cfg.overlong_buffer,
-                                     cfg.overlong_penalty).reshape(len(prompts), G),
+                    overlong_penalty(lengths, max_new_tokens, f.reward.overlong_buffer,
+                                     f.reward.overlong_penalty).reshape(len(prompts), G),
                     lengths, truncated)

@@ -10,8 +10,8 @@ Dynamic sampling (DAPO, arXiv 2503.14476 sec. 3.2; verl's ``algorithm.filter_gro
 After each round every rank learns every group's uniformity (one byte a group, Allgatherv, tag
 ``sampling``) and all ranks keep the same groups: the informative ones in (round, prompt)
 order, until ``batch_prompts`` are kept. While fewer are kept and fewer than
-``fgrpo.max_refills`` extra rounds ran, round r >= 1 draws ``batch_prompts`` new prompts with the
-key (run.seed, step, r) (as verl draws whole generation batches). What a round draws is a
+``fgrpo.sampling.max_refills`` extra rounds ran, round r >= 1 draws ``batch_prompts`` new prompts
+with the key (run.seed, step, r) (as verl draws whole generation batches). What a round draws is a
 function of (seed, step, round) alone: the kept groups do not depend on the rank count, and a
 step a preemption interrupts in the middle of a refill reruns from its round 0 on resume,
 drawing the same. When the rounds run out the step trains on the groups it has and logs the
@@ -68,7 +68,7 @@ def sample_step(model, tok, task, cfg, world, step: int, timer, decoder) -> Step
     f, seed = cfg.fgrpo, cfg.run.seed
     target = min(f.batch_prompts, len(task.train))
     kept, first, have, filtered, drawn, rounds = [], None, 0, 0, 0, 0
-    for r in range(1 + (f.max_refills if f.dynamic_sampling else 0)):
+    for r in range(1 + (f.sampling.max_refills if f.sampling.dynamic_sampling else 0)):
         batch = round_prompts(seed, step, r, len(task.train), f.batch_prompts)
         share = my_slice(len(batch), world)
         mine = batch[share]
@@ -79,7 +79,7 @@ def sample_step(model, tok, task, cfg, world, step: int, timer, decoder) -> Step
                                    first_index=share.start)
         first = rollouts if first is None else first
         rounds, drawn = rounds + 1, drawn + len(batch)
-        if not f.dynamic_sampling:
+        if not f.sampling.dynamic_sampling:
             kept.append(rollouts)
             have = target
             break
@@ -94,6 +94,6 @@ def sample_step(model, tok, task, cfg, world, step: int, timer, decoder) -> Step
             break
     stats = {"sampling_rounds": rounds, "filtered_groups": filtered,
              "filtered_share": filtered / drawn,
-             "extra_rollouts": (drawn - target) * f.num_generations,
+             "extra_rollouts": (drawn - target) * f.sampling.num_generations,
              "shortfall_groups": target - have}
     return StepRollouts(cat_rollouts(kept, tok.pad_token_id), first, stats)

@@ -65,26 +65,27 @@ class FGRPO(TrainedPolicy):
         rollouts = batch.train
         # 2. focal-weighted advantages of the shaped rewards, p from the task's rewards
         batch_std = None
-        if f.scale_rewards == "batch":  # moments summed over ranks
+        if f.advantage.scale_rewards == "batch":  # moments summed over ranks
             batch_std = std_from_moments(world.allgather(
                 batch_moments(rollouts.shaped_rewards).numpy(), tag="metrics"))
-        adv = group_advantages(rollouts.shaped_rewards, f.scale_rewards, f.gamma,
-                               eps=f.advantage_epsilon, batch_std=batch_std,
-                               success_threshold=f.success_threshold,
+        adv = group_advantages(rollouts.shaped_rewards, f.advantage.scale_rewards,
+                               f.advantage.gamma, eps=f.advantage.epsilon, batch_std=batch_std,
+                               success_threshold=f.reward.success_threshold,
                                task_rewards=rollouts.rewards)
         # 3. the frozen log-probs: the sampling policy's (mu > 1 passes), the reference's (KL)
         with timer.phase("forward_backward"):
             def frozen(model):
-                return frozen_logprobs(model, rollouts, f.micro_batch, cfg.model.logprob_chunk)
-            old_logp = frozen(self.model) if f.num_iterations > 1 else None
+                return frozen_logprobs(model, rollouts, f.optim.micro_batch,
+                                       cfg.model.logprob_chunk)
+            old_logp = frozen(self.model) if f.optim.num_iterations > 1 else None
             ref_logp = None
-            if f.beta > 0:
+            if f.loss.beta > 0:
                 with reference_model(self.model, self.ref_model) as ref:
                     ref_logp = frozen(ref)
         # 4. mu optimizer passes: loss and backward, all-reduce, AdamW (a NaN/inf step skipped)
         self.train_mode(i)
         row_adv = adv.advantages.reshape(-1).to(self.job.device)
-        for _ in range(f.num_iterations):
+        for _ in range(f.optim.num_iterations):
             self.weights.zero_grad()
             with timer.phase("forward_backward"):
                 sums = accumulate_gradients(self.model, rollouts, row_adv, cfg, world,
@@ -95,12 +96,12 @@ class FGRPO(TrainedPolicy):
             with timer.phase("allreduce"):  # FSDP2 reduce-scattered during the backward
                 self.weights.reduce_gradients(world)
             with timer.phase("optimizer"):
-                finite = self.weights.step(f.max_grad_norm)
+                finite = self.weights.step(f.optim.max_grad_norm)
             if not finite:
                 self.skipped += 1
                 break
         self.weights.free_gradients()
-        return step_metrics(world, local_sums(batch, adv, sums, f.success_threshold),
+        return step_metrics(world, local_sums(batch, adv, sums, f.reward.success_threshold),
                             adv.focal_weight, self.skipped, batch.stats)
 
 

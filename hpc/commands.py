@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 from hpc.models.hub import local_or_cached
 from hpc.runtime.cli import EXIT_CODES_HELP, JOB_INPUTS, OneLineParser, job_command
@@ -31,9 +32,10 @@ def plan(argv=None):
                     "are read).\nKeys used: model.path, model.dtype, lora.rank, "
                     "lora.targets, task.max_new_tokens, eval.batch_size,\nplan.gpu_memory_gib, "
                     "plan.max_prompt_tokens, essa.population, essa.minibatch,\n"
-                    "essa.members_per_pass, fgrpo.batch_prompts, fgrpo.num_generations, "
-                    "fgrpo.micro_batch,\nfgrpo.full_finetune, fgrpo.beta, fgrpo.algorithm, "
-                    "fgrpo.dynamic_sampling, fgrpo.max_refills, fgrpo.filtered_share.")
+                    "essa.members_per_pass, fgrpo.batch_prompts, fgrpo.sampling.num_generations, "
+                    "fgrpo.optim.micro_batch,\nfgrpo.full_finetune, fgrpo.loss.beta, "
+                    "fgrpo.algorithm, fgrpo.sampling.dynamic_sampling, "
+                    "fgrpo.sampling.max_refills, fgrpo.sampling.filtered_share.")
     parser.add_argument("items", nargs="*", metavar="CONFIG.yaml | section.key=value")
     parser.add_argument("--ranks", type=int, default=1,
                         help="ranks of the job (ESSA members and F-GRPO prompts per rank)")
@@ -43,7 +45,11 @@ def plan(argv=None):
     from hpc.plan.registry import plan_job_class, plan_text
 
     config_path = next((i for i in args.items if "=" not in i), None)
-    cfg = load_config(plan_job_class(), config_path, [i for i in args.items if "=" in i])
+    renamed = []
+    cfg = load_config(plan_job_class(), config_path, [i for i in args.items if "=" in i],
+                      notes=renamed)
+    for note in renamed:
+        print(note, file=sys.stderr)
     cfg.model.path = local_or_cached(cfg.model.path, "config key 'model.path'").path
     print(plan_text(cfg, args.ranks))
 

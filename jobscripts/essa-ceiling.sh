@@ -41,7 +41,7 @@ run essa-minibatch768 essa configs/demo/essa.yaml sft-r16 "${ESSA[@]}" essa.mini
 run essa-population48 essa configs/demo/essa.yaml sft-r16 "${ESSA[@]}" essa.population=48
 run essa-rank64 essa configs/demo/essa.yaml sft-r64 "${ESSA[@]}"
 run fgrpo-sv fgrpo configs/demo/fgrpo.yaml sft-r16 "${FGRPO[@]}" fgrpo.space=sv \
-    "fgrpo.learning_rate=$SV_LR"
+    "fgrpo.optim.learning_rate=$SV_LR"
 run fgrpo-lora fgrpo configs/demo/fgrpo.yaml sft-r16 "${FGRPO[@]}"
 
 echo "== ESSA's ceiling: held-out greedy accuracy (${RANKS} ranks, ${T} s a run)"

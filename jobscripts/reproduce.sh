@@ -24,8 +24,8 @@
 #   FAMILY_TOKENS=60000  tokens a run (family/)   FAMILY_GAMMA=1   FAMILY_EVAL=128
 #   FAMILY_SAMPLES=32  samples a problem for the family's pass@k
 #   FAMILY_BATCH=32  prompts a step (family/)   FAMILY_ALGORITHMS="grpo dapo cispo"
-#   FAMILY_LR=0.001  fgrpo.learning_rate of every family arm
-#   FAMILY_ITERATIONS=2  fgrpo.num_iterations of every family arm: equal passes over each batch
+#   FAMILY_LR=0.001  fgrpo.optim.learning_rate of every family arm
+#   FAMILY_ITERATIONS=2  fgrpo.optim.num_iterations of every family arm: equal passes over each batch
 #                        (at 1 CISPO's gradient is GRPO's: its importance weight acts from the
 #                        second pass on)
 #   RANKS=2
@@ -67,7 +67,7 @@ for gamma in "${gammas[@]}"; do
   for seed in "${seeds[@]}"; do
     stage "F-GRPO gamma $gamma seed $seed: $STEPS steps, pass@k from $SAMPLES samples"
     "${MPIRUN[@]}" $PY -m fgrpo configs/demo/fgrpo.yaml "lora.adapter=$adapter" \
-      "fgrpo.gamma=$gamma" "fgrpo.steps=$STEPS" "run.seed=$seed" "task.n_eval=$N_EVAL" \
+      "fgrpo.advantage.gamma=$gamma" "fgrpo.steps=$STEPS" "run.seed=$seed" "task.n_eval=$N_EVAL" \
       "eval.every=0" "eval.n_samples=$SAMPLES" "run.out=$OUT/gamma/g$gamma-s$seed" \
       "${QUIET[@]}" >"$OUT/gamma/g$gamma-s$seed.log" 2>&1 ||
       { echo "failed: see $OUT/gamma/g$gamma-s$seed.log"; exit 1; }
@@ -103,9 +103,9 @@ for algo in "${algorithms[@]}"; do
       run=$OUT/family/$algo-g$gamma-s$seed
       stage "$algo gamma $gamma seed $seed: $FAMILY_TOKENS tokens, pass@k from $FAMILY_SAMPLES samples"
       "${MPIRUN[@]}" $PY -m fgrpo configs/demo/fgrpo.yaml "lora.adapter=$adapter" \
-        "fgrpo.algorithm=$algo" "fgrpo.gamma=$gamma" fgrpo.steps=100000 \
-        "fgrpo.batch_prompts=$FAMILY_BATCH" "fgrpo.num_iterations=$FAMILY_ITERATIONS" \
-        "fgrpo.learning_rate=$FAMILY_LR" \
+        "fgrpo.algorithm=$algo" "fgrpo.advantage.gamma=$gamma" fgrpo.steps=100000 \
+        "fgrpo.batch_prompts=$FAMILY_BATCH" "fgrpo.optim.num_iterations=$FAMILY_ITERATIONS" \
+        "fgrpo.optim.learning_rate=$FAMILY_LR" \
         "run.max_generated_tokens=$FAMILY_TOKENS" "run.seed=$seed" "task.n_eval=$FAMILY_EVAL" \
         "eval.every=0" "eval.n_samples=$FAMILY_SAMPLES" "run.out=$run" "${QUIET[@]}" \
         >"$run.log" 2>&1 || { echo "failed: see $run.log"; exit 1; }

@@ -204,7 +204,7 @@ def test_fuzzed_run_out_templates_fill_in_or_raise_user_error(template):
 PROBE_OVERRIDES = [
     (["essa.population=1000000000"], "essa.population"),
     (["eval.n_samples=1000000000"], "eval.n_samples"),
-    (["fgrpo.num_generations=1000000000"], "fgrpo.num_generations"),
+    (["fgrpo.sampling.num_generations=1000000000"], "fgrpo.sampling.num_generations"),
     (["essa.sigma0=0"], "essa.sigma0"),
     (["essa.members_per_pass=100000000"], "essa.members_per_pass"),
     (["task.max_new_tokens=100000000"], "task.max_new_tokens"),

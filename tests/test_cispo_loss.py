@@ -86,14 +86,18 @@ def test_at_ratio_one_cispo_has_the_clip_surrogates_gradient():
 
 
 def test_cispo_has_no_dual_clip():
-    """CISPO reads no fgrpo.clip_ratio_c, and a config that sets it with CISPO is refused."""
-    from fgrpo.config import FGRPOJobConfig
-    from hpc.runtime.config import load_config
-    from hpc.runtime.errors import UserError
+    """CISPO has no dual-clip key: fgrpo.loss.clip.ratio_c is the clip surrogate's own, and
+    under cispo the loss reads only fgrpo.loss.cispo."""
+    import dataclasses
 
-    assert "clip_ratio_c" not in CISPO.KEYS.values()
-    with pytest.raises(UserError, match="fgrpo.surrogate=cispo has none"):
-        load_config(FGRPOJobConfig, None, ["fgrpo.surrogate=cispo", "fgrpo.clip_ratio_c=3"])
+    from fgrpo.config import FGRPOJobConfig
+    from fgrpo.surrogates import from_config
+    from hpc.runtime.config import load_config
+
+    assert [f.name for f in dataclasses.fields(CISPO)] == ["epsilon_low", "epsilon_high"]
+    loss = load_config(FGRPOJobConfig, None, ["fgrpo.loss.surrogate=cispo",
+                                              "fgrpo.loss.clip.ratio_c=3"]).fgrpo.loss
+    assert from_config(loss) == CISPO()
 
 
 # ---------------------------------------------------------------- fgrpo.algorithm presets
@@ -101,29 +105,36 @@ def test_cispo_has_no_dual_clip():
 def test_presets_resolve_and_given_keys_win():
     from fgrpo.config import FGRPOJobConfig
     from hpc.runtime.config import config_to_yaml, load_config
-    f = load_config(FGRPOJobConfig, None, ["fgrpo.algorithm=dapo", "task.max_new_tokens=20"]).fgrpo
-    assert (f.surrogate, f.loss_type, f.epsilon, f.epsilon_high, f.dynamic_sampling,
-            f.max_refills, f.overlong_buffer) == ("clip", "token-mean", 0.2, 0.28, True, 9, 4)
+    f = load_config(FGRPOJobConfig, None, ["fgrpo.algorithm=dapo",
+                                           "task.max_new_tokens=20"]).fgrpo
+    assert (f.loss.surrogate, f.loss.aggregation, f.loss.clip.epsilon, f.loss.clip.epsilon_high,
+            f.sampling.dynamic_sampling, f.sampling.max_refills, f.reward.overlong_buffer) == \
+        ("clip", "token-mean", 0.2, 0.28, True, 9, 4)
     f = load_config(FGRPOJobConfig, None, ["fgrpo.algorithm=cispo"]).fgrpo
-    assert (f.surrogate, f.cispo_epsilon_low, f.cispo_epsilon_high, f.dynamic_sampling) == \
-        ("cispo", 1.0, 4.0, False)
-    cfg = load_config(FGRPOJobConfig, None, ["fgrpo.algorithm=dapo", "fgrpo.max_refills=2",
-                                             "fgrpo.overlong_buffer=0",
-                                             "fgrpo.dynamic_sampling=false"])
-    assert (cfg.fgrpo.max_refills, cfg.fgrpo.overlong_buffer, cfg.fgrpo.dynamic_sampling) == \
+    assert (f.loss.surrogate, f.loss.cispo.epsilon_low, f.loss.cispo.epsilon_high,
+            f.sampling.dynamic_sampling) == ("cispo", 1.0, 4.0, False)
+    cfg = load_config(FGRPOJobConfig, None, ["fgrpo.algorithm=dapo",
+                                             "fgrpo.sampling.max_refills=2",
+                                             "fgrpo.reward.overlong_buffer=0",
+                                             "fgrpo.sampling.dynamic_sampling=false"])
+    f = cfg.fgrpo
+    assert (f.sampling.max_refills, f.reward.overlong_buffer, f.sampling.dynamic_sampling) == \
         (2, 0, False)
     # the run file's config holds the resolved values; loading it back gives the same config
     text = config_to_yaml(cfg)
     assert "dynamic_sampling: false" in text and "algorithm: dapo" in text
     default = load_config(FGRPOJobConfig, None, []).fgrpo
-    assert (default.algorithm, default.surrogate, default.dynamic_sampling) == \
+    assert (default.algorithm, default.loss.surrogate, default.sampling.dynamic_sampling) == \
         ("grpo", "clip", False)
 
 
 @pytest.mark.parametrize("overrides, words", [
-    (["fgrpo.algorithm=cispo", "fgrpo.clip_ratio_c=3"], ["fgrpo.clip_ratio_c", "cispo"]),
-    (["fgrpo.overlong_buffer=9", "task.max_new_tokens=8"], ["fgrpo.overlong_buffer", "8"]),
-    (["fgrpo.algorithm=dapo", "fgrpo.parallelism=fsdp2"], ["fgrpo.dynamic_sampling", "fsdp2"]),
+    (["fgrpo.algorithm=cispo", "fgrpo.loss.clip.ratio_c=0.5"],
+     ["fgrpo.loss.clip.ratio_c", "0.5", "> 1"]),
+    (["fgrpo.reward.overlong_buffer=9", "task.max_new_tokens=8"],
+     ["fgrpo.reward.overlong_buffer", "8"]),
+    (["fgrpo.algorithm=dapo", "fgrpo.parallel.strategy=fsdp2"],
+     ["fgrpo.sampling.dynamic_sampling", "fsdp2"]),
 ])
 def test_bad_algorithm_combinations(overrides, words):
     from fgrpo.config import FGRPOJobConfig
@@ -141,11 +152,11 @@ def test_help_lists_the_new_keys_with_ranges():
     text = subprocess.run([sys.executable, "-m", "fgrpo", "--help"], capture_output=True,
                           text=True, timeout=120).stdout
     for line in ("fgrpo.algorithm = 'grpo'  (one of grpo, dapo, cispo)",
-                 "fgrpo.surrogate = 'clip'  (one of cispo, clip)",
-                 "fgrpo.cispo_epsilon_low = 1.0  (>= 0.0 <= 1.0)",
-                 "fgrpo.cispo_epsilon_high = 4.0  (>= 0.0 <= 1000.0)",
-                 "fgrpo.max_refills = 9  (>= 0 <= 1000)",
-                 "fgrpo.overlong_buffer = 0  (>= 0 <= 32768)",
-                 "fgrpo.overlong_penalty = 1.0  (>= 0.0 <= 1000.0)",
-                 "fgrpo.dynamic_sampling = False", "fgrpo.overlong_filter = False"):
+                 "fgrpo.loss.surrogate = 'clip'  (one of cispo, clip)",
+                 "fgrpo.loss.cispo.epsilon_low = 1.0  (>= 0.0 <= 1.0)",
+                 "fgrpo.loss.cispo.epsilon_high = 4.0  (>= 0.0 <= 1000.0)",
+                 "fgrpo.sampling.max_refills = 9  (>= 0 <= 1000)",
+                 "fgrpo.reward.overlong_buffer = 0  (>= 0 <= 32768)",
+                 "fgrpo.reward.overlong_penalty = 1.0  (>= 0.0 <= 1000.0)",
+                 "fgrpo.sampling.dynamic_sampling = False", "fgrpo.loss.overlong_filter = False"):
         assert line in text, line

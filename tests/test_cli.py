@@ -79,7 +79,7 @@ def test_hpc_scaling_takes_its_config_first_like_every_command():
 
 @pytest.mark.parametrize("name,keys", [
     ("essa", ["essa.population = 96", "lora.adapter = ''", "plan.gpu_memory_gib = 80.0"]),
-    ("fgrpo", ["fgrpo.micro_batch = 64", "fgrpo.loss_type = 'token-mean'"]),
+    ("fgrpo", ["fgrpo.optim.micro_batch = 64", "fgrpo.loss.aggregation = 'token-mean'"]),
     ("hpc-sft", ["sft.steps = 40", "task.max_new_tokens = 8"]),
     ("hpc-eval", ["eval.n_samples = 8", "model.path = 'toy'"]),
 ])

@@ -99,8 +99,8 @@ def fake_step(monkeypatch, informative: set, *overrides, n_train=40, G=4):
                          for p in prompts])
     monkeypatch.setattr(sampling, "sample_rollouts", fake_rollouts)
     cfg = load_config(FGRPOJobConfig, None, [
-        "fgrpo.algorithm=dapo", "fgrpo.batch_prompts=4", "fgrpo.max_refills=3",
-        f"fgrpo.num_generations={G}", *overrides])
+        "fgrpo.algorithm=dapo", "fgrpo.batch_prompts=4", "fgrpo.sampling.max_refills=3",
+        f"fgrpo.sampling.num_generations={G}", *overrides])
     task, tok = SimpleNamespace(train=Split(n_train)), SimpleNamespace(pad_token_id=0)
     return lambda step: sampling.sample_step(None, tok, task, cfg, OneRank(), step, None, None)
 
@@ -129,7 +129,7 @@ def test_no_informative_group_left_trains_on_what_it_has_and_logs_the_shortfall(
                          "filtered_share": (16 - hits) / 16, "extra_rollouts": 3 * 4 * 4,
                          "shortfall_groups": 4 - hits}
     assert out.train.rewards.shape == (hits, 4)
-    none = fake_step(monkeypatch, set(), "fgrpo.max_refills=1")(3)
+    none = fake_step(monkeypatch, set(), "fgrpo.sampling.max_refills=1")(3)
     assert none.stats["shortfall_groups"] == 4 and none.train.rewards.shape == (0, 4)
     assert none.train.input_ids.shape[0] == 0
 
@@ -177,8 +177,9 @@ def test_truncated_completions_are_shaped_and_filtered(monkeypatch):
     task = SimpleNamespace(rewards=lambda texts, answers: [1.0, 1.0])
     for filtered in (False, True):
         f = load_config(FGRPOJobConfig, None, [
-            "fgrpo.num_generations=2", "fgrpo.overlong_buffer=2", "task.max_new_tokens=4",
-            f"fgrpo.overlong_filter={str(filtered).lower()}"]).fgrpo
+            "fgrpo.sampling.num_generations=2", "fgrpo.reward.overlong_buffer=2",
+            "task.max_new_tokens=4",
+            f"fgrpo.loss.overlong_filter={str(filtered).lower()}"]).fgrpo
         out = rollout.sample_rollouts(model, tok, task, ["q"], ["a"], f, 4, 8, 0, Timer(), None)
         assert out.truncated.tolist() == [False, True]
         assert out.penalty.tolist() == [[0.0, -1.0]] and out.rewards.tolist() == [[1.0, 1.0]]

@@ -20,14 +20,15 @@ def test_expected_rounds_are_whole_refill_rounds(share, refills, rounds):
 
 def test_memory_plan_counts_the_kept_rollouts_and_says_the_extra_rollouts(tmp_path):
     cfg = cluster_config(model_folder(tmp_path, "7B"), "fgrpo.algorithm=dapo",
-                         "fgrpo.filtered_share=0.6")
+                         "fgrpo.sampling.filtered_share=0.6")
     shape = ModelShape.from_folder(cfg.model.path)
     plan = fgrpo_plan(shape, cfg, ranks=16)
     rollout = plan.phases[0]
     kept = dict(rollout.parts)["rollouts kept over 3 sampling rounds"]
-    rows = min(cfg.eval.batch_size, -(-cfg.fgrpo.batch_prompts // 16)) * cfg.fgrpo.num_generations
+    rows = (min(cfg.eval.batch_size, -(-cfg.fgrpo.batch_prompts // 16))
+            * cfg.fgrpo.sampling.num_generations)
     assert kept == rows * (cfg.plan.max_prompt_tokens + cfg.task.max_new_tokens) * 20 * 2
-    extra = 2 * cfg.fgrpo.batch_prompts * cfg.fgrpo.num_generations
+    extra = 2 * cfg.fgrpo.batch_prompts * cfg.fgrpo.sampling.num_generations
     assert any(f"{extra} extra rollouts a step" in note for note in plan.notes)
     plain = fgrpo_plan(shape, cluster_config(cfg.model.path), ranks=16)
     assert not any("dynamic sampling" in note for note in plain.notes)

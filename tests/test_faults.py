@@ -30,7 +30,7 @@ def essa_args(adapter, out, generations, *extra):
 
 def fgrpo_args(adapter, out, steps, *extra):
     return ["-m", "fgrpo", "model.path=toy", f"lora.adapter={adapter}", "task.n_train=200",
-            "task.n_eval=16", "fgrpo.batch_prompts=8", "fgrpo.num_generations=4",
+            "task.n_eval=16", "fgrpo.batch_prompts=8", "fgrpo.sampling.num_generations=4",
             f"fgrpo.steps={steps}", "eval.every=0", "eval.n_samples=2", "run.progress=false",
             "run.checkpoint_every=1", f"run.out={out}", *extra]
 
@@ -131,11 +131,11 @@ def test_essa_preemption_then_resume_is_bitwise(essa_20, toy_adapter, tmp_path, 
 @pytest.mark.slow
 def test_fgrpo_preemption_then_resume_is_bitwise(toy_adapter, tmp_path):
     """The interrupted run also moves its AdamW moments to host memory around every rollout
-    (fgrpo.offload=optimizer, restored state included after the resume): still bitwise."""
+    (fgrpo.parallel.offload=optimizer, restored state included after the resume): still bitwise."""
     full, part = tmp_path / "full", tmp_path / "part"
     assert run_mpi(2, fgrpo_args(toy_adapter, full, 6)).returncode == 0
     h5 = str(part / "fgrpo.h5")
-    moved = fgrpo_args(toy_adapter, part, 6, "fgrpo.offload=optimizer")
+    moved = fgrpo_args(toy_adapter, part, 6, "fgrpo.parallel.offload=optimizer")
     code, _, err = run_and_signal(moved, h5, "metrics", 2, signal.SIGUSR1)
     assert code == 3, err[-3000:]
     assert RunFile(h5).attrs["status"] == "preempted"
@@ -156,7 +156,8 @@ def test_preemption_during_a_refill_resumes_bitwise(toy_adapter, tmp_path):
     lands in one. The step in flight finishes, is checkpointed, the run exits 3; the resumed
     run draws the following steps' rounds from the shared seed, as the uninterrupted one."""
     full, part = tmp_path / "full", tmp_path / "part"
-    extra = ("fgrpo.algorithm=dapo", "fgrpo.max_refills=3", "fgrpo.temperature=0.1")
+    extra = ("fgrpo.algorithm=dapo", "fgrpo.sampling.max_refills=3",
+             "fgrpo.sampling.temperature=0.1")
     assert run_mpi(2, fgrpo_args(toy_adapter, full, 5, *extra)).returncode == 0
     h5 = str(part / "fgrpo.h5")
     code, _, err = run_and_signal(fgrpo_args(toy_adapter, part, 5, *extra), h5, "metrics", 1,
@@ -178,13 +179,13 @@ def test_preemption_during_a_refill_resumes_bitwise(toy_adapter, tmp_path):
 @pytest.mark.toy
 @pytest.mark.slow
 def test_fsdp2_preemption_then_resume_is_bitwise(toy_adapter, tmp_path):
-    """fgrpo.parallelism=fsdp2, full fine-tuning: every rank writes its shard of the fp32
+    """fgrpo.parallel.strategy=fsdp2, full fine-tuning: every rank writes its shard of the fp32
     masters and AdamW moments (torch.distributed.checkpoint); SIGTERM to every rank (as Slurm at preemption), then --resume
     on the same 2 ranks ends with the metrics and the exported model of an uninterrupted run,
     bit for bit."""
     full, part = tmp_path / "full", tmp_path / "part"
-    extra = ("fgrpo.parallelism=fsdp2", "fgrpo.full_finetune=true", "fgrpo.learning_rate=1e-4",
-             "fgrpo.offload=state")
+    extra = ("fgrpo.parallel.strategy=fsdp2", "fgrpo.full_finetune=true",
+             "fgrpo.optim.learning_rate=1e-4", "fgrpo.parallel.offload=state")
     assert run_mpi(2, fgrpo_args(toy_adapter, full, 5, *extra)).returncode == 0
     h5 = str(part / "fgrpo.h5")
     code, _, err = run_and_signal(fgrpo_args(toy_adapter, part, 5, *extra), h5, "metrics", 2,

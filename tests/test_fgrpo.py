@@ -41,7 +41,7 @@ def test_ddp_gradient_equals_single_process(ddp_gradients, loss_type):
 
 def fgrpo_args(adapter, out, *extra):
     return ["-m", "fgrpo", "model.path=toy", f"lora.adapter={adapter}", "task.n_train=1000",
-            "task.n_eval=128", "fgrpo.batch_prompts=16", "fgrpo.num_generations=8",
+            "task.n_eval=128", "fgrpo.batch_prompts=16", "fgrpo.sampling.num_generations=8",
             "eval.every=0", "eval.n_samples=2", "run.progress=false", f"run.out={out}", *extra]
 
 
@@ -51,7 +51,8 @@ def fgrpo_args(adapter, out, *extra):
 def test_learning_on_the_toy_task(toy_adapter, tmp_path):
     out = tmp_path / "run"
     proc = run_mpi(2, fgrpo_args(toy_adapter, out, "fgrpo.steps=80", "fgrpo.batch_prompts=32",
-                                 "fgrpo.learning_rate=0.002", "task.n_eval=256", "eval.n_samples=4"),
+                                 "fgrpo.optim.learning_rate=0.002", "task.n_eval=256",
+                                 "eval.n_samples=4"),
                    timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = RunFile(str(out / "fgrpo.h5"))
@@ -88,10 +89,10 @@ def test_resume_equals_uninterrupted(toy_adapter, tmp_path):
 
 
 @pytest.mark.parametrize("override, words", [
-    ("fgrpo.gamma=-0.5", ["fgrpo.gamma", "minimum"]),
-    ("fgrpo.num_generations=1", ["fgrpo.num_generations", "minimum"]),
-    ("fgrpo.loss_type=seq-sum", ["fgrpo.loss_type", "not one of"]),
-    ("fgrpo.clip_ratio_c=0.5", ["fgrpo.clip_ratio_c", "or > 1"]),
+    ("fgrpo.advantage.gamma=-0.5", ["fgrpo.advantage.gamma", "minimum"]),
+    ("fgrpo.sampling.num_generations=1", ["fgrpo.sampling.num_generations", "minimum"]),
+    ("fgrpo.loss.aggregation=seq-sum", ["fgrpo.loss.aggregation", "not one of"]),
+    ("fgrpo.loss.clip.ratio_c=0.5", ["fgrpo.loss.clip.ratio_c", "or > 1"]),
 ])
 @pytest.mark.mpi
 @pytest.mark.toy
@@ -105,17 +106,17 @@ def test_bad_options_exit_2(tmp_path, override, words):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("extra", [["fgrpo.full_finetune=true", "fgrpo.beta=0.1"],
-                                   ["fgrpo.beta=0.1", "fgrpo.num_iterations=2",
-                                    "fgrpo.scale_rewards=batch",
-                                    "fgrpo.loss_type=seq-mean-token-sum-norm",
-                                    "fgrpo.clip_ratio_c=3", "fgrpo.advantage_epsilon=1e-6",
-                                    "fgrpo.success_threshold=0.5"],
-                                   ["fgrpo.algorithm=cispo", "fgrpo.beta=0.1",
-                                    "fgrpo.num_iterations=2",
-                                    "fgrpo.loss_type=seq-mean-token-mean"],
-                                   ["fgrpo.algorithm=dapo", "fgrpo.max_refills=1",
-                                    "fgrpo.overlong_filter=true", "fgrpo.beta=0.1"]],
+@pytest.mark.parametrize("extra", [["fgrpo.full_finetune=true", "fgrpo.loss.beta=0.1"],
+                                   ["fgrpo.loss.beta=0.1", "fgrpo.optim.num_iterations=2",
+                                    "fgrpo.advantage.scale_rewards=batch",
+                                    "fgrpo.loss.aggregation=seq-mean-token-sum-norm",
+                                    "fgrpo.loss.clip.ratio_c=3", "fgrpo.advantage.epsilon=1e-6",
+                                    "fgrpo.reward.success_threshold=0.5"],
+                                   ["fgrpo.algorithm=cispo", "fgrpo.loss.beta=0.1",
+                                    "fgrpo.optim.num_iterations=2",
+                                    "fgrpo.loss.aggregation=seq-mean-token-mean"],
+                                   ["fgrpo.algorithm=dapo", "fgrpo.sampling.max_refills=1",
+                                    "fgrpo.loss.overlong_filter=true", "fgrpo.loss.beta=0.1"]],
                          ids=["full-finetune-kl", "lora-kl-mu2-batch-std", "cispo-kl-mu2",
                               "dapo-overlong-filter"])
 @pytest.mark.mpi
@@ -126,7 +127,7 @@ def test_variants_run_and_log(tiny_models, tmp_path, extra):
     out = tmp_path / "run"
     proc = run_mpi(2, ["-m", "fgrpo", f"model.path={model_dir}", "task.n_train=64",
                        "task.n_eval=8", "fgrpo.steps=2", "fgrpo.batch_prompts=4",
-                       "fgrpo.num_generations=4", "eval.every=0", "eval.n_samples=2",
+                       "fgrpo.sampling.num_generations=4", "eval.every=0", "eval.n_samples=2",
                        "run.progress=false", f"run.out={out}", *extra])
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = RunFile(str(out / "fgrpo.h5")).group("metrics")
@@ -148,7 +149,7 @@ def test_token_budget_stops_the_run_and_counts_every_completion_token(toy_adapte
     run = RunFile(str(out / "fgrpo.h5"))
     m, held = run.group("metrics"), run.group("heldout")
     tokens = m["generated_tokens"]
-    rows = 16 * 8  # fgrpo.batch_prompts x fgrpo.num_generations, over both ranks
+    rows = 16 * 8  # fgrpo.batch_prompts x fgrpo.sampling.num_generations, over both ranks
     assert np.array_equal(np.diff(tokens, prepend=0), m["completion_length"] * rows)
     assert tokens[-1] >= 2000 > tokens[-2] and len(tokens) < 50
     steps = m["step"]
@@ -164,7 +165,7 @@ def test_token_budget_stops_the_run_and_counts_every_completion_token(toy_adapte
     (["fgrpo.space=sv", "lora.adapter="], ["fgrpo.space", "lora.adapter"]),
     (["fgrpo.alpha=0.5"], ["fgrpo.alpha", "space=sv"]),
     (["fgrpo.space=sv", "fgrpo.alpha=0"], ["fgrpo.alpha"]),
-    (["fgrpo.algorithm=cispo", "fgrpo.clip_ratio_c=3"], ["fgrpo.clip_ratio_c", "cispo"]),
+    (["fgrpo.algorithm=cispo", "fgrpo.loss.clip.ratio_c=3"], ["fgrpo.loss.clip.ratio_c", "cispo"]),
 ])
 @pytest.mark.mpi
 @pytest.mark.toy
@@ -190,8 +191,8 @@ def test_singular_value_space_trains_resumes_and_exports(tiny_models, tmp_path):
     def args(out, steps):
         return ["-m", "fgrpo", f"model.path={model_dir}", f"lora.adapter={adapter_dir}",
                 "task.n_train=64", "task.n_eval=8", f"fgrpo.steps={steps}",
-                "fgrpo.batch_prompts=4", "fgrpo.num_generations=4", "fgrpo.space=sv",
-                "fgrpo.alpha=0.5", "fgrpo.learning_rate=0.05", "fgrpo.beta=0.1",
+                "fgrpo.batch_prompts=4", "fgrpo.sampling.num_generations=4", "fgrpo.space=sv",
+                "fgrpo.alpha=0.5", "fgrpo.optim.learning_rate=0.05", "fgrpo.loss.beta=0.1",
                 "eval.every=0", "eval.n_samples=2", "run.progress=false", f"run.out={out}"]
     full, part = tmp_path / "full", tmp_path / "part"
     for out, steps, extra in ((full, 4, []), (part, 2, []), (part, 4, ["--resume"])):
@@ -228,9 +229,10 @@ def test_dynamic_sampling_is_the_same_on_one_and_three_ranks(toy_adapter, tmp_pa
     for n in (1, 3):
         out = tmp_path / f"n{n}"
         proc = run_mpi(n, fgrpo_args(toy_adapter, out, "fgrpo.steps=3", "fgrpo.batch_prompts=6",
-                                     "fgrpo.num_generations=4", "fgrpo.algorithm=dapo",
-                                     "fgrpo.max_refills=3", "fgrpo.temperature=0.1",
-                                     "fgrpo.learning_rate=0", "task.n_train=200",
+                                     "fgrpo.sampling.num_generations=4", "fgrpo.algorithm=dapo",
+                                     "fgrpo.sampling.max_refills=3",
+                                     "fgrpo.sampling.temperature=0.1",
+                                     "fgrpo.optim.learning_rate=0", "task.n_train=200",
                                      "task.n_eval=8"), timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         metrics[n] = RunFile(str(out / "fgrpo.h5")).group("metrics")

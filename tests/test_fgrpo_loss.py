@@ -322,7 +322,7 @@ def test_seq_mean_token_sum_literal():
 @pytest.mark.parametrize("c", [0.5, 1.0, -3.0])
 def test_dual_clip_bound_must_exceed_one(c):
     logp, old, _, mask = tensors()
-    with pytest.raises(ValueError, match="clip_ratio_c must be 0 .off. or > 1"):
+    with pytest.raises(UserError, match=r"ratio_c': -?[\d.]+ must be 0 .dual clip off. or > 1"):
         policy_loss(logp, old, torch.zeros(4), mask, "token-mean", Clip(0.2, 0.28, c))
 
 
@@ -449,14 +449,16 @@ def test_token_entropy_by_hand():
 
 def test_config_keys_for_the_new_options():
     cfg = load_config(FGRPOJobConfig, None, [])
-    assert (cfg.fgrpo.success_threshold, cfg.fgrpo.advantage_epsilon, cfg.fgrpo.clip_ratio_c) \
+    assert (cfg.fgrpo.reward.success_threshold, cfg.fgrpo.advantage.epsilon,
+            cfg.fgrpo.loss.clip.ratio_c) \
         == (1.0, 1e-4, 0.0)  # TRL's epsilon; dual clip off as in TRL
-    cfg = load_config(FGRPOJobConfig, None, ["fgrpo.clip_ratio_c=3", "fgrpo.advantage_epsilon=1e-6",
-                                             "fgrpo.success_threshold=0.5",
-                                             "fgrpo.loss_type=seq-mean-token-sum"])
-    assert (cfg.fgrpo.clip_ratio_c, cfg.fgrpo.advantage_epsilon) == (3.0, 1e-6)
-    for bad, message in (("fgrpo.clip_ratio_c=1", "must be 0 .dual clip off. or > 1"),
-                         ("fgrpo.clip_ratio_c=-2", "below the minimum"),
-                         ("fgrpo.advantage_epsilon=-1e-6", "below the minimum")):
+    cfg = load_config(FGRPOJobConfig, None, ["fgrpo.loss.clip.ratio_c=3",
+                                             "fgrpo.advantage.epsilon=1e-6",
+                                             "fgrpo.reward.success_threshold=0.5",
+                                             "fgrpo.loss.aggregation=seq-mean-token-sum"])
+    assert (cfg.fgrpo.loss.clip.ratio_c, cfg.fgrpo.advantage.epsilon) == (3.0, 1e-6)
+    for bad, message in (("fgrpo.loss.clip.ratio_c=1", "must be 0 .dual clip off. or > 1"),
+                         ("fgrpo.loss.clip.ratio_c=-2", "below the minimum"),
+                         ("fgrpo.advantage.epsilon=-1e-6", "below the minimum")):
         with pytest.raises(UserError, match=message):
             load_config(FGRPOJobConfig, None, [bad])

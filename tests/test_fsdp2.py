@@ -1,4 +1,4 @@
-"""fgrpo.parallelism=fsdp2 against ddp under the real mpirun (gloo, fp32 toy), fp32 master
+"""fgrpo.parallel.strategy=fsdp2 against ddp under the real mpirun (gloo, fp32 toy), fp32 master
 weights under bf16 compute, the full fine-tune's export, sharded (DCP) checkpoints (resume on
 another rank count: tests/test_reshard.py)."""
 import os
@@ -21,9 +21,9 @@ STEPS = 2
 
 def fgrpo_args(out, *extra):
     return ["-m", "fgrpo", "model.path=toy", "task.n_train=64", "task.n_eval=12",
-            "fgrpo.batch_prompts=6", "fgrpo.num_generations=4", f"fgrpo.steps={STEPS}",
-            "fgrpo.num_iterations=2",
-            "fgrpo.micro_batch=8", "eval.every=0", "eval.n_samples=1", "run.progress=false",
+            "fgrpo.batch_prompts=6", "fgrpo.sampling.num_generations=4", f"fgrpo.steps={STEPS}",
+            "fgrpo.optim.num_iterations=2",
+            "fgrpo.optim.micro_batch=8", "eval.every=0", "eval.n_samples=1", "run.progress=false",
             "run.checkpoint_every=1", f"fgrpo.keep_checkpoints={STEPS}", f"run.out={out}",
             *extra]
 
@@ -61,13 +61,13 @@ def relative(a, b):
 @pytest.mark.toy
 @pytest.mark.slow
 def test_fsdp2_equals_ddp_step_by_step(tmp_path, ranks, mode):
-    extra = ["fgrpo.full_finetune=true", "fgrpo.learning_rate=1e-4"] if mode == "full" else []
+    extra = ["fgrpo.full_finetune=true", "fgrpo.optim.learning_rate=1e-4"] if mode == "full" else []
     outs = {}
     for parallelism in ("ddp", "fsdp2"):
         outs[parallelism] = out = tmp_path / parallelism
         offload = "state" if parallelism == "fsdp2" else "optimizer"  # changes nothing
-        proc = run_mpi(ranks, fgrpo_args(out, f"fgrpo.parallelism={parallelism}",
-                                         f"fgrpo.offload={offload}", *extra), timeout=300)
+        proc = run_mpi(ranks, fgrpo_args(out, f"fgrpo.parallel.strategy={parallelism}",
+                                         f"fgrpo.parallel.offload={offload}", *extra), timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
     ddp, fsdp = (RunFile(str(outs[p] / "fgrpo.h5")).group("metrics") for p in ("ddp", "fsdp2"))
     assert ddp["step"].tolist() == list(range(1, STEPS + 1))
@@ -101,8 +101,8 @@ def test_full_finetune_export_loads_in_transformers_and_reproduces_accuracy(tmp_
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
-    proc = run_mpi(2, fgrpo_args(out, "fgrpo.parallelism=fsdp2", "fgrpo.full_finetune=true",
-                                 "fgrpo.learning_rate=1e-3"), timeout=300)
+    proc = run_mpi(2, fgrpo_args(out, "fgrpo.parallel.strategy=fsdp2", "fgrpo.full_finetune=true",
+                                 "fgrpo.optim.learning_rate=1e-3"), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     folder = out / "model"
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(folder))
@@ -128,9 +128,9 @@ def assert_one_line(stderr, words):
 @pytest.mark.toy
 def test_resume_with_another_parallelism_is_refused(tmp_path):
     out = tmp_path / "run"
-    proc = run_mpi(2, fgrpo_args(out, "fgrpo.parallelism=fsdp2", "fgrpo.steps=1"))
+    proc = run_mpi(2, fgrpo_args(out, "fgrpo.parallel.strategy=fsdp2", "fgrpo.steps=1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = run_mpi(2, fgrpo_args(out, "fgrpo.parallelism=ddp", "fgrpo.steps=2") +
+    proc = run_mpi(2, fgrpo_args(out, "fgrpo.parallel.strategy=ddp", "fgrpo.steps=2") +
                    ["--resume"])
     assert proc.returncode == 2
     assert_one_line(proc.stderr, "resume with the parallelism that wrote it")
@@ -139,7 +139,7 @@ def test_resume_with_another_parallelism_is_refused(tmp_path):
 @pytest.mark.mpi
 @pytest.mark.toy
 def test_uneven_prompts_over_ranks_exit_2(tmp_path):
-    proc = run_mpi(2, fgrpo_args(tmp_path / "run", "fgrpo.parallelism=fsdp2",
+    proc = run_mpi(2, fgrpo_args(tmp_path / "run", "fgrpo.parallel.strategy=fsdp2",
                                  "fgrpo.batch_prompts=5"))
     assert proc.returncode == 2
     assert_one_line(proc.stderr, "'fgrpo.batch_prompts'")
@@ -198,8 +198,9 @@ def test_bf16_lora_with_reference_kl_runs(tmp_path):
     """bf16 compute over fp32 shards, LoRA, a KL term (whose reference pass freezes the LoRA
     factors for a moment through peft's disable_adapter): the gradients come back in fp32."""
     out = tmp_path / "run"
-    proc = run_mpi(2, fgrpo_args(out, "fgrpo.parallelism=fsdp2", "model.dtype=bfloat16",
-                                 "fgrpo.beta=0.1", "fgrpo.steps=2", "fgrpo.num_iterations=1"))
+    proc = run_mpi(2, fgrpo_args(out, "fgrpo.parallel.strategy=fsdp2", "model.dtype=bfloat16",
+                                 "fgrpo.loss.beta=0.1", "fgrpo.steps=2",
+                                 "fgrpo.optim.num_iterations=1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = RunFile(str(out / "fgrpo.h5")).group("metrics")
     assert metrics["step"].tolist() == [1, 2] and metrics["kl"][-1] > 0
@@ -207,8 +208,8 @@ def test_bf16_lora_with_reference_kl_runs(tmp_path):
 
 @pytest.mark.mpi
 def test_offload_moves_the_state_while_decoding_and_changes_nothing(tmp_path):
-    """fgrpo.offload (hpc.models.offload): while the model decodes, optimizer moves the AdamW
-    moments and DDP's fp32 master copies off the device and state also FSDP2's shards (their
+    """fgrpo.parallel.offload (hpc.models.offload): while the model decodes, optimizer moves the
+    AdamW moments and DDP's fp32 master copies off the device and state also FSDP2's shards (their
     storages hold 0 bytes), no gradient exists, and the logits, decoded tokens, masters and
     moments after two steps equal those of a run that moves nothing, bit for bit (2 ranks)."""
     out = tmp_path / "offload.pt"

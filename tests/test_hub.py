@@ -235,7 +235,7 @@ def test_model_ids_run_sft_essa_and_fgrpo_on_prepared_data(tmp_path):
     for method, extra in (("essa", ["essa.population=4", "essa.minibatch=8",
                                     "essa.generations=1"]),
                           ("fgrpo", ["fgrpo.steps=1", "fgrpo.batch_prompts=4",
-                                     "fgrpo.num_generations=2"])):
+                                     "fgrpo.sampling.num_generations=2"])):
         proc = run_cli(["-m", method, *common, "lora.adapter=org/toy-sft", *extra,
                         f"run.out={runs / method}"], env=env)
         assert proc.returncode == 0, (method, proc.stderr[-3000:])

@@ -179,7 +179,7 @@ def test_essa_members_per_pass_that_fit(tmp_path):
 
 def test_full_finetune_state_ddp_and_fsdp2(tmp_path):
     cfg = cluster_config(model_folder(tmp_path, "1.5B"), "fgrpo.full_finetune=true",
-                         "fgrpo.beta=0.04", "plan.gpu_memory_gib=141")
+                         "fgrpo.loss.beta=0.04", "plan.gpu_memory_gib=141")
     shape, n = ModelShape.from_folder(cfg.model.path), 1_543_714_304
     plan = fgrpo_plan(shape, cfg, ranks=16)
     # bf16 weights, fp32 masters, fp32 AdamW moments, the reference copy; the gradients
@@ -190,32 +190,34 @@ def test_full_finetune_state_ddp_and_fsdp2(tmp_path):
     assert [b for _, b in train[:5]] == [2 * n, 4 * n, 8 * n, 2 * n, (2 + 4) * n]
     step = plan.phase("gradient reduction and AdamW step").parts
     assert step[-1][1] == 4 * n  # the all-reduce's flat fp32 copy
-    sharded = fgrpo_plan(shape, cfg_with(cfg, "fgrpo.parallelism=fsdp2"), ranks=16)
+    sharded = fgrpo_plan(shape, cfg_with(cfg, "fgrpo.parallel.strategy=fsdp2"), ranks=16)
     rollout = sharded.phase("rollout").parts  # shards, moments, reference shards, gathered
     assert [b for _, b in rollout[:4]] == [4 * n // 16, 8 * n // 16, 4 * n // 16, 2 * n]
     for mode, moved in (("optimizer", 8 * n // 16), ("state", (4 + 8 + 4) * n // 16)):
-        offload = fgrpo_plan(shape, cfg_with(cfg, "fgrpo.parallelism=fsdp2",
-                                             f"fgrpo.offload={mode}"), ranks=16)
+        offload = fgrpo_plan(shape, cfg_with(cfg, "fgrpo.parallel.strategy=fsdp2",
+                                             f"fgrpo.parallel.offload={mode}"), ranks=16)
         assert offload.phase("rollout").parts[3] == (
-            f"moved to host while decoding (fgrpo.offload={mode})", -moved)
+            f"moved to host while decoding (fgrpo.parallel.offload={mode})", -moved)
         assert offload.phase("evaluation").parts[3][1] == -moved
         seconds = 2 * moved / 20e9  # there and back at plan.host_gb_per_s=20
         assert f"about {seconds:.1f} s a step at plan.host_gb_per_s=20" in offload.notes[1]
-    ddp = fgrpo_plan(shape, cfg_with(cfg, "fgrpo.offload=state"), ranks=16)  # DDP: weights stay
+    ddp = fgrpo_plan(shape, cfg_with(cfg, "fgrpo.parallel.offload=state"),
+                     ranks=16)  # DDP: weights stay
     assert ddp.phase("rollout").parts[4][1] == -(8 + 4) * n  # moments and master copies
 
 
 def test_offload_auto_moves_the_least_that_fits(tmp_path):
-    """fgrpo.offload=auto: the first of none, optimizer, state under which the plan fits (on
-    CUDA with a model folder; none on CPU); where none fits, the one with the smallest peak
+    """fgrpo.parallel.offload=auto: the first of none, optimizer, state under which the plan fits
+    (on CUDA with a model folder; none on CPU); where none fits, the one with the smallest peak
     (none when the training phase is the peak, as offload does not change it)."""
     big = cluster_config(model_folder(tmp_path, "32B"), "fgrpo.full_finetune=true",
-                         "fgrpo.parallelism=fsdp2")
+                         "fgrpo.parallel.strategy=fsdp2")
     assert rollout_offload(big, 16, "cuda") == "state"
     assert rollout_offload(big, 16, "cpu") == "none"
     assert rollout_offload(cfg_with(big, "plan.gpu_memory_gib=141"), 16, "cuda") == "none"
-    assert rollout_offload(cfg_with(big, "fgrpo.offload=optimizer"), 16, "cuda") == "optimizer"
-    ddp = cfg_with(big, "fgrpo.parallelism=ddp")  # AdamW step at 740 GiB: nothing helps
+    assert rollout_offload(cfg_with(big, "fgrpo.parallel.offload=optimizer"),
+                           16, "cuda") == "optimizer"
+    ddp = cfg_with(big, "fgrpo.parallel.strategy=ddp")  # AdamW step at 740 GiB: nothing helps
     assert rollout_offload(ddp, 16, "cuda") == "none"
 
 
@@ -240,23 +242,23 @@ def test_done_when_targets_at_the_cluster_config(tmp_path):
     full7 = cfg_with(seven, "fgrpo.full_finetune=true")
     assert not fgrpo_plan(shape7, full7, 8).fits  # DDP: 20 bytes a parameter
     assert fgrpo_plan(shape7, full7, 8).advice == \
-        "use 8 ranks with fgrpo.parallelism=fsdp2 (checkpointing, chunked log-probs)"
-    assert fgrpo_plan(shape7, cfg_with(full7, "fgrpo.parallelism=fsdp2"), 8).fits
+        "use 8 ranks with fgrpo.parallel.strategy=fsdp2 (checkpointing, chunked log-probs)"
+    assert fgrpo_plan(shape7, cfg_with(full7, "fgrpo.parallel.strategy=fsdp2"), 8).fits
     assert essa_members_that_fit(shape7, seven, 16) >= 2
     big = cluster_config(model_folder(tmp_path, "32B"))
     shape32 = ModelShape.from_folder(big.model.path)
     # 32B LoRA under DDP: the rollout's 7.3 GiB engine is released for the training, so the
-    # shipped micro-batch fits (it needed fgrpo.micro_batch=1 while the engine stayed)
+    # shipped micro-batch fits (it needed fgrpo.optim.micro_batch=1 while the engine stayed)
     lora32 = fgrpo_plan(shape32, big, 16)
     assert lora32.fits and "rollout engine: released after each rollout" in lora32.notes[2]
     assert not fgrpo_plan(shape32, big, 16, keep_engine=True).fits
-    # 32B full-parameter GRPO at 16 ranks: FSDP2, the fp32 shards and AdamW moments in host
-    # memory while the gathered bf16 model (61 GiB) decodes (fgrpo.offload=auto picks state)
-    full32 = cfg_with(big, "fgrpo.full_finetune=true", "fgrpo.parallelism=fsdp2")
+    # 32B full-parameter GRPO at 16 ranks: FSDP2, the fp32 shards and AdamW moments in host memory
+    # while the gathered bf16 model (61 GiB) decodes (fgrpo.parallel.offload=auto picks state)
+    full32 = cfg_with(big, "fgrpo.full_finetune=true", "fgrpo.parallel.strategy=fsdp2")
     plan = fgrpo_plan(shape32, full32, 16)
-    assert plan.fits and plan.notes[1].startswith("fgrpo.offload=state (auto): 22.89 GiB")
-    kept = fgrpo_plan(shape32, cfg_with(full32, "fgrpo.offload=optimizer"), 16)
-    assert not kept.fits and kept.advice == "set fgrpo.offload=state"
+    assert plan.fits and plan.notes[1].startswith("fgrpo.parallel.offload=state (auto): 22.89 GiB")
+    kept = fgrpo_plan(shape32, cfg_with(full32, "fgrpo.parallel.offload=optimizer"), 16)
+    assert not kept.fits and kept.advice == "set fgrpo.parallel.offload=state"
 
 
 def test_32b_on_a_48gib_gpu_is_refused_with_int8_as_the_fix(tmp_path):
@@ -336,13 +338,14 @@ def test_plan_within_15_percent_of_torch_tracker(tmp_path, size, case, overrides
     assert planned_bytes(case, cfg, ranks) == pytest.approx(measured, rel=0.15)
 
 
-SHARDED = [  # (size, overrides, ranks): fgrpo.parallelism=fsdp2 at the cluster config
-    ("7B", ("fgrpo.parallelism=fsdp2",), 8),  # LoRA, base weights sharded
-    ("7B", ("fgrpo.parallelism=fsdp2", "fgrpo.full_finetune=true"), 8),
+SHARDED = [  # (size, overrides, ranks): fgrpo.parallel.strategy=fsdp2 at the cluster config
+    ("7B", ("fgrpo.parallel.strategy=fsdp2",), 8),  # LoRA, base weights sharded
+    ("7B", ("fgrpo.parallel.strategy=fsdp2", "fgrpo.full_finetune=true"), 8),
     # 32B full-parameter GRPO at 16 ranks: auto moves the shards and moments to host memory
-    # while decoding (fgrpo.offload=state; 69.9 GiB); with the moments alone, 73.2 GiB
-    ("32B", ("fgrpo.parallelism=fsdp2", "fgrpo.full_finetune=true"), 16),
-    ("32B", ("fgrpo.parallelism=fsdp2", "fgrpo.full_finetune=true", "fgrpo.offload=optimizer"),
+    # while decoding (fgrpo.parallel.offload=state; 69.9 GiB); with the moments alone, 73.2 GiB
+    ("32B", ("fgrpo.parallel.strategy=fsdp2", "fgrpo.full_finetune=true"), 16),
+    ("32B", ("fgrpo.parallel.strategy=fsdp2", "fgrpo.full_finetune=true",
+             "fgrpo.parallel.offload=optimizer"),
      16),
 ]
 
@@ -352,8 +355,8 @@ SHARDED = [  # (size, overrides, ranks): fgrpo.parallelism=fsdp2 at the cluster 
 @pytest.mark.slow
 def test_sharded_plan_within_15_percent_of_torch_tracker(tmp_path, size, overrides, ranks):
     """FSDP2 over torch's fake process group: the model sharded by shard_model, the rollout
-    decoding inside parallelize.decoding (gathered weights, fgrpo.offload as the job resolves
-    it), then the training micro-batches with their reduce-scatters. Measured at 4 and 6
+    decoding inside parallelize.decoding (gathered weights, fgrpo.parallel.offload as the job
+    resolves it), then the training micro-batches with their reduce-scatters. Measured at 4 and 6
     layers (with 2, FSDP2 has no layer to prefetch) and extended per phase; the AdamW step on
     DTensors is not measured (benchmarks/memory_tracker.py says why), so the plan's rollout and
     training phases are compared."""
@@ -393,8 +396,9 @@ def test_harness_on_real_tensors_reports_each_phase_beside_the_plan(tmp_path, ca
     write_tiny_config(tmp_path)
     out = tmp_path / "phases.json"
     tracker_main([f"model.path={tmp_path}", "plan.max_prompt_tokens=8", "task.max_new_tokens=8",
-                  "fgrpo.batch_prompts=2", "fgrpo.num_generations=2", "fgrpo.micro_batch=2",
-                  "fgrpo.parallelism=fsdp2", "fgrpo.full_finetune=true", "fgrpo.offload=state",
+                  "fgrpo.batch_prompts=2", "fgrpo.sampling.num_generations=2",
+                  "fgrpo.optim.micro_batch=2", "fgrpo.parallel.strategy=fsdp2",
+                  "fgrpo.full_finetune=true", "fgrpo.parallel.offload=state",
                   "--cases", "fgrpo", "--device", "cpu", "--json", str(out)])
     rows = json.loads(out.read_text())["results"]
     assert [r["phase"] for r in rows] == ["rollout", "training", "step"]
@@ -431,14 +435,14 @@ from memory_tracker import job_plan, legacy_handover  # noqa: E402
 
 JOBS = [(size, case, overrides) for size in ("1.5B", "7B", "32B") for case, overrides in (
     ("essa_job", ()), ("essa_job", ("model.quantize=int8",)), ("fgrpo_job", ()),
-    ("fgrpo_job", ("fgrpo.parallelism=fsdp2",)))]
+    ("fgrpo_job", ("fgrpo.parallel.strategy=fsdp2",)))]
 
 
 def job_peaks(tmp_path, size, case, overrides):
     """(the plan's peak, the whole job's peak on torch's tracker) at the cluster config."""
     cfg = cluster_config(model_folder(tmp_path, size), *overrides)
     ranks = ESSA_RANKS if case == "essa_job" else F_GRPO_RANKS
-    layers = (4, 6) if "fgrpo.parallelism=fsdp2" in overrides else (2, 4)  # see SHARDED
+    layers = (4, 6) if "fgrpo.parallel.strategy=fsdp2" in overrides else (2, 4)  # see SHARDED
     return job_plan(case, cfg, ranks)["job"], peak_bytes(case, cfg, ranks, layers)
 
 

@@ -42,7 +42,7 @@ SETTINGS = dict(HPC_CLUSTER_NODES="2", HPC_CLUSTER_CPUS="4", HPC_CLUSTER_GPUS="4
                 HPC_CLUSTER_SLURMD_TIMEOUT="60")
 EVAL = ["task.n_eval=16", "eval.n_samples=2", "run.progress=false", "model.path=toy"]
 SFT = ["sft.steps=2", "task.n_train=64", *EVAL]
-FGRPO = ["fgrpo.steps=2", "fgrpo.batch_prompts=8", "fgrpo.num_generations=4",
+FGRPO = ["fgrpo.steps=2", "fgrpo.batch_prompts=8", "fgrpo.sampling.num_generations=4",
          "task.n_train=64", "eval.every=0", *EVAL]
 ESSA = ["essa.population=4", "essa.minibatch=8", "essa.generations=2", "essa.sigma0=0.5",
         "task.n_train=64", "eval.every=0", *EVAL]
@@ -147,7 +147,7 @@ def matrix(cluster, toy_model):
     adapter, its jobs held by a dependency until that SFT job completed.
     {(method, layout, launcher): run folder}."""
     methods = {"sft": ("sft", SFT), "fgrpo-ddp": ("fgrpo", FGRPO),
-               "fgrpo-fsdp2": ("fgrpo", FGRPO + ["fgrpo.parallelism=fsdp2"])}
+               "fgrpo-fsdp2": ("fgrpo", FGRPO + ["fgrpo.parallel.strategy=fsdp2"])}
     cases = [("1x4", "mpirun"), ("2x2", "srun"), ("2x2", "mpirun")]
     scripts = {name: script for name, (script, _) in methods.items()} | {"essa": "essa"}
     jobs = {(name, layout, launcher): submit(cluster, script, args, layout, LAUNCHER=launcher)
@@ -411,7 +411,7 @@ def test_doctor_names_the_rank_that_cannot_reach_the_rendezvous(cluster, hosts, 
 
 
 LOST_TIMEOUT_S = 10
-LOST = ["fgrpo.steps=8", "fgrpo.batch_prompts=8", "fgrpo.num_generations=4",
+LOST = ["fgrpo.steps=8", "fgrpo.batch_prompts=8", "fgrpo.sampling.num_generations=4",
         "task.n_train=64", "eval.every=0", "run.checkpoint_every=1",
         f"run.collective_timeout_s={LOST_TIMEOUT_S}", *EVAL]
 

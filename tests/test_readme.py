@@ -20,6 +20,7 @@ import pytest
 from conftest import REPO
 from essa.config import ESSAJobConfig
 from fgrpo.config import FGRPOJobConfig
+from hpc.runtime.config import config_keys
 from sft.config import SFTJobConfig
 
 PAGES = ["README.md"] + sorted(os.path.relpath(p, REPO)
@@ -34,7 +35,7 @@ MAKING_OF = [r"\bsessions?\b", r"\bmerged?\b", r"\bthis round\b", r"\bbranch(es)
              r"\bhelpers?\b", r"\bother engineers\b"]
 
 SECTIONS = ("model", "lora", "task", "eval", "run", "plan", "sft", "essa", "fgrpo")
-KEY = re.compile(r"(?<![\w./-])(%s)\.([A-Za-z_][\w]*)" % "|".join(SECTIONS))
+KEY = re.compile(r"(?<![\w./-])(%s)((?:\.[A-Za-z_]\w*)+)" % "|".join(SECTIONS))
 FILE_SUFFIXES = {"h5", "yaml", "py", "json", "txt", "sbatch", "png", "csv", "md", "sh", "tmp"}
 PATH = re.compile(r"(?<![\w./<-])((?:hpc|essa|fgrpo|benchmarks|jobscripts|configs|tests|docs|"
                   r"\.ci)/[\w./*{},-]*[\w*}]/?)")
@@ -96,12 +97,18 @@ def _entry_points() -> dict:
 
 
 def _all_keys() -> set:
+    """Every key of every job, dotted in full (``fgrpo.loss.clip.epsilon``), the sections
+    nested in a method's section (``fgrpo.loss``), and the keys a section has moved (its
+    ``RENAMED``: still accepted, with a line naming the new key)."""
     keys = set()
     for job in (SFTJobConfig, ESSAJobConfig, FGRPOJobConfig):
         cfg = job()
         for section in dataclasses.fields(cfg):
-            keys.update(f"{section.name}.{f.name}"
-                        for f in dataclasses.fields(getattr(cfg, section.name)))
+            for key, _, _ in config_keys(getattr(cfg, section.name), f"{section.name}."):
+                parts = key.split(".")
+                keys.update(".".join(parts[:n]) for n in range(2, len(parts) + 1))
+            keys.update(f"{section.name}.{old}"
+                        for old in getattr(getattr(cfg, section.name), "RENAMED", {}))
     return keys
 
 
@@ -377,8 +384,8 @@ def test_config_keys_named_exist(page):
     commands = [" ".join(t) for t in _commands(page)]
     for text in spans + commands:
         text = re.sub(r"error: .*?(?=\$ |$)", "", text, flags=re.S)  # a refusal the page shows
-        for section, name in KEY.findall(text):
-            key = f"{section}.{name}"
+        for section, rest in KEY.findall(text):
+            key, name = f"{section}{rest}", rest.rsplit(".", 1)[1]
             if key in keys or name in FILE_SUFFIXES or _is_module(key):
                 continue
             pytest.fail(f"{page}: `{text}` names {key}, which is no config key")

@@ -19,8 +19,8 @@ FGRPO = ("loss", "entropy", "reward_mean", "ratio_mean", "completion_length", "k
 
 def fgrpo_args(out, *extra):
     return ["-m", "fgrpo", "model.path=toy", "task.n_train=64", "task.n_eval=12",
-            "fgrpo.batch_prompts=12", "fgrpo.num_generations=4", "fgrpo.steps=2",
-            "fgrpo.num_iterations=2", "fgrpo.micro_batch=8", "eval.every=0",
+            "fgrpo.batch_prompts=12", "fgrpo.sampling.num_generations=4", "fgrpo.steps=2",
+            "fgrpo.optim.num_iterations=2", "fgrpo.optim.micro_batch=8", "eval.every=0",
             "eval.n_samples=1", "run.progress=false", "run.checkpoint_every=1",
             "fgrpo.keep_checkpoints=2", f"run.out={out}", *extra]
 
@@ -110,7 +110,7 @@ def test_fsdp2_preempted_on_4_ranks_resumes_on_2_and_3(tmp_path):
     """On 2 ranks from a folder whose step-2 sharded state is damaged (it falls back to step
     1, with a warning), on 3 from one cut back to step 1."""
     whole = tmp_path / "whole"
-    run_ok(4, fgrpo_args(whole, "fgrpo.parallelism=fsdp2"))
+    run_ok(4, fgrpo_args(whole, "fgrpo.parallel.strategy=fsdp2"))
     base = RunFile(str(whole / "fgrpo.h5"))
     assert (np.abs(base.group("metrics")["loss"]) > 1e-6).all()
     for ranks in (2, 3):
@@ -118,13 +118,13 @@ def test_fsdp2_preempted_on_4_ranks_resumes_on_2_and_3(tmp_path):
         if ranks == 2:
             shutil.copytree(whole, out)
             damage(out / "checkpoints" / "sharded" / "step-00000002" / "__1_0.distcp")
-            proc = run_ok(ranks, fgrpo_args(out, "fgrpo.parallelism=fsdp2") + ["--resume"])
+            proc = run_ok(ranks, fgrpo_args(out, "fgrpo.parallel.strategy=fsdp2") + ["--resume"])
             lines = our_lines(proc.stderr)
             assert sum("its sharded state is unusable" in line and "checksum mismatch" in line
                        for line in lines) == 1, lines
             assert not any("Traceback" in line for line in lines), lines
         else:
-            resumed_on(ranks, whole, out, lambda d: fgrpo_args(d, "fgrpo.parallelism=fsdp2"))
+            resumed_on(ranks, whole, out, lambda d: fgrpo_args(d, "fgrpo.parallel.strategy=fsdp2"))
         run = RunFile(str(out / "fgrpo.h5"))
         assert run.attrs["status"] == "complete"
         assert run.group("segments")["world_size"].tolist() == [4, ranks]

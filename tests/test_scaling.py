@@ -212,7 +212,7 @@ def test_sharded_32b_moves_state_to_host_where_the_memory_plan_says(capsys):
     assert ("16 GPUs: state (22.9 GiB); 32 GPUs: optimizer (7.6 GiB); 64 GPUs: none (0.0 GiB);"
             " 128 GPUs: none (0.0 GiB)") in out
     row = out.split("per-term breakdown:\n")[1].splitlines()
-    line = next(r for r in row if r.startswith("state to host and back (fgrpo.offload)"))
+    line = next(r for r in row if r.startswith("state to host and back (fgrpo.parallel.offload)"))
     n = 32_763_876_352  # Qwen2.5-32B's parameters, as the plan counts them
     assert line.split()[-4:] == [f"{2 * (12 * n // 16) / 20e9:.3f}",
                                  f"{2 * (8 * n // 32) / 20e9:.3f}", "0", "0"]

@@ -29,7 +29,7 @@ SWEEP_VARS = ("GPU_COUNTS", "GPUS_PER_NODE", "METHODS", "SBATCH_ARGS", "RUN_ROOT
 # F-GRPO on the toy model, 2 ranks: a fresh LoRA, ~0.3 s a step on 2 CPU cores, so the job is
 # still well inside its 40 steps when signalled after 3; checkpoints only at the stop and the end.
 FGRPO_PREEMPT = ["model.path=toy", "fgrpo.steps=40", "fgrpo.batch_prompts=32",
-                 "fgrpo.num_generations=8", "task.n_train=200", "task.n_eval=16",
+                 "fgrpo.sampling.num_generations=8", "task.n_train=200", "task.n_eval=16",
                  "eval.every=0", "eval.n_samples=2", "run.checkpoint_every=0",
                  "run.progress=false"]
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
@@ -208,12 +208,12 @@ def test_sweep_gives_each_method_its_own_section_keys(tmp_path):
     """A job refuses another method's key on its command line, so the sweep sends each key of
     a method's section to that method's jobs only, and refuses one no job of it would read."""
     proc = _sweep(["--dry-run", "configs/exp.yaml", "essa.population=8", "run.seed=3",
-                   "fgrpo.gamma=2"], tmp_path, GPU_COUNTS="16")
+                   "fgrpo.advantage.gamma=2"], tmp_path, GPU_COUNTS="16")
     assert proc.returncode == 0, proc.stderr
     tails = {re.search(r"slurm/(\w+)\.sbatch", line).group(1): line.split(".sbatch ")[1]
              for line in proc.stdout.splitlines()}
     assert tails == {"essa": "configs/exp.yaml essa.population=8 run.seed=3",
-                     "fgrpo": "configs/exp.yaml run.seed=3 fgrpo.gamma=2"}
+                     "fgrpo": "configs/exp.yaml run.seed=3 fgrpo.advantage.gamma=2"}
     (tmp_path / "again").mkdir()
     proc = _sweep(["--dry-run", "sft.steps=3"], tmp_path / "again", GPU_COUNTS="16")
     assert proc.returncode == 2 and proc.stdout == "" and "sft.steps=3" in proc.stderr

@@ -38,7 +38,7 @@ def tiny_args(method, adapter, out):
     if method == "essa":
         return ["-m", "essa", *common, "essa.population=4", "essa.minibatch=8",
                 "essa.generations=2"]
-    return ["-m", "fgrpo", *common, "fgrpo.batch_prompts=4", "fgrpo.num_generations=2",
+    return ["-m", "fgrpo", *common, "fgrpo.batch_prompts=4", "fgrpo.sampling.num_generations=2",
             "fgrpo.steps=2"]
 
 

@@ -15,32 +15,48 @@ from fgrpo.surrogates import from_config, surrogates
 from fgrpo.surrogates.cispo import CISPO
 from fgrpo.surrogates.clip import Clip
 from hpc.runtime.config import load_config
+from hpc.runtime.errors import UserError
 
 
-def test_each_surrogate_reads_its_own_keys():
+def test_each_surrogate_reads_its_own_section():
+    """fgrpo.loss nests one section per registered surrogate, the surrogate's class itself;
+    the loss calls the one fgrpo.loss.surrogate names, with its section's values."""
     assert set(surrogates()) >= {"clip", "cispo"}
-    cfg = load_config(FGRPOJobConfig, None, ["fgrpo.epsilon=0.1", "fgrpo.epsilon_high=0.3",
-                                             "fgrpo.clip_ratio_c=3"]).fgrpo
-    assert from_config(cfg) == Clip(0.1, 0.3, 3.0)
+    cfg = load_config(FGRPOJobConfig, None, ["fgrpo.loss.clip.epsilon=0.1",
+                                             "fgrpo.loss.clip.epsilon_high=0.3",
+                                             "fgrpo.loss.clip.ratio_c=3",
+                                             "fgrpo.loss.cispo.epsilon_high=2"]).fgrpo
+    assert from_config(cfg.loss) == Clip(0.1, 0.3, 3.0)
+    assert from_config(cfg.loss) is cfg.loss.clip
     cfg = load_config(FGRPOJobConfig, None, ["fgrpo.algorithm=cispo",
-                                             "fgrpo.cispo_epsilon_high=2"]).fgrpo
-    assert from_config(cfg) == CISPO(1.0, 2.0)
+                                             "fgrpo.loss.cispo.epsilon_high=2"]).fgrpo
+    assert from_config(cfg.loss) == CISPO(1.0, 2.0)
+    assert cfg.loss.clip == Clip()  # the clip section is not read under cispo
+
+
+def test_a_surrogate_checks_its_own_values():
+    with pytest.raises(UserError, match=r"'fgrpo.loss.clip.ratio_c': 0.5 must be 0 .* or > 1"):
+        load_config(FGRPOJobConfig, None, ["fgrpo.loss.clip.ratio_c=0.5"])
+    assert load_config(FGRPOJobConfig, None, ["fgrpo.loss.clip.ratio_c=3"]).fgrpo.loss.clip \
+        .ratio_c == 3.0
 
 
 TOY_LOSS = '''
-"""A toy surrogate: REINFORCE, -A * log pi, no ratio and no clip."""
+"""A toy surrogate: REINFORCE, -scale * A * log pi, no ratio and no clip."""
 from dataclasses import dataclass
 
-import torch
+from hpc.runtime.config import param
 
 
-@dataclass(frozen=True)
+@dataclass
 class Reinforce:
-    KEYS = {}
+    scale: float = param(1.0, "the loss's factor", min=0.0, max=10.0)
 
     def __call__(self, logp, ratio, adv):
+        import torch
+
         none = torch.zeros_like(ratio, dtype=torch.bool)
-        return -adv * logp, none, none
+        return -self.scale * adv * logp, none, none
 '''
 
 PROBE = '''
@@ -50,11 +66,12 @@ from fgrpo.loss import policy_loss
 from fgrpo.surrogates import from_config
 from hpc.runtime.config import load_config
 
-cfg = load_config(FGRPOJobConfig, None, ["fgrpo.surrogate=reinforce"]).fgrpo
+cfg = load_config(FGRPOJobConfig, None, ["fgrpo.loss.surrogate=reinforce",
+                                         "fgrpo.loss.reinforce.scale=2"]).fgrpo
 logp = torch.tensor([[-1.0, -2.0], [-0.5, -0.1]], requires_grad=True)
 adv = torch.tensor([1.0, -2.0])
 loss, stats = policy_loss(logp, logp.detach() - 0.3, adv, torch.ones(2, 2), "token-mean",
-                          from_config(cfg))
+                          from_config(cfg.loss))
 loss.backward()
 print(float(loss), logp.grad.tolist(), stats["clip_fraction"])
 '''
@@ -64,7 +81,8 @@ print(float(loss), logp.grad.tolist(), stats["clip_fraction"])
 def test_a_new_surrogate_is_one_file_and_one_registration(tmp_path):
     """A surrogate in a module of its own, registered as an entry point of fgrpo.surrogates
     (here by a dist-info folder beside it, as pip would write for a plugin package): the config
-    accepts its name and the loss computes with it, -A * logp over the valid tokens."""
+    accepts its name and its own key (fgrpo.loss.reinforce.scale), and the loss computes with
+    it, -scale * A * logp over the valid tokens."""
     (tmp_path / "toyloss.py").write_text(TOY_LOSS)
     info = tmp_path / "toyloss-0.1.dist-info"
     info.mkdir()
@@ -75,12 +93,13 @@ def test_a_new_surrogate_is_one_file_and_one_registration(tmp_path):
                           text=True, timeout=120, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     loss, grad, clipped = proc.stdout.split(" [")[0], "[" + proc.stdout.split(" [", 1)[1], 0
-    # token-mean of -A * logp over 4 tokens: (1 + 2 - 2 * 0.5 - 2 * 0.1) / 4
-    assert float(loss) == pytest.approx((1.0 + 2.0 - 1.0 - 0.2) / 4)
-    assert grad.startswith("[[-0.25, -0.25], [0.5, 0.5]]") and clipped == 0
+    # token-mean of -2 * A * logp over 4 tokens: 2 * (1 + 2 - 2 * 0.5 - 2 * 0.1) / 4
+    assert float(loss) == pytest.approx(2 * (1.0 + 2.0 - 1.0 - 0.2) / 4)
+    assert grad.startswith("[[-0.5, -0.5], [1.0, 1.0]]") and clipped == 0
     help_text = subprocess.run([sys.executable, "-m", "fgrpo", "--help"], capture_output=True,
                                text=True, timeout=120, env=env, cwd=tmp_path).stdout
-    assert "fgrpo.surrogate = 'clip'  (one of cispo, clip, reinforce)" in help_text
+    assert "fgrpo.loss.surrogate = 'clip'  (one of cispo, clip, reinforce)" in help_text
+    assert "fgrpo.loss.reinforce.scale = 1.0  (>= 0.0 <= 10.0)" in help_text
 
 
 def test_the_loss_has_no_branch_per_surrogate():

@@ -127,7 +127,7 @@ def test_essa_in_chat_format(toy_chat, chat_sft, tmp_path):
 def test_fgrpo_in_chat_format(toy_chat, chat_sft, tmp_path):
     out = tmp_path / "fgrpo"
     proc = run_mpi(2, ["-m", "fgrpo", *CHAT, f"lora.adapter={chat_sft / 'adapter'}",
-                       "fgrpo.steps=2", "fgrpo.batch_prompts=4", "fgrpo.num_generations=4",
+                       "fgrpo.steps=2", "fgrpo.batch_prompts=4", "fgrpo.sampling.num_generations=4",
                        f"run.out={out}"], timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = RunFile(str(out / "fgrpo.h5"))

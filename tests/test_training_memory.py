@@ -155,8 +155,8 @@ def test_chunked_peak_grows_with_the_vocabulary_by_one_chunk_only():
 
 
 def fgrpo_losses(args, out, *memory):
-    proc = run_mpi(2, ["-m", "fgrpo", *args, "fgrpo.steps=2", "fgrpo.beta=0.1",
-                       "fgrpo.num_iterations=2", "fgrpo.micro_batch=8", "eval.every=0",
+    proc = run_mpi(2, ["-m", "fgrpo", *args, "fgrpo.steps=2", "fgrpo.loss.beta=0.1",
+                       "fgrpo.optim.num_iterations=2", "fgrpo.optim.micro_batch=8", "eval.every=0",
                        "eval.n_samples=2", "run.progress=false", f"run.out={out}", *memory])
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = RunFile(str(out / "fgrpo.h5"))
@@ -172,9 +172,9 @@ def test_fgrpo_checkpointed_and_chunked_equals_the_reference_path(setup, request
     the base: checkpointing on with 7-position chunks logs the losses, KL and entropy of
     checkpointing off with full logits, within 1e-6."""
     args = ["model.path=toy", "task.n_train=1000", "task.n_eval=8", "fgrpo.batch_prompts=8",
-            "fgrpo.num_generations=4"]
+            "fgrpo.sampling.num_generations=4"]
     args += ([f"lora.adapter={request.getfixturevalue('toy_adapter')}"] if setup == "lora"
-             else ["fgrpo.full_finetune=true", "fgrpo.learning_rate=1e-4"])
+             else ["fgrpo.full_finetune=true", "fgrpo.optim.learning_rate=1e-4"])
     ref, ref_on = fgrpo_losses(args, tmp_path / "ref", "model.activation_checkpointing=off",
                                "model.logprob_chunk=0")
     new, new_on = fgrpo_losses(args, tmp_path / "new", "model.activation_checkpointing=on",
@@ -201,9 +201,9 @@ def test_auto_turns_checkpointing_on_where_the_plan_needs_it(tmp_path):
                           [f"model.path={tmp_path}", *overrides])
         return activation_checkpointing(cfg, method, 8, device)
 
-    assert not on("fgrpo.micro_batch=6") and on("fgrpo.micro_batch=8")
-    assert not on("fgrpo.micro_batch=16", device="cpu")
-    assert not on("fgrpo.micro_batch=16", "plan.gpu_memory_gib=0")
-    assert on("fgrpo.micro_batch=1", "model.activation_checkpointing=on", device="cpu")
-    assert not on("fgrpo.micro_batch=16", "model.activation_checkpointing=off")
-    assert on("fgrpo.micro_batch=8", "fgrpo.full_finetune=true")  # 4 x 14.2 GiB of state
+    assert not on("fgrpo.optim.micro_batch=6") and on("fgrpo.optim.micro_batch=8")
+    assert not on("fgrpo.optim.micro_batch=16", device="cpu")
+    assert not on("fgrpo.optim.micro_batch=16", "plan.gpu_memory_gib=0")
+    assert on("fgrpo.optim.micro_batch=1", "model.activation_checkpointing=on", device="cpu")
+    assert not on("fgrpo.optim.micro_batch=16", "model.activation_checkpointing=off")
+    assert on("fgrpo.optim.micro_batch=8", "fgrpo.full_finetune=true")  # 4 x 14.2 GiB of state

@@ -12,19 +12,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-from torch import Tensor
+from hpc.runtime.config import param
 
 
-@dataclass(frozen=True)
+@dataclass
 class CISPO:
-    """``fgrpo.surrogate=cispo``: its parameters are ``fgrpo.cispo_epsilon_low`` and
-    ``fgrpo.cispo_epsilon_high``; it has no dual clip."""
+    """``fgrpo.loss.surrogate=cispo``; its keys are ``fgrpo.loss.cispo.*``. It has no dual
+    clip."""
 
-    epsilon_low: float = 1.0
-    epsilon_high: float = 4.0
-    KEYS = {"epsilon_low": "cispo_epsilon_low", "epsilon_high": "cispo_epsilon_high"}
+    epsilon_low: float = param(1.0, "the importance weight's lower bound is 1 - this (1 = "
+                               "none)", min=0.0, max=1.0)
+    epsilon_high: float = param(4.0, "its upper bound is 1 + this (4: TRL's "
+                                "epsilon_high=5.0)", min=0.0, max=1000.0)
 
-    def __call__(self, logp: Tensor, ratio: Tensor, adv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def __call__(self, logp, ratio, adv):
+        import torch
+
         weight = torch.clamp(ratio, 1.0 - self.epsilon_low, 1.0 + self.epsilon_high).detach()
         return -weight * adv * logp, weight != ratio, torch.zeros_like(ratio, dtype=torch.bool)

@@ -112,15 +112,15 @@ SHARDED = ["--paper", "--sharded"]
 
 
 def scaling_offload() -> str:
-    """docs/scaling.md: what ``fgrpo.offload`` costs the sharded step, per GPU count."""
+    """docs/scaling.md: what ``fgrpo.parallel.offload`` costs the sharded step, per GPU count."""
     text = scaling_output(SHARDED)
     offload = number(r"host offload \(.*?\): (16 GPUs: .*?); there and back", text)
     terms = section(text, "GRPO term")
-    copies = next(line for line in terms if "(fgrpo.offload)" in line).split()[-4]
+    copies = next(line for line in terms if "(fgrpo.parallel.offload)" in line).split()[-4]
     step = next(line for line in terms if line.startswith("step ")).split()[-4]
     return (f"Where the job's memory plan (80 GB, the paper's 256 + 1,024 tokens) needs "
-            f"`fgrpo.offload` for the rollout, the copies to host memory and back count too "
-            f"({offload}): {copies} s of a {step} s step at 16 GPUs.\n")
+            f"`fgrpo.parallel.offload` for the rollout, the copies to host memory and back count "
+            f"too ({offload}): {copies} s of a {step} s step at 16 GPUs.\n")
 
 
 def scaling_sharded_lines() -> list:
@@ -289,6 +289,9 @@ def chat_prose(text: str) -> str:
 # ---- hpc-plan against torch's memory tracker (benchmarks/memory_tracker.py --json) -----------
 
 GIB = 2 ** 30
+# A results file's overrides of a sharded F-GRPO run, as given then (the key's name before and
+# since the fgrpo section was split by concern).
+SHARDED_OVERRIDES = {"fgrpo.parallelism=fsdp2", "fgrpo.parallel.strategy=fsdp2"}
 
 
 def tracker_row(record: dict, plan_gib: float) -> dict:
@@ -297,7 +300,7 @@ def tracker_row(record: dict, plan_gib: float) -> dict:
     return dict(model=record["model"].split("-")[1].split()[0],
                 case=record["results"][0]["case"], ranks=record["ranks"],
                 overrides=" ".join(record["overrides"]) or "cluster config",
-                sharded="fgrpo.parallelism=fsdp2" in record["overrides"],
+                sharded=bool(SHARDED_OVERRIDES & set(record["overrides"])),
                 plan=plan_gib, tracker=measured, gap=(plan_gib - measured) / measured)
 
 

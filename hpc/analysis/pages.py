@@ -149,7 +149,7 @@ def demo_gains(page: str) -> str:
 
 
 def passes(folder: str, summary: str, arm: dict) -> int:
-    """``fgrpo.num_iterations`` of a family arm: recorded with its runs, or in the sidecar."""
+    """``fgrpo.optim.num_iterations`` of a family arm: recorded with its runs, or in the sidecar."""
     recorded = arm.get("num_iterations") or \
         [provenance(f"{folder}/{summary}")["num_iterations"][summary][arm["algorithm"]]]
     if len(set(recorded)) != 1:
@@ -208,7 +208,7 @@ def family_pairs(page: str) -> str:
                     f"{passes(FAMILY, 'summary.json', plain)} |")
     head = (f"| pair | paper: Qwen2.5-7B, math pass@256, plain -> focal | toy: pass@1 over the "
             f"SFT start, plain -> focal | toy: pass@{k} over the SFT start, plain -> focal | "
-            f"toy: focal - plain, pass@{k} | passes a batch (`fgrpo.num_iterations`) |\n"
+            f"toy: focal - plain, pass@{k} | passes a batch (`fgrpo.optim.num_iterations`) |\n"
             "|---|---|---|---|---|---|\n")
     return (head + "\n".join(rows) + f"\n\nToy: points over the SFT start (pass@1 "
             f"{facts['start']['pass@1']:.1f}%, pass@{k} {facts['start'][f'pass@{k}']:.1f}%), "
@@ -244,7 +244,7 @@ def family_table(page: str, summary: str) -> str:
     counts = {arm["algorithm"]: passes(FAMILY, summary, arm) for arm in record["arms"].values()}
     text = printed(f"{FAMILY}/{summary.replace('.json', '.txt')}")
     return ("\n".join("    " + line if line else "" for line in text) + "\n\nPasses a batch "
-            "(`fgrpo.num_iterations`): " + ", ".join(f"{ALGORITHMS[a]} {n}" for a, n in
+            "(`fgrpo.optim.num_iterations`): " + ", ".join(f"{ALGORITHMS[a]} {n}" for a, n in
                                                      counts.items()) +
             ".\n\n" + caption(page, f"{FAMILY}/{summary}"))
 
@@ -365,26 +365,26 @@ SHAPES = [
     ("7B full fine-tuning, DDP", "F-GRPO",
      "model.path=/models/Qwen2.5-7B-Instruct fgrpo.full_finetune=true --ranks 8"),
     ("7B full fine-tuning, FSDP2", "F-GRPO",
-     "model.path=/models/Qwen2.5-7B-Instruct fgrpo.full_finetune=true fgrpo.parallelism=fsdp2 "
-     "--ranks 8"),
+     "model.path=/models/Qwen2.5-7B-Instruct fgrpo.full_finetune=true "
+     "fgrpo.parallel.strategy=fsdp2 --ranks 8"),
     ("32B LoRA, DDP", "F-GRPO", "model.path=/models/Qwen2.5-32B-Instruct --ranks 16"),
     ("32B LoRA, FSDP2", "F-GRPO",
-     "model.path=/models/Qwen2.5-32B-Instruct fgrpo.parallelism=fsdp2 --ranks 16"),
+     "model.path=/models/Qwen2.5-32B-Instruct fgrpo.parallel.strategy=fsdp2 --ranks 16"),
     ("32B full fine-tuning, FSDP2", "F-GRPO",
-     "model.path=/models/Qwen2.5-32B-Instruct fgrpo.full_finetune=true fgrpo.parallelism=fsdp2 "
-     "--ranks 16"),
+     "model.path=/models/Qwen2.5-32B-Instruct fgrpo.full_finetune=true "
+     "fgrpo.parallel.strategy=fsdp2 --ranks 16"),
     ("the same, nothing offloaded", "F-GRPO",
-     "model.path=/models/Qwen2.5-32B-Instruct fgrpo.full_finetune=true fgrpo.parallelism=fsdp2 "
-     "fgrpo.offload=none --ranks 16"),
+     "model.path=/models/Qwen2.5-32B-Instruct fgrpo.full_finetune=true "
+     "fgrpo.parallel.strategy=fsdp2 fgrpo.parallel.offload=none --ranks 16"),
     ("the same on H200 (141 GB)", "F-GRPO",
-     "model.path=/models/Qwen2.5-32B-Instruct fgrpo.full_finetune=true fgrpo.parallelism=fsdp2 "
-     "plan.gpu_memory_gib=141 --ranks 16"),
+     "model.path=/models/Qwen2.5-32B-Instruct fgrpo.full_finetune=true "
+     "fgrpo.parallel.strategy=fsdp2 plan.gpu_memory_gib=141 --ranks 16"),
     ("ESSA 32B, bf16", "ESSA", "model.path=/models/Qwen2.5-32B-Instruct --ranks 16"),
     ("ESSA 32B, int8", "ESSA", "model.path=/models/Qwen2.5-32B-Instruct model.quantize=int8 "
      "--ranks 16"),
     ("ESSA 7B, bf16 (the shipped config)", "ESSA", "--ranks 16"),
 ]
-SHAPE_NOTES = ("fgrpo.offload=", "members per pass", "to fit:")
+SHAPE_NOTES = ("fgrpo.parallel.offload=", "members per pass", "to fit:")
 
 
 def plan_shapes(page: str) -> str:
@@ -436,7 +436,7 @@ BLOCKS = {  # name: (results files it reads, its text on a page)
     "plan-shapes": ([], plan_shapes),
     "plan-32b-full": ([], lambda page: plan_method(
         f"hpc-plan {CLUSTER} model.path=/models/Qwen2.5-32B-Instruct fgrpo.full_finetune=true "
-        "fgrpo.parallelism=fsdp2 --ranks 16", "F-GRPO")),
+        "fgrpo.parallel.strategy=fsdp2 --ranks 16", "F-GRPO")),
     "plan-32b-int8": ([], lambda page: plan_method(
         f"hpc-plan {CLUSTER} model.path=/models/Qwen2.5-32B-Instruct model.quantize=int8 "
         "--ranks 16", "ESSA", "evaluation", ("engine budget",))),
@@ -503,7 +503,7 @@ def tracker_plan(record: dict) -> float:
                 "after_evaluation": p["peak"]}[case]
     p = phase_peaks(command, "F-GRPO")
     skip = ("evaluation", "gradient reduction and AdamW step") \
-        if "fgrpo.parallelism=fsdp2" in overrides else ("evaluation",)
+        if tables.SHARDED_OVERRIDES & set(overrides.split()) else ("evaluation",)
     return max(v for k, v in p.items() if isinstance(v, float)
                and k not in skip + ("peak", "usable"))
 
@@ -538,12 +538,12 @@ def job_fsdp2_7b(page: str) -> str:
 def tracker_32b(page: str) -> str:
     """memory-plan.md: 32B full-parameter GRPO at 16 ranks, the tracker's peak and the plan's."""
     command = (f"hpc-plan {CLUSTER} model.path=/models/Qwen2.5-32B-Instruct "
-               "fgrpo.full_finetune=true fgrpo.parallelism=fsdp2 --ranks 16")
+               "fgrpo.full_finetune=true fgrpo.parallel.strategy=fsdp2 --ranks 16")
     p = phase_peaks(command, "F-GRPO")
     row = tables.tracker_row(json.loads(read(TRACKER_32B)), p["peak"])
-    return (f"32B full-parameter GRPO at 16 ranks on 80 GB (`fgrpo.offload=state`, picked by "
-            f"auto) is therefore measured at {row['tracker']:.1f} GiB where the plan says "
-            f"{row['plan']:.1f} of {p['usable']:.1f} usable.\n")
+    return (f"32B full-parameter GRPO at 16 ranks on 80 GB (`fgrpo.parallel.offload=state`, "
+            f"picked by auto) is therefore measured at {row['tracker']:.1f} GiB where the plan "
+            f"says {row['plan']:.1f} of {p['usable']:.1f} usable.\n")
 
 
 def gpu_check(page: str) -> str:

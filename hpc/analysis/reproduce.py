@@ -27,7 +27,7 @@ each method against training seconds and generated tokens, interpolated onto one
 and min-max band over seeds). Spreads are sample standard deviations (ddof = 1).
 
 The JSON (``--json``) holds every table's values per seed (each family arm with its
-``fgrpo.num_iterations``) and ``provenance``: the command, and the commits, toy builds
+``fgrpo.optim.num_iterations``) and ``provenance``: the command, and the commits, toy builds
 (``model_build``) and machines its run files record, so that a page quoting it
 (:mod:`hpc.analysis.pages`) can name them.
 """
@@ -41,8 +41,8 @@ import sys
 import warnings
 
 import numpy as np
-import yaml
 
+from hpc.runtime.config import stored_config
 from hpc.runtime.errors import UserError
 from hpc.runtime.runstore import RunFile
 
@@ -66,14 +66,14 @@ class Run:
         if f.attrs.get("status") != "complete":
             raise UserError(f"{path} is not a complete run (status "
                             f"{f.attrs.get('status')!r}): rerun the experiment")
-        cfg = yaml.safe_load(f.attrs.get("config", "")) or {}
+        cfg = stored_config(f.attrs.get("config", ""))
         self.path, self.method = path, f.attrs["method"]
         self.seed = int(cfg["run"]["seed"])
-        self.gamma = float(cfg["fgrpo"]["gamma"]) if self.method == "fgrpo" else None
-        self.algorithm = cfg["fgrpo"].get("algorithm", "grpo") if self.method == "fgrpo" \
+        grpo = cfg["fgrpo"] if self.method == "fgrpo" else None
+        self.gamma = float(grpo["advantage"]["gamma"]) if grpo else None
+        self.algorithm = grpo.get("algorithm", "grpo") if grpo else None
+        self.num_iterations = int(grpo.get("optim", {}).get("num_iterations", 1)) if grpo \
             else None
-        self.num_iterations = int(cfg["fgrpo"].get("num_iterations", 1)) \
-            if self.method == "fgrpo" else None
         # what the results file's provenance names (hpc.runtime.runstore's attributes)
         self.commit = f.attrs.get("git_commit", "") or "unrecorded"
         self.toy_build = f.attrs.get("model_build", "unrecorded") or None  # '': not a toy

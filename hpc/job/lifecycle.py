@@ -233,9 +233,12 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
     # (model loading can take minutes) must not kill the ranks; stop_if_preempted honours it.
     signals = stop_signals()
     config_path, overrides, resume = parse_args(prog, argv)
-    cfg = load_config(job_cls, config_path, overrides)
+    renamed = []  # a line per key the config gave by its old name
+    cfg = load_config(job_cls, config_path, overrides, notes=renamed)
     config_text = config_to_yaml(cfg)  # as the user gave it: a Hub id, not its snapshot
     world = get_world()
+    for note in renamed if world.is_root else ():
+        print(note, flush=True)
     world.timeout_s = cfg.run.collective_timeout_s
     cfg.validate_world(world)
     job_id = _job_id(world)

@@ -241,7 +241,7 @@ def _check_parallelism(ckpt_dir: str, method: Method, fields: dict) -> None:
                         f"shards of an earlier version ({fields['shard_ranks']} ranks); resume "
                         f"it with the version that wrote it")
     if (fields["sharded"] is not None) != method.sharded:
-        written = "sharded (fgrpo.parallelism=fsdp2)" if fields["sharded"] else \
+        written = "sharded (fgrpo.parallel.strategy=fsdp2)" if fields["sharded"] else \
             "replicated (ddp)"
         raise UserError(f"the checkpoint of step {fields['step']} in {ckpt_dir} holds a "
                         f"{written} state; resume with the parallelism that wrote it")

@@ -1,4 +1,4 @@
-"""Training state moved to host memory while the GPU decodes (``fgrpo.offload``).
+"""Training state moved to host memory while the GPU decodes (``fgrpo.parallel.offload``).
 
 A rollout or evaluation under FSDP2 needs the whole model gathered in ``model.dtype`` (61 GiB
 at Qwen2.5-32B in bf16) beside whatever training state the rank holds. :class:`HostCopy` moves
@@ -9,7 +9,7 @@ parameters the same way). Every tensor, view, DTensor and optimizer-state entry 
 identity, so AdamW, FSDP2 and the checkpoint code never notice; touching a moved tensor before
 :meth:`HostCopy.restore` is an error, not a silent read of stale memory.
 
-Modes (``fgrpo.offload``):
+Modes (``fgrpo.parallel.offload``):
 
 * ``none``: nothing moves.
 * ``optimizer``: the AdamW moments (8 bytes a trained parameter, FSDP2: of this rank's shard)

@@ -1,6 +1,6 @@
 """How the gradient methods hold, reduce and update their trained weights across ranks: DDP or
 FSDP2, with fp32 master weights and 16-bit compute (torchtitan's ``parallelize`` step, in one
-place). ``fgrpo.parallelism`` picks one.
+place). ``fgrpo.parallel.strategy`` picks one.
 
 * ``ddp``: every rank holds the whole model in ``model.dtype``; after the backward the gradients
   are averaged by one flat fp32 all-reduce (:func:`hpc.runtime.dist.all_reduce_mean_`). A
@@ -57,7 +57,7 @@ def decoder_layers(model) -> list:
     names = set(getattr(_hf_model(model), "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
-        raise UserError(f"fgrpo.parallelism=fsdp2: found no decoder layers in "
+        raise UserError(f"fgrpo.parallel.strategy=fsdp2: found no decoder layers in "
                         f"{type(_hf_model(model)).__name__} to shard")
     return layers
 
@@ -130,7 +130,7 @@ def gathered(model, decoder, to_host: bool = False):
 @contextlib.contextmanager
 def decoding(model, weights: "TrainedWeights", offload: str, decoder, reference=None):
     """The weights of a rollout or evaluation: ``model`` gathered for decoding (FSDP2,
-    :func:`gathered`) with the training state that ``offload`` (``fgrpo.offload``:
+    :func:`gathered`) with the training state that ``offload`` (``fgrpo.parallel.offload``:
     none/optimizer/state, :mod:`hpc.models.offload`) names in host memory for the block. The
     optimizer's tensors leave before the gathering starts and come back after the gathered
     copy (and ``decoder``'s engine on it) is freed; ``state`` also moves the shards of ``model`` (unit by unit) and of the
@@ -214,7 +214,7 @@ class TrainedWeights:
         return True
 
     def optimizer_tensors(self) -> list:
-        """What ``fgrpo.offload=optimizer`` moves to host memory while the GPU decodes: the
+        """What ``fgrpo.parallel.offload=optimizer`` moves to host memory while the GPU decodes: the
         AdamW moments (this rank's shards under FSDP2) and DDP's fp32 master copies of 16-bit
         weights (8-12 bytes a trained parameter)."""
         held = [_local(v) for s in self.opt.state.values() for v in s.values()

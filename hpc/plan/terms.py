@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from hpc.engine.memory import (GIB, bucket, budget_left, engine_memory, rounded_length,
                                slots_within)
 from hpc.engine.shape import ModelShape
+from hpc.runtime.config import set_key
 
 
 def bytes_per_parameter(quantize: str, in_features: int, elem: int) -> float:
@@ -197,11 +198,11 @@ def usable_bytes(cfg) -> int:
 
 
 def with_changes(cfg, **changes):
-    """A copy of ``cfg`` with ``section__key=value`` changes."""
+    """A copy of ``cfg`` with ``section__key=value`` changes (``section__nested__key`` for a
+    key of a nested section)."""
     out = copy.deepcopy(cfg)
     for name, value in changes.items():
-        section, key = name.split("__")
-        setattr(getattr(out, section), key, value)
+        set_key(out, name.replace("__", "."), value)
     return out
 
 

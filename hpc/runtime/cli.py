@@ -16,7 +16,7 @@ import re
 import sys
 import textwrap
 
-from hpc.runtime.config import load_config, rule_text
+from hpc.runtime.config import config_keys, load_config, rule_text
 from hpc.runtime.errors import EXIT_USER_ERROR, UserError, exit_user_error
 from hpc.runtime.preempt import EXIT_PREEMPTED, stop_signals
 
@@ -89,11 +89,11 @@ def job_help(prog: str, about: str, job_cls) -> str:
              "config keys (default; allowed values; meaning):"]
     cfg = job_cls()
     for section_field in dataclasses.fields(cfg):
-        section = getattr(cfg, section_field.name)
         lines.append(f"  [{section_field.name}]")
-        for f in dataclasses.fields(section):
+        for key, section, f in config_keys(getattr(cfg, section_field.name),
+                                           f"{section_field.name}."):
             rule = rule_text(f.metadata)
-            lines.append(f"    {section_field.name}.{f.name} = {getattr(section, f.name)!r}"
+            lines.append(f"    {key} = {getattr(section, f.name)!r}"
                          f"{'  (' + rule + ')' if rule else ''}")
             lines.append(textwrap.fill(f.metadata["help"], 96, initial_indent=" " * 8,
                                        subsequent_indent=" " * 8))

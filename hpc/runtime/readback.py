@@ -165,7 +165,7 @@ def tensors(value, source: str, field: str, shapes: list, dtypes: list) -> list:
     return value
 
 
-MAX_LR = 10.0  # the largest learning rate the configs accept (fgrpo.learning_rate, sft.lr)
+MAX_LR = 10.0  # the largest learning rate the configs accept (fgrpo.optim.learning_rate, sft.lr)
 
 
 def adam_state(value, source: str, shapes: list, dtypes: list) -> dict:

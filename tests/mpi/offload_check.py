@@ -1,5 +1,5 @@
-"""Run under mpirun -n N: ``fgrpo.offload`` moves the training state off the device while the
-model decodes, and changes nothing.
+"""Run under mpirun -n N: ``fgrpo.parallel.offload`` moves the training state off the device while
+the model decodes, and changes nothing.
 
 For each case (FSDP2 full fine-tuning and LoRA in fp32, DDP full fine-tuning in bf16) and each
 offload mode (none, optimizer, state), every rank builds the same tiny model, takes two AdamW
