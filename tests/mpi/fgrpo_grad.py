@@ -8,15 +8,14 @@ loss_type of argv[2:] (one model load for all). Rank 0 saves the LoRA gradients 
 """
 import os
 import sys
-from types import SimpleNamespace
 
 import torch
 
 from fgrpo.advantages import group_advantages
-from fgrpo.config import FGRPOConfig
+from fgrpo.config import FGRPOJobConfig
 from fgrpo.rollout import Rollouts
 from fgrpo.gradients import accumulate_gradients
-from hpc.runtime.config import ModelConfig
+from hpc.runtime.config import load_config
 from hpc.runtime.dist import all_reduce_mean_, init_process_group
 from hpc.models.loading import attach_lora, randomize_lora_b
 from hpc.toys.toy import tiny_model
@@ -44,8 +43,9 @@ mine = Rollouts(ids[rows], attn[rows], cmask[rows], my_rewards, torch.zeros_like
 adv = group_advantages(mine.rewards, "group", 1.0).advantages.reshape(-1)
 params = [p for p in model.parameters() if p.requires_grad]
 for loss_type in sys.argv[2:]:
-    cfg = SimpleNamespace(fgrpo=FGRPOConfig(loss_type=loss_type, micro_batch=3, gamma=1.0),
-                          model=ModelConfig())
+    cfg = load_config(FGRPOJobConfig, None, [f"fgrpo.loss.aggregation={loss_type}",
+                                             "fgrpo.optim.micro_batch=3",
+                                             "fgrpo.advantage.gamma=1.0"])
     for p in params:
         p.grad = None
     accumulate_gradients(model, mine, adv, cfg, world, max_new_tokens=T)
