@@ -41,12 +41,13 @@ demo-chat: $(STAMP)
 # other process, no toy model), none of them slow.
 # make test (CI): the toy model first (so that no test's time includes its build), then every
 # test but the Slurm ones on two pytest-xdist workers (a test mostly waits on its subprocesses'
-# imports and ranks, so one worker keeps about one core busy), then the Slurm tests alone: beside
-# other tests, slurmctld answered late and a simulated cluster failed to come up. The two Slurm
-# modules run side by side (--dist loadfile: one worker each), each on its own cluster (its own
-# munged, ports and folder): their tests mostly wait on Slurm. Each part
-# prints its slowest 25 tests and fails a test over the time budget that tests/slow_tests.txt
-# does not list. -rs: one line per skipped test naming what this machine lacks.
+# imports and ranks, so one worker keeps about one core busy), then the Slurm tests: beside the
+# other tests they took half as long again and slowed those more than they saved. The three
+# Slurm modules run side by side (--dist loadfile: one worker each), each on its own cluster
+# (its own munged, ports and folder): test_slurm.py's jobs, test_multinode.py's matrix and
+# test_lost_node.py, which mostly waits for Slurm to mark its node down. Each part prints its
+# slowest 25 tests and fails a test over the time budget that tests/slow_tests.txt does not
+# list. -rs: one line per skipped test naming what this machine lacks.
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -rs
 check: $(STAMP)
@@ -55,7 +56,7 @@ check: $(STAMP)
 test: $(STAMP)
 	$(BIN)/hpc-toy
 	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not slurm" --durations=25 --budget=fail
-	$(PYTEST) -n 2 --dist loadfile -m slurm --durations=25 --budget=fail
+	$(PYTEST) -n 3 --dist loadfile -m slurm --durations=25 --budget=fail
 
 # docs/config.md from the config classes (the same source as every job's --help), and every
 # generated figure of README.md and docs/*.md from its results file or hpc-plan

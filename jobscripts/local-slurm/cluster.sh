@@ -174,8 +174,11 @@ start_net() {
 }
 
 # Node $1's holder process, which owns the node's UTS and mount namespaces (host name,
-# /etc/hosts, private /tmp with the shared folders bound back in at their own paths). Started
-# once every node's network namespace exists, so that each mount namespace sees them all.
+# /etc/hosts, private /tmp with the shared folders bound back in at their own paths, and a
+# /dev/shm of its own, as a real node has: MPI's shared-memory segments are named after the
+# job and the host, so two clusters' jobs of the same id on their node1 would share them).
+# Started once every node's network namespace exists, so that each mount namespace sees them
+# all.
 start_node() {
   local node=$1 path
   mkdir -p "$DIR/$node/tmp" "$DIR/$node/spool"
@@ -190,6 +193,7 @@ start_node() {
   nsenter --net="/run/netns/$PREFIX-$node" -- unshare --uts --mount --propagation private -- \
     bash -c "set -e; hostname $node; mount --bind '$DIR/$node/hosts' /etc/hosts
              exec 9</tmp; mount --bind '$DIR/$node/tmp' /tmp; $binds exec 9<&-
+             mount -t tmpfs -o mode=1777 shm /dev/shm
              touch '$DIR/$node/ready'; exec sleep infinity" \
     </dev/null >"$DIR/$node/holder.log" 2>&1 &
   echo $! >"$DIR/$node/holder.pid"
