@@ -45,9 +45,9 @@ demo-chat: $(STAMP)
 # other tests they took half as long again and slowed those more than they saved. The three
 # Slurm modules run side by side (--dist loadfile: one worker each), each on its own cluster
 # (its own munged, ports and folder): test_slurm.py's jobs, test_multinode.py's matrix and
-# test_lost_node.py, which mostly waits for Slurm to mark its node down. Each part prints its
-# slowest 25 tests and fails a test over the time budget that tests/slow_tests.txt does not
-# list. -rs: one line per skipped test naming what this machine lacks.
+# test_multinode_faults.py, whose lost node mostly waits for Slurm to mark it down. Each part
+# prints its slowest 25 tests and fails a test over the time budget that tests/slow_tests.txt
+# does not list. -rs: one line per skipped test naming what this machine lacks.
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -rs
 check: $(STAMP)

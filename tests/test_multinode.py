@@ -1,11 +1,10 @@
 """Across nodes, for real: a simulated Slurm cluster of 2 nodes (jobscripts/local-slurm/
 cluster.sh: one network + UTS + mount namespace per node, its own host name, /etc/hosts and
 /tmp, a slurmd each), the job scripts run on 2 nodes x 2 ranks and on 1 node x 4 ranks, the
-name traps of real clusters, local ranks per node, and the preflight (hpc-doctor) across the
-nodes: passing, and naming the node that lacks the model folder, has its own run root or
-cannot reach the rendezvous; and the jobs on Debian's own Open MPI (mpi4py built from source
-against it) under srun, bitwise equal to the pip wheel's. A node's link taken down mid-run:
-tests/test_lost_node.py, on a cluster of its own beside this one.
+local ranks per node, and the jobs on Debian's own Open MPI (mpi4py built from source against
+it) under srun, bitwise equal to the pip wheel's. The name traps of real clusters, the preflight
+across the nodes and a node's link taken down mid-run: tests/test_multinode_faults.py, on a
+cluster of its own beside this one.
 
 Needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN) and Debian's slurmctld, slurmd, slurm-client, munge
 and libpmix-dev: skipped where absent, failed under HPC_TEST_STRICT=1 (CI). The cluster lives
@@ -24,8 +23,7 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import MPI_ENV, REPO, our_lines, require, site_mpi_environment
-from test_doctor import verdicts
+from conftest import MPI_ENV, REPO, require, site_mpi_environment
 from test_slurm import ENDED, job_info, job_log, wait_for
 
 # the cluster's environment is taken when it comes up: every test here sees the toy cache
@@ -233,7 +231,10 @@ def _reports(out) -> list:
     return sorted(reports, key=lambda r: r["rank"])
 
 
-def assert_local_ranks(reports, addr=f"{NET}.11") -> None:
+def assert_local_ranks(reports, env) -> None:
+    """Four ranks, two per node, each with its local rank and size, the launcher's agreeing,
+    and the bootstrap address node1's on the cluster's network (``env``: the cluster's)."""
+    addr = f"{env['HPC_CLUSTER_NET']}.11"
     assert [r["rank"] for r in reports] == [0, 1, 2, 3]
     for node in ("node1", "node2"):
         mine = [r for r in reports if r["host"] == node]
@@ -248,7 +249,7 @@ def assert_local_ranks(reports, addr=f"{NET}.11") -> None:
 def test_local_rank_and_size_under_srun(cluster):
     proc, reports = srun_check(cluster)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_local_ranks(reports)
+    assert_local_ranks(reports, cluster)
 
 
 def test_local_rank_and_size_under_mpirun_in_an_allocation(cluster):
@@ -264,7 +265,7 @@ def test_local_rank_and_size_under_mpirun_in_an_allocation(cluster):
     wait_ended(cluster, [jobid], 300)
     with open(f"{out}.log") as fh:
         assert job_info(cluster, jobid)["JobState"] == "COMPLETED", fh.read()[-3000:]
-    assert_local_ranks(_reports(out))
+    assert_local_ranks(_reports(out), cluster)
 
 
 def test_local_rank_and_size_under_mpirun_with_a_host_list(cluster):
@@ -279,140 +280,4 @@ def test_local_rank_and_size_under_mpirun_with_a_host_list(cluster):
          sys.executable, CHECK, out],
         env=cluster, cwd=REPO, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_local_ranks(_reports(out))
-
-
-@pytest.fixture
-def hosts(cluster):
-    """Edit a node's /etc/hosts in place (its bind mount keeps the inode); restored after."""
-    saved = {}
-
-    def edit(node, keep_lines, *extra):
-        path = os.path.join(cluster["HPC_CLUSTER_DIR"], node, "hosts")
-        with open(path) as fh:
-            text = saved.setdefault(path, fh.read())
-        lines = [line for line in text.splitlines() if keep_lines(line)]
-        with open(path, "w") as fh:  # "w" truncates: the same inode
-            fh.write("\n".join([*extra, *lines]) + "\n")
-
-    yield edit
-    for path, text in saved.items():
-        with open(path, "w") as fh:
-            fh.write(text)
-
-
-def unresolvable(hosts):
-    """Trap 1: rank 0's host name (node1) does not resolve on node2."""
-    hosts("node2", lambda line: "node1" not in line)
-
-
-def loopback(hosts):
-    """Trap 2: on node1 its own name resolves to 127.0.1.1 (Debian's default line)."""
-    hosts("node1", lambda line: "node1" not in line, "127.0.1.1 node1")
-
-
-@pytest.mark.parametrize("trap, setting", [
-    (unresolvable, {}), (loopback, {}),
-    (unresolvable, {"MASTER_ADDR": "node1"}),  # a name: resolved on rank 0 only
-])
-def test_name_trap_with_a_reachable_address_succeeds(cluster, hosts, trap, setting):
-    trap(hosts)
-    proc, reports = srun_check(cluster, **setting)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_local_ranks(reports)
-
-
-@pytest.mark.parametrize("trap, setting, words", [
-    (loopback, {"MASTER_ADDR": "node1"}, ["127.0.1.1", "MASTER_ADDR"]),
-    (unresolvable, {"GLOO_SOCKET_IFNAME": "lo"}, ["127.0.0.1", "GLOO_SOCKET_IFNAME"]),
-])
-def test_name_trap_without_a_reachable_address_ends_with_one_line(cluster, hosts, trap, setting,
-                                                                  words):
-    """Every rank exits 2 within 10 s of starting the bootstrap; one line names the host that
-    cannot connect, the address tried and the variable that fixes it."""
-    trap(hosts)
-    proc, reports = srun_check(cluster, **setting)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    lines = [line for line in our_lines(proc.stderr)
-             if not line.startswith(("srun:", "slurmstepd", "[W"))]  # Slurm's, c10d's lines
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, lines
-    assert lines[0].startswith("error: rank 2 on node2") and "cannot connect" in lines[0]
-    for word in words:
-        assert word in lines[0], lines[0]
-    # each rank records when its bootstrap began and when it exited
-    assert [r["rank"] for r in reports] == [0, 1, 2, 3]
-    assert all(r["exit_code"] == 2 and r["bootstrap_s"] < 10 for r in reports), reports
-
-
-@pytest.fixture(scope="module")
-def shared_model(cluster):
-    """A tiny model folder in the cluster's shared folder: every node sees it."""
-    from hpc.toys.toy import tiny_model
-
-    folder = os.path.join(cluster["runs"], "tiny-model")
-    tiny_model(save_dir=folder)
-    return folder
-
-
-def doctor_lines(proc) -> list:
-    """The error lines of a preflight that must have exited 2 without a traceback."""
-    assert proc.returncode == 2, proc.stdout + proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr, proc.stderr
-    return [line for line in our_lines(proc.stderr) if line.startswith("error")]
-
-
-def srun_doctor(env, *args, **variables):
-    """hpc-doctor on 2 nodes x 2 ranks under srun, as doctor.sbatch starts it."""
-    cmd = ["srun", "--mpi=pmix", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks-per-node=2",
-           sys.executable, "-m", "hpc.doctor", "run.progress=false", *args]
-    return subprocess.run(cmd, env=dict(env, **variables), cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
-
-
-def test_doctor_job_on_two_nodes_prints_every_rank_and_passes(cluster, shared_model):
-    jobid = submit(cluster, "doctor", [f"model.path={shared_model}"], "2x2")
-    wait_ended(cluster, [jobid], 300)
-    completed(cluster, "doctor", jobid)
-    log = job_log(cluster["runs"], "doctor", jobid)
-    rows = [line.split()[:3] for line in log.splitlines() if line[:1].isdigit()][:4]
-    assert rows == [["0", "node1", "0/2"], ["1", "node1", "1/2"], ["2", "node2", "0/2"],
-                    ["3", "node2", "1/2"]], log
-    assert "hpc-doctor: 4 rank(s) on 2 node(s)" in log
-    checks = verdicts(log[log.index("hpc-doctor: 4 rank(s)"):])
-    assert {verdict for verdict, _ in checks.values()} == {"ok"}, log
-    assert checks["run root"][1].startswith(f"{cluster['runs']} "), checks["run root"]
-    assert checks["rendezvous"][1].startswith(f"{NET}.11:"), checks["rendezvous"]
-
-
-def test_doctor_names_the_node_without_the_model_and_its_own_run_root(cluster, shared_model):
-    """The model folder only in node1's /tmp (each node's /tmp is its own), the run root
-    there too: two lines, each naming node2 and the fix."""
-    private = "/tmp/hpc-doctor-model"
-    subprocess.run(["bash", CLUSTER, "exec", "node1", "cp", "-r", shared_model, private],
-                   env=cluster, check=True, timeout=60)
-    try:
-        proc = srun_doctor(cluster, f"model.path={private}",
-                           "run.out=/tmp/hpc-doctor-runs/{method}-{jobid}")
-    finally:
-        subprocess.run(["bash", CLUSTER, "exec", "node1", "rm", "-rf", private,
-                        "/tmp/hpc-doctor-runs"], env=cluster, timeout=60)
-    lines = doctor_lines(proc)
-    assert len(lines) == 2, lines
-    assert lines[0] == (f"error: model folder on node2 (ranks 2-3): model folder not found: "
-                        f"{private}; copy the same model folder to every node, or keep it on a "
-                        f"shared file system")
-    assert lines[1].startswith("error: run root on node2 (ranks 2-3): /tmp/hpc-doctor-runs is "
-                               "not the folder rank 0 wrote to"), lines[1]
-
-
-def test_doctor_names_the_rank_that_cannot_reach_the_rendezvous(cluster, hosts, shared_model):
-    """node1's own name resolves to 127.0.1.1 there, and MASTER_ADDR names it: node2's ranks
-    cannot connect; the other checks still run."""
-    loopback(hosts)
-    proc = srun_doctor(cluster, f"model.path={shared_model}",
-                       f"run.out={cluster['runs']}/{{method}}-{{jobid}}", MASTER_ADDR="node1")
-    lines = doctor_lines(proc)
-    assert len(lines) == 1, lines
-    assert lines[0].startswith("error: rendezvous: rank 2 on node2 and 1 more rank(s) cannot "
-                               "connect to rank 0 at 127.0.1.1:"), lines[0]
-    assert "set MASTER_ADDR to an address of node1 that every node reaches" in lines[0]
+    assert_local_ranks(_reports(out), cluster)
