@@ -20,7 +20,9 @@ import pytest
 from conftest import MPI_ENV, REPO, mpirun_path, require, site_mpi_environment
 from test_multinode import ESSA, FGRPO, SFT, assert_same_run
 
-pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.toy]
+# one worker: the MPICH environment (a minute of compiling) is built once, not once per worker
+pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.toy,
+              pytest.mark.xdist_group("site_mpi")]
 
 MPICH_CC = "/usr/bin/mpicc.mpich"
 MPICH_EXEC = "/usr/bin/mpiexec.mpich"
