@@ -18,7 +18,7 @@ from hpc.runtime.errors import UserError, user_errors_exit
 evaluate = job_command("hpc-eval", "hpc.runtime.config:JobConfig", "hpc.evaluate:main",
                        "Greedy accuracy and pass@k of model.path (+ lora.adapter) on the "
                        "task's held-out split: writes eval.h5.",
-                       check_ref=JOB_INPUTS)
+                       check_ref=JOB_INPUTS, method="eval")
 
 
 @user_errors_exit

@@ -15,7 +15,7 @@ from essa.config import ESSAJobConfig
 from fgrpo.config import FGRPOJobConfig
 from hpc.runtime.config import load_config
 from hpc.runtime.errors import UserError
-from hpc.job.lifecycle import run_folder
+from hpc.job.run_folder import run_folder
 from sft.config import SFTJobConfig
 
 

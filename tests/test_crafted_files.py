@@ -17,7 +17,7 @@ from safetensors.numpy import save as save_numpy
 
 from conftest import our_lines, run_cli, run_mpi
 from essa.optimizers import Tracked, make_optimizer
-from hpc.job import lifecycle as job_module
+from hpc.job import run_folder as run_folder_module
 from hpc.runtime.checkpoint import FORMAT, list_checkpoints, load_latest, save_checkpoint
 from hpc.runtime.errors import UserError
 from hpc.job.loop import resume_fields
@@ -401,7 +401,7 @@ def test_links_at_run_file_names(tmp_path, outside):
 def test_links_at_lock_and_write_test(tmp_path, outside):
     out = run_dir(tmp_path)
     os.symlink(outside / "victim.txt", out / ".write-test")
-    job_module._check_writable(str(out), 0)  # a unique name of its own: the link is left
+    run_folder_module.check_writable(str(out), 0)  # a unique name of its own: the link is left
     assert os.path.islink(out / ".write-test")
     plants = {"symbolic link": lambda lock: os.symlink(outside / "victim.txt", lock),
               "hard link": lambda lock: os.link(outside / "victim.txt", lock),
@@ -409,7 +409,7 @@ def test_links_at_lock_and_write_test(tmp_path, outside):
     for what, plant in plants.items():
         plant(out / ".lock")
         with pytest.raises(UserError) as caught:
-            job_module._lock_run_folder(str(out), "job-1")
+            run_folder_module.lock_run_folder(str(out), "job-1")
         one_line(caught.value, ".lock", what)
         os.remove(out / ".lock")
 
@@ -951,7 +951,7 @@ def test_lock_as_a_folder_is_one_line(tmp_path):
         run_folder_entries(str(out), "sft")
     one_line(caught.value, ".lock", "not a plain file")
     with pytest.raises(UserError) as caught:
-        job_module._lock_run_folder(str(out), "1")
+        run_folder_module.lock_run_folder(str(out), "1")
     one_line(caught.value, ".lock", "folder")
 
 

@@ -18,7 +18,7 @@ ALLOWED = {
     ("hpc.runtime.world", "_WORLD"): "MPI is initialised once per process; the world wraps "
                                      "its COMM_WORLD",
     ("hpc.runtime.preempt", "_installed"): "signal handlers belong to the process",
-    ("hpc.job.lifecycle", "_held_lock"): "the run folder's flock is held until the process "
+    ("hpc.job.run_folder", "_held_lock"): "the run folder's flock is held until the process "
                                          "exits, however it exits",
     ("hpc.models.quantize", "__dict__"): "the quantised generation copy of a training model's "
                                          "linears lives on that model (it is its weights)",

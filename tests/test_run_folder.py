@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from conftest import MPI_ENV, REPO, mpirun_path, our_lines, require, run_mpi
+from conftest import MPI_ENV, REPO, mpirun_path, our_lines, placeholder_adapter, require, run_mpi
 from hpc.runtime.checkpoint import list_checkpoints, load_latest, save_checkpoint
 from hpc.runtime.errors import UserError
 from hpc.runtime.runstore import RunFile
@@ -94,18 +94,35 @@ def test_a_checkpoint_with_missing_keys_is_one_line(finished_run, toy_adapter, t
     one_error_line(proc, "has no entry 'method'")
 
 
+# A job's entry point in a child Python that reports, as it exits, whether torch was imported.
+BEFORE_TORCH = ("import sys\nfrom essa.__main__ import main\n"
+                "try:\n    main(sys.argv[1:])\nexcept SystemExit as stop:\n"
+                "    print('TORCH', 'torch' in sys.modules, stop.code, flush=True)\n"
+                "    raise\n")
+
+
 @pytest.mark.mpi
-@pytest.mark.toy
-@pytest.mark.slow
-def test_resume_of_a_missing_run_is_an_error(toy_adapter, tmp_path):
+def test_resume_of_a_missing_run_is_an_error(tmp_path):
+    """One line, before torch is imported (hpc.job.run_folder.check_run_folder)."""
+    adapter = placeholder_adapter(tmp_path / "adapter")
     out = tmp_path / "typo"
-    proc = run_mpi(2, essa_args(toy_adapter, out, 1) + ["--resume"])
+    args = ["-c", BEFORE_TORCH] + essa_args(adapter, out, 1)[2:] + ["--resume"]
+    proc = run_mpi(2, args)
     one_error_line(proc, "--resume", "no run folder")
+    assert before_torch(proc)
     assert not out.exists()
     out.mkdir()
-    proc = run_mpi(2, essa_args(toy_adapter, out, 1) + ["--resume"])
+    proc = run_mpi(2, args)
     one_error_line(proc, "--resume", "holds no essa run")
+    assert before_torch(proc)
     assert os.listdir(out) == []
+
+
+def before_torch(proc) -> bool:
+    """Whether the ranks that reported (mpirun ends the others once one exited 2) had exited 2
+    before importing torch."""
+    reports = [line for line in proc.stdout.splitlines() if line.startswith("TORCH ")]
+    return bool(reports) and set(reports) == {"TORCH False 2"}
 
 
 @pytest.mark.mpi
@@ -154,7 +171,7 @@ def test_resume_without_a_folder_takes_the_newest_unfinished_run(tmp_path):
     over."""
     import fcntl
 
-    from hpc.job.lifecycle import newest_unfinished
+    from hpc.job.run_folder import newest_unfinished
 
     runs = tmp_path / "runs"
     _run_file(runs / "essa-1", "essa", "preempted", 1_000)
@@ -175,7 +192,7 @@ def test_resume_without_a_folder_takes_the_newest_unfinished_run(tmp_path):
 
 @pytest.mark.subprocess
 def test_resume_with_no_unfinished_run_is_one_line(tmp_path):
-    from conftest import placeholder_adapter, run_cli
+    from conftest import run_cli
 
     proc = run_cli(["-m", "essa", f"lora.adapter={placeholder_adapter(tmp_path / 'a')}",
                     "run.progress=false",

@@ -1,19 +1,20 @@
 """A job's inputs, checked before it imports torch (in about a second, on every rank alike):
 ``run.report_to``'s packages, the task's data files row by row, ``model.path`` (a built-in
 model's name, a folder with config.json, weights and tokenizer files, or a Hugging Face Hub id
-found in the local cache: :mod:`hpc.models.hub`) and ``lora.adapter`` (a peft adapter's folder
-or Hub id). A mistake in any ends the job here, instead of after the imports, the toy build,
-the task and the weights load, and before the run folder exists.
-:func:`hpc.runtime.cli.job_command` runs :func:`check_inputs`; :func:`hpc.job.lifecycle.start_job`
-resolves the ids again on rank 0 (:func:`resolve_sources`), so every rank loads the same
-snapshot, and the run file records it (:meth:`InputSources.attrs`); a resumed run keeps the
-snapshot its run file records."""
+found in the local cache: :mod:`hpc.models.hub`), ``lora.adapter`` (a peft adapter's folder
+or Hub id) and the run folder (:mod:`hpc.job.run_folder`). A mistake in any ends the job here,
+instead of after the imports, the toy build, the task and the weights load, and before the run
+folder exists. :func:`hpc.runtime.cli.job_command` runs :func:`check_inputs`;
+:func:`hpc.job.lifecycle.start_job` resolves the ids again on rank 0
+(:func:`resolve_sources`), so every rank loads the same snapshot, and the run file records it
+(:meth:`InputSources.attrs`); a resumed run keeps the snapshot its run file records."""
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 
 from hpc.data.mathdata import check_task_files
+from hpc.job.run_folder import check_run_folder
 from hpc.models.folders import check_adapter_folder, check_model_folder
 from hpc.models.hub import Source, hub_id, local_or_cached
 from hpc.runtime.config import BUILT_IN_MODEL_NAMES
@@ -110,8 +111,10 @@ def recorded_sources(run_file: str) -> dict:
             "lora.adapter": (given("lora", "adapter"), attrs["adapter_revision"])}
 
 
-def check_inputs(cfg) -> None:
-    """UserError (one line) for the first of ``cfg``'s inputs that a job could not use."""
+def check_inputs(cfg, method: str = "", resume: bool = False) -> None:
+    """UserError (one line) for the first of ``cfg``'s inputs that a job could not use; given
+    the job's ``method``, also for its run folder (:func:`hpc.job.run_folder.check_run_folder`;
+    ``resume``: the job was started with ``--resume``)."""
     check_report_to(cfg.run.report_to)
     check_task_files(cfg)
     sources = resolve_sources(cfg)
@@ -119,3 +122,5 @@ def check_inputs(cfg) -> None:
         check_model_folder(sources.model.path)
     if sources.adapter is not None:
         check_adapter_folder(sources.adapter.path)
+    if method:
+        check_run_folder(cfg.run.out, method, resume)

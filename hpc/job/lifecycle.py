@@ -7,30 +7,22 @@ Command line of every job: ``PROG [CONFIG.yaml] [section.key=value ...] [--resum
 from __future__ import annotations
 
 import datetime
-import errno
-import fcntl
-import glob
-import json
 import os
-import shutil
-import socket
-import string
 import sys
-import tempfile
 from dataclasses import dataclass
 
-import h5py
 import numpy as np
 from tqdm import tqdm
 
 from hpc.engine.config import EngineConfig
 from hpc.engine.decoder import Decoder
 from hpc.job.inputs import InputSources, recorded_sources, resolve_sources
+from hpc.job.run_folder import (check_resumable, check_writable, lock_run_folder,
+                                 newest_unfinished, run_folder)
 from hpc.models.base_model import check_base
 from hpc.models.loading import model_folder
 from hpc.plan.registry import check_job_memory, planned_engine_budget
 from hpc.models.quantize import check_quantize
-from hpc.runtime.atomic import open_plain
 from hpc.runtime.cli import parse_args
 from hpc.runtime.config import config_to_yaml, load_config
 from hpc.runtime.errors import EXIT_USER_ERROR, UserError
@@ -79,125 +71,6 @@ def _job_id(world: World) -> str:
         return os.environ["SLURM_JOB_ID"]
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S") if world.is_root else None
     return world.comm.bcast(stamp, root=0)  # once per job, not a hot path
-
-
-def run_folder(template: str, method: str, job_id: str) -> str:
-    """``run.out`` with ``{method}`` and ``{jobid}`` filled in; only those two plain fields."""
-    try:
-        fields = list(string.Formatter().parse(template))
-    except ValueError as err:
-        fields, bad = [], err
-    else:
-        bad = next((f"{{{name}{':' + spec if spec else ''}{'!' + conv if conv else ''}}}"
-                    for _, name, spec, conv in fields
-                    if name is not None and (name not in ("method", "jobid") or spec or conv)),
-                   None)
-    if bad is not None:
-        raise UserError(f"config key 'run.out': {template!r} may only use the fields {{method}} "
-                        f"and {{jobid}}, without format specs ({bad})")
-    return template.format(method=method, jobid=job_id)
-
-
-def _check_writable(out_dir: str, min_free_mb: float) -> None:
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=out_dir)  # follows no link
-        with os.fdopen(fd, "w") as fh:
-            fh.write("ok")
-        os.remove(probe)
-    except OSError as err:
-        raise UserError(f"output folder {out_dir} is not writable: {err.strerror or err}")
-    free_mb = shutil.disk_usage(out_dir).free / 2 ** 20
-    if free_mb < min_free_mb:
-        raise UserError(f"the disk of {out_dir} has {free_mb:.0f} MiB free, less than "
-                        f"run.min_free_mb={min_free_mb:.0f}: free space or write elsewhere")
-
-
-LOCK_FILE = ".lock"
-_held_lock = None  # the open lock file of this process's run folder, held until exit
-
-
-def _lock_run_folder(out_dir: str, job_id: str) -> None:
-    """Make ``out_dir`` this job's alone until the process ends (rank 0 only).
-
-    An exclusive ``flock`` on ``<out_dir>/.lock``, which then records host, pid and job id for
-    the message another job gets. The kernel releases the lock when the process ends however it
-    ends (exit, SIGKILL, MPI_Abort), so a dead holder never blocks a new job; the file stays.
-    On a file system without flock (e.g. Lustre mounted without ``-o flock``) the run goes on
-    unlocked, with a warning. A symbolic or hard link at ``.lock`` is refused (one line).
-    """
-    global _held_lock
-    path = os.path.join(out_dir, LOCK_FILE)
-    fh = os.fdopen(open_plain(path, os.O_RDWR | os.O_CREAT), "r+")
-    try:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as err:
-        if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            print(f"warning: cannot lock {path} ({err.strerror}): nothing stops a second job "
-                  f"from writing to this run folder", file=sys.stderr, flush=True)
-            fh.close()
-            return
-        fh.seek(0)
-        holder = fh.read().strip() or "unknown"
-        fh.close()
-        raise UserError(f"run folder {out_dir} is in use by another job ({holder}); give this "
-                        f"job another run.out, or wait for that one to end") from None
-    fh.seek(0)
-    fh.truncate()
-    fh.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "job": job_id}))
-    fh.flush()
-    _held_lock = fh
-
-
-def _unfinished(folder: str, method: str) -> float | None:
-    """The time a run of ``method`` in ``folder`` last wrote, if it is unfinished (its run file
-    not ``complete``, or only checkpoints) and no job holds the folder; None otherwise."""
-    run_file, ckpts = os.path.join(folder, f"{method}.h5"), os.path.join(folder, "checkpoints")
-    if os.path.isfile(run_file):
-        try:
-            with h5py.File(run_file, "r", locking=False) as f:
-                status = f.attrs.get("status", b"")
-        except (OSError, RuntimeError, KeyError, ValueError):
-            status = b""  # damaged: --resume restores it from the checkpoint
-        if (status.decode() if isinstance(status, bytes) else str(status)) == "complete":
-            return None
-        written = os.path.getmtime(run_file)
-    elif os.path.isdir(ckpts):
-        written = os.path.getmtime(ckpts)
-    else:
-        return None
-    lock = os.path.join(folder, LOCK_FILE)
-    if os.path.isfile(lock) and not os.path.islink(lock):
-        with open(lock) as fh:
-            try:
-                fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except OSError:
-                return None  # a job is running there
-    return written
-
-
-def newest_unfinished(template: str, method: str) -> str:
-    """``--resume`` where run.out names a new folder per job (``{jobid}`` outside Slurm): the
-    folder of the newest unfinished run of ``method`` among those ``template`` names; one line
-    if there is none."""
-    pattern = template.replace("{jobid}", "*").format(method=method)
-    found = [(when, folder) for folder in glob.glob(pattern)
-             if (when := _unfinished(folder, method)) is not None]
-    if not found:
-        raise UserError(f"--resume: no unfinished {method} run in {pattern} (every one is "
-                        f"complete, in use or absent); give run.out=<its folder>")
-    return max(found)[1]
-
-
-def _check_resumable(out_dir: str, method: str) -> None:
-    """``--resume`` needs a run of ``method`` in ``out_dir`` (a run file or checkpoints)."""
-    if not os.path.isdir(out_dir):
-        raise UserError(f"--resume: there is no run folder {out_dir}; check run.out (without "
-                        f"--resume a fresh run starts there)")
-    if not (os.path.exists(os.path.join(out_dir, f"{method}.h5")) or
-            os.path.isdir(os.path.join(out_dir, "checkpoints"))):
-        raise UserError(f"--resume: run folder {out_dir} holds no {method} run ({method}.h5 "
-                        f"or checkpoints/); check run.out")
 
 
 def progress_bar(job: "Job", total: int, desc: str, initial: int = 0):
@@ -273,9 +146,9 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
         run_folder_entries(out_dir, method)  # every rank: the folder is shared
         if world.is_root:
             if resume:
-                _check_resumable(out_dir, method)
-            _check_writable(out_dir, cfg.run.min_free_mb)
-            _lock_run_folder(out_dir, job_id)
+                check_resumable(out_dir, method)
+            check_writable(out_dir, cfg.run.min_free_mb)
+            lock_run_folder(out_dir, job_id)
 
     on_all_ranks(world, claim_folder)
     return Job(cfg=cfg, world=world, device=device, out_dir=out_dir, resume=resume,

@@ -102,19 +102,21 @@ def job_help(prog: str, about: str, job_cls) -> str:
     return "\n".join(lines)
 
 
-# The jobs' check before their imports (hpc.job.inputs: data files, model and adapter folders),
+# The jobs' check before their imports (hpc.job.inputs: data files, model and adapter folders,
+# the run folder),
 # named here by reference only: imported when a job starts, not when --help is answered.
 JOB_INPUTS = "hpc.job.inputs:check_inputs"
 
 
 def job_command(prog: str, config_ref: str, run_ref: str, about: str,
-                check_ref: str | None = None):
+                check_ref: str | None = None, method: str = ""):
     """A console entry point: ``--help`` from the config class at ``config_ref``; anything else
     installs the preemption handler (:func:`hpc.runtime.preempt.stop_signals`: a signal from
     here on is honoured at the job's next safe point, however long the imports and the model
     loading take), reads the command line and the config and runs the torch-free check at
-    ``check_ref`` (if given) on it (the jobs: :data:`JOB_INPUTS`): a mistake
-    in any ends here, in about a second, before torch is imported; then runs ``run_ref``
+    ``check_ref`` (if given; the jobs: :data:`JOB_INPUTS`) on it, the job's ``method`` (the
+    name its run folder and run file take) and whether it resumes: a mistake in any ends here,
+    in about a second, before torch is imported; then runs ``run_ref``
     (``'module:function'``, called with the arguments; it reads them again)."""
 
     def main(argv=None):
@@ -124,10 +126,10 @@ def job_command(prog: str, config_ref: str, run_ref: str, about: str,
             return 0
         stop_signals()
         try:
-            config_path, overrides, _ = parse_args(prog, argv)
+            config_path, overrides, resume = parse_args(prog, argv)
             cfg = load_config(_load(config_ref), config_path, overrides)
             if check_ref:
-                _load(check_ref)(cfg)
+                _load(check_ref)(cfg, method, resume)
         except UserError as err:
             exit_user_error(err)
         return _load(run_ref)(argv)
