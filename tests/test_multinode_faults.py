@@ -238,7 +238,11 @@ def test_lost_node_requeues_and_resumes_to_the_uninterrupted_result(cluster, toy
     jobid = submit(cluster, "fgrpo", LOST, "2x2", LAUNCHER="srun",
                    RUN_FILE_POLL_S="2", LAUNCHER_GRACE_S="5")
     run = os.path.join(cluster["runs"], f"fgrpo-{jobid}")
-    wait_for(lambda: _steps(f"{run}/fgrpo.h5") >= 2, 600, "2 F-GRPO steps")
+    try:
+        wait_for(lambda: _steps(f"{run}/fgrpo.h5") >= 2, 600, "2 F-GRPO steps")
+    except AssertionError as err:  # the job's log, to see where it stands
+        raise AssertionError(f"{err}: {job_info(cluster, jobid)}\n"
+                             f"{job_log(cluster['runs'], 'fgrpo', jobid)[-4000:]}") from None
     veth = f"{cluster['HPC_CLUSTER_PREFIX']}-v2"  # node2's end in the root namespace
     subprocess.run(["ip", "link", "set", veth, "down"], check=True)
     lost_at = time.monotonic()
