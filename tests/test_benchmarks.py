@@ -47,6 +47,7 @@ SMOKE = {
                            "fgrpo.optim.micro_batch=2"], False,
                           ["essa ", "after_evaluation ", "fgrpo "]),
     "cli_help.py": (["--repeats", "1"], False, ["python -c pass", "hpc-report", "x python"]),
+    "job_start.py": (["--repeats", "1"], False, ["essa.trainer", "x python 0"]),
     "quantization.py": (["--models", "toy", "--n-eval", "8", "--minibatch", "4",
                          "--population", "4", "--members-per-pass", "2"], False,
                         ["toy (arith", "identical completions", "Spearman"]),
