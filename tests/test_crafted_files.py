@@ -612,8 +612,31 @@ def _metadata_pointing_outside(ckpt, manifest, outside):
     return "points at"
 
 
-@pytest.mark.parametrize("craft", [_metadata_running_code, _metadata_pointing_outside],
-                         ids=["code", "outside path"])
+class _Getattr:
+    """Unpickled, ``getattr(owner, name)``: how early Python 3.11 releases pickle an Enum
+    member, here aimed at what is not one."""
+
+    def __init__(self, owner, name):
+        self.owner, self.name = owner, name
+
+    def __reduce__(self):
+        return (getattr, (self.owner, self.name))
+
+
+def _metadata_getattr_of_no_member(ckpt, manifest, outside):
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+    with open(os.path.join(_folder(ckpt, manifest), ".metadata"), "wb") as fh:
+        pickle.dump([_Getattr(torch.Size, "__new__"), _Getattr(_MEM_FORMAT_ENCODING,
+                                                               "__class__")], fh)
+    return "names no member of an allowed Enum"
+
+
+@pytest.mark.parametrize("craft", [_metadata_running_code, _metadata_pointing_outside,
+                                   _metadata_getattr_of_no_member],
+                         ids=["code", "outside path", "getattr of no Enum member"])
 def test_crafted_sharded_metadata_is_one_line_and_runs_nothing(craft, sharded, outside):
     from hpc.runtime.distckpt import load_sharded
     ckpt, manifest = sharded

@@ -25,6 +25,7 @@ code or points the job at another file.
 from __future__ import annotations
 
 import contextlib
+import enum
 import hashlib
 import io
 import logging
@@ -211,12 +212,26 @@ def verify_sharded(ckpt_dir: str, world, manifest: dict) -> str | None:
     return reasons[0] if reasons else None
 
 
+def _enum_member(cls, name):
+    """What ``builtins.getattr`` may build in the metadata: a member of an Enum class that
+    :data:`_ALLOWED` let in: early Python 3.11 releases pickle an Enum member as ``getattr(cls,
+    name)`` (3.11.2, Debian 12's, does; 3.11.7 pickles ``cls(value)``)."""
+    if not (isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str)
+            and name in cls.__members__):
+        raise pickle.UnpicklingError(f"the metadata calls getattr({cls!r:.80}, {name!r:.80}), "
+                                     f"which names no member of an allowed Enum")
+    return cls[name]
+
+
 class _MetadataUnpickler(pickle.Unpickler):
-    """Builds only the classes of :data:`_ALLOWED`; anything else is an UnpicklingError."""
+    """Builds only the classes of :data:`_ALLOWED` (and their Enum members by name:
+    :func:`_enum_member`); anything else is an UnpicklingError."""
 
     def find_class(self, module, name):
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         raise pickle.UnpicklingError(f"the metadata names {module}.{name}, which a DCP "
                                      f"checkpoint's metadata does not hold")
 
