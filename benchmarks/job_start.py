@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -24,14 +25,16 @@ MODULES = ("essa.trainer", "fgrpo.trainer", "sft.trainer")
 
 
 def cpu_seconds(python: str, module: str) -> float:
-    """User + system CPU seconds of ``python -c 'import module'`` (the child's own rusage)."""
+    """User + system CPU seconds of ``python -c 'import module'`` (what the finished child
+    added to this process's children's rusage)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([python, "-c", f"import {module}"], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _, status, usage = os.wait4(proc.pid, 0)
-    if os.waitstatus_to_exitcode(status):
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = subprocess.run([python, "-c", f"import {module}"], cwd=REPO, env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if proc.returncode:
         raise SystemExit(f"{python} could not import {module}")
-    return usage.ru_utime + usage.ru_stime
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def main() -> None:

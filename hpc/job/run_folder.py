@@ -59,6 +59,7 @@ def check_writable(out_dir: str, min_free_mb: float) -> None:
 
 
 LOCK_FILE = ".lock"
+_HELD = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)  # flock's errors for a lock held elsewhere
 _held_lock = None  # the open lock file of this process's run folder, held until exit
 
 
@@ -77,7 +78,7 @@ def lock_run_folder(out_dir: str, job_id: str) -> None:
     try:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:
-        if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+        if err.errno not in _HELD:
             print(f"warning: cannot lock {path} ({err.strerror}): nothing stops a second job "
                   f"from writing to this run folder", file=sys.stderr, flush=True)
             fh.close()
@@ -173,7 +174,7 @@ def _lock_holder(out_dir: str) -> str | None:
         try:
             fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError as err:
-            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            if err.errno not in _HELD:
                 return None  # no flock on this file system: start_job warns
             return fh.read().strip() or "unknown"
     return None
