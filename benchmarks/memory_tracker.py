@@ -16,7 +16,13 @@ the plan's figure (``--device cpu``: torch's tracker on real CPU tensors); the t
 check of the hand-overs: an ESSA job's start evaluation -> scoring -> final evaluation, its
 decode steps captured as CUDA graphs as the job captures them.
 
-Each case builds the model from ``model.path``'s ``config.json`` (no weights needed) under ``FakeTensorMode`` (``from_config`` in
+* ``essa_load``, ``fgrpo_load``: the job's own load (``model.load=streamed``,
+  :func:`load_phases`): the model built without weights, wrapped in its LoRA, sharded over the
+  fake group under FSDP2 and its settling forward, the weights streamed in from a checkpoint
+  that only gives fake tensors (:class:`FakeCheckpoint`), each linear quantised (ESSA) or
+  copied quantised (F-GRPO) as it arrives;
+
+The other cases build the model from ``model.path``'s ``config.json`` (no weights needed) under ``FakeTensorMode`` (``from_config`` in
 the config's ``model.dtype``; tensors on the ``cpu`` device: on a CPU-only torch a fake ``cuda``
 leaf that needs a gradient aborts the process) and runs, under
 ``torch.distributed._tools.mem_tracker.MemTracker``, what a job runs:
@@ -80,8 +86,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from common import machine  # also puts the repository on sys.path
 
 GIB = 2 ** 30
-CASES = ("essa", "evaluation", "after_evaluation", "fgrpo", "essa_job", "fgrpo_job")
+CASES = ("essa_load", "fgrpo_load", "essa", "evaluation", "after_evaluation", "fgrpo",
+         "essa_job", "fgrpo_job")
 JOB_CASES = ("essa_job", "fgrpo_job")
+LOAD_CASES = ("essa_load", "fgrpo_load")
 PART = " | "  # between a job phase and its part: "start evaluation | engine"
 _JOB = {"tracker": None, "phase": ""}  # the job case's tracker and phase, while one runs
 
@@ -582,6 +590,85 @@ def fgrpo_job(decoder, model, cfg, ranks: int, tracker, real: bool = False,
         _export(model)
 
 
+class FakeCheckpoint:
+    """What the load reads (``files`` of :func:`hpc.models.streaming.stream_weights`), under
+    fake tensors: each tensor of the model of ``folder``'s config.json in its stored dtype
+    (config.json's ``dtype``), whole or a block of its rows; no file is read."""
+
+    def __init__(self, folder: str):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from hpc.engine.shape import ModelShape
+        from hpc.models.loading import DTYPES
+
+        config = AutoConfig.from_pretrained(folder)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+            model.tie_weights()
+        self.shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        stored = ModelShape.from_folder(folder).stored_bytes
+        self.dtype = DTYPES["float32" if stored == 4 else "bfloat16"]
+
+    def names(self) -> list:
+        return list(self.shapes)
+
+    def read(self, name: str, rows: tuple | None = None) -> torch.Tensor:
+        shape = self.shapes[name]  # on meta: a host read, not the device's memory
+        return torch.empty(shape if rows is None else (rows[1] - rows[0], *shape[1:]),
+                           dtype=self.dtype, device="meta")
+
+
+def load_phases(case: str, cfg, ranks: int, layers: int | None,
+                stack: contextlib.ExitStack) -> dict:
+    """{"load": peak live bytes} of the job's own load (:func:`hpc.models.streaming.
+    streamed_model`, ``model.load=streamed``) on fake tensors, rank 0 of ``ranks``: ESSA's model
+    with its adapter (a fresh LoRA of the same shapes), each decoder linear quantised at
+    ``model.quantize`` as it arrives; F-GRPO's policy in its load dtype, sharded over torch's
+    fake process group under FSDP2 (its settling forward included), its rollout copy made as
+    the linears arrive. The reads are :class:`FakeCheckpoint`'s."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hpc.models.loading import DTYPES, attach_lora
+    from hpc.models.parallelize import load_dtype, settle, shard_units
+    from hpc.models.quantize import GenerationCopy, QuantizeInPlace
+    from hpc.models.streaming import shard_skeleton, skeleton, stream_weights
+
+    training = case == "fgrpo_load"
+    sharded = training and cfg.fgrpo.parallel.strategy == "fsdp2"
+    folder = cfg.model.path
+    if layers:
+        folder = tempfile.mkdtemp(prefix="load-case-")
+        with open(os.path.join(folder, "config.json"), "w") as fh:
+            config = {k: v for k, v in model_config(cfg).items() if k != "layer_types"}
+            json.dump(dict(config, num_hidden_layers=layers), fh)
+    dtype = load_dtype(cfg.fgrpo.parallel.strategy if training else "ddp", cfg.model.dtype)
+    wrap = None if training and cfg.fgrpo.full_finetune else (
+        lambda m: attach_lora(m, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets))
+    shard = None
+    if sharded:
+        stack.enter_context(fake_process_group(ranks))
+        mesh = init_device_mesh("cpu", (ranks,))
+        shard = lambda m: shard_units(m, cfg.model.dtype, mesh)  # noqa: E731
+    files = FakeCheckpoint(folder)
+    arrival = GenerationCopy if training else QuantizeInPlace
+    # streamed_model's steps; the skeleton (its parameters take no memory) and its LoRA are
+    # made before the fake tensors start (peft's move of the factors to the base's device
+    # swaps tensors, which fake ones refuse) and counted as they enter the tracker
+    cpu = torch.device("cpu")
+    model = skeleton(folder, DTYPES[dtype], cpu)
+    model = wrap(model) if wrap else model
+    stack.enter_context(fake_tensors())
+    tracker = LiveBytesTracker()
+    with tracker:
+        tracker.track_external(model)
+        if sharded:
+            shard_skeleton(model, shard, cpu)
+        stream_weights(model, folder, arrival(model, cfg.model.quantize), files)
+        if sharded:
+            settle(model)
+    return {"load": tracker.peaks.get("all", 0)}
+
+
 def model_config(cfg) -> dict:
     with open(f"{cfg.model.path}/config.json") as fh:
         return json.load(fh)
@@ -598,6 +685,12 @@ def measure_phases(case: str, cfg, ranks: int = 1, layers: int | None = None,
     if case not in CASES:
         raise ValueError(f"case {case!r} is not one of {CASES}")
     config = model_config(cfg)
+    if case in LOAD_CASES:
+        if device != "fake":
+            raise ValueError(f"case {case} runs on fake tensors only (a real load: "
+                             f"tests/mpi/load_check.py)")
+        with contextlib.ExitStack() as stack:
+            return load_phases(case, cfg, ranks, layers, stack)
     with contextlib.ExitStack() as stack:
         model = fake_model(config, cfg, case, ranks, stack, layers, device)
         tracker = CudaPhasePeaks() if device == "cuda" else LiveBytesTracker()
@@ -671,13 +764,16 @@ def planned_phases(case: str, cfg, ranks: int) -> dict:
 
     if case in JOB_CASES:
         return job_plan(case, cfg, ranks)
+    if case in LOAD_CASES:
+        plan = (fgrpo_plan if case == "fgrpo_load" else essa_plan)(_shape(cfg), cfg, ranks)
+        return {"load": plan.phase("load").peak}
     if case != "fgrpo":
         plan = essa_plan(_shape(cfg), cfg, ranks)
         return {"all": {"essa": plan.phase("ESSA scoring").peak,
                         "evaluation": plan.phase("evaluation").peak,
                         "after_evaluation": plan.peak}[case]}
     plan = fgrpo_plan(_shape(cfg), cfg, ranks)
-    train = plan.phases[1].peak
+    train = next(p.peak for p in plan.phases if p.name.startswith("training"))
     step = next((p.peak for p in plan.phases if p.name.startswith("gradient reduction")), train)
     return {"rollout": plan.phase("rollout").peak, "training": train, "step": step}
 
@@ -698,7 +794,8 @@ def job_plan(case: str, cfg, ranks: int) -> dict:
         by_kind["scoring"] = plan.phase("ESSA scoring").peak
     else:
         by_kind["rollout"] = plan.phase("rollout").peak
-        by_kind["training"] = plan.phases[1].peak
+        by_kind["training"] = next(p.peak for p in plan.phases
+                                   if p.name.startswith("training"))
         by_kind["AdamW step"] = next((p.peak for p in plan.phases
                                       if p.name.startswith("gradient reduction")),
                                      by_kind["training"])

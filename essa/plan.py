@@ -2,8 +2,11 @@
 passes of k members (``essa.members_per_pass``) and the held-out evaluation, from the terms of
 :mod:`hpc.plan.terms`.
 
-* resident all job long: the weights (decoder linears at ``model.quantize``) and the job's own
-  adapter (fp32);
+* the load (:mod:`hpc.models.streaming`): the weights and the adapter as they arrive, under
+  ``model.quantize`` one decoder linear in ``model.dtype`` with its quantisation temporaries at
+  a time (``model.load=transformers``: the whole model in ``model.dtype`` first);
+* resident all job long: the weights (decoder linears at ``model.quantize``), the job's own
+  adapter (fp32) and the search space's float64 copies of it (and its SVD);
 * scoring: the LoRA factors of this rank's members (fp32) and an engine of k members x
   ``min(eval.batch_size, essa.minibatch)`` rows;
 * evaluation: an engine of ``eval.batch_size x eval.n_samples`` rows on the job's own adapter;
@@ -15,9 +18,10 @@ import math
 
 from hpc.engine.memory import ENGINE_MEMORY_SHARE
 from hpc.engine.shape import ModelShape
-from hpc.plan.terms import (HANDOVER_NOTE, LORA_BYTES_PER_PARAM, MethodPlan, Phase, engine_budget,
-                            engine_parts, evaluation_phase, gib, smallest_fix, total,
-                            usable_bytes, weight_bytes)
+from hpc.plan.terms import (HANDOVER_NOTE, LORA_BYTES_PER_PARAM, MethodPlan, Phase,
+                            arriving_linear_parts, dtype_bytes, engine_budget, engine_parts,
+                            evaluation_phase, gib, host_load_bytes, host_load_note,
+                            search_space_bytes, smallest_fix, total, usable_bytes, weight_bytes)
 
 
 def members_per_pass(cfg, ranks: int) -> int:
@@ -26,14 +30,36 @@ def members_per_pass(cfg, ranks: int) -> int:
     return max(1, min(cfg.essa.members_per_pass, math.ceil(cfg.essa.population / ranks)))
 
 
-def resident_parts(shape: ModelShape, cfg) -> list:
-    """ESSA's weights and the job's own LoRA adapter (fp32, peft's), held all job long."""
+def loaded_parts(shape: ModelShape, cfg) -> list:
+    """ESSA's weights and the job's own LoRA adapter (fp32, peft's): what the load leaves."""
     n_lora = shape.lora_parameters(cfg.lora.rank, cfg.lora.targets)
     return [(f"weights ({cfg.model.dtype}" + (f", decoder linears {cfg.model.quantize}"
                                               if cfg.model.quantize != "none" else "") + ")",
              weight_bytes(shape, cfg, quantized=True)),
             (f"the job's own LoRA adapter ({n_lora:,} parameters, fp32)",
              n_lora * LORA_BYTES_PER_PARAM)]
+
+
+def resident_parts(shape: ModelShape, cfg) -> list:
+    """What ESSA holds all job long: :func:`loaded_parts` and its search space's float64
+    copies (:func:`hpc.plan.terms.search_space_bytes`)."""
+    return loaded_parts(shape, cfg) + [
+        (f"search space essa.space={cfg.essa.space}: float64 adapter copy"
+         + (" and SVD" if cfg.essa.space == "sv" else ""),
+         search_space_bytes(shape, cfg, cfg.essa.space, cfg.essa.alpha))]
+
+
+def load_phase(shape: ModelShape, cfg) -> Phase:
+    """The load: :func:`loaded_parts` as they arrive, each decoder linear quantised as it
+    arrives under ``model.quantize``; ``model.load=transformers`` holds the whole model in
+    ``model.dtype`` before it quantises."""
+    parts = loaded_parts(shape, cfg)
+    if cfg.model.quantize != "none":
+        if cfg.model.load == "transformers":
+            parts[0] = (f"weights, whole in {cfg.model.dtype} before quantisation "
+                        f"(model.load=transformers)", weight_bytes(shape, cfg))
+        parts += arriving_linear_parts(shape, dtype_bytes(cfg))
+    return Phase("load", parts)
 
 
 def scoring_phase(shape: ModelShape, cfg, ranks: int, k: int) -> Phase:
@@ -66,17 +92,18 @@ def plan(shape: ModelShape, cfg, ranks: int, advise: bool = True) -> MethodPlan:
     k = members_per_pass(cfg, ranks)
     resident = resident_parts(shape, cfg)
     budget = engine_budget(cfg, total(resident))
-    phases = [scoring_phase(shape, cfg, ranks, k),
+    phases = [load_phase(shape, cfg), scoring_phase(shape, cfg, ranks, k),
               evaluation_phase(shape, cfg, resident, 1, budget)]
     fit = members_that_fit(shape, cfg, ranks)
     notes = [f"engine budget {gib(budget)} (model.engine_memory_gib="
              f"{cfg.model.engine_memory_gib:g}: 0 = {ENGINE_MEMORY_SHARE:.0%} of the "
-             f"memory the weights and the adapter leave, whole GiB)",
+             f"memory the weights, the adapter and the search space leave, whole GiB)",
              f"members per pass that fit in one wave: {fit} of this rank's "
              f"{math.ceil(cfg.essa.population / ranks)} (essa.members_per_pass="
              f"{cfg.essa.members_per_pass})"]
-    result = MethodPlan("ESSA", phases, usable_bytes(cfg), notes + [HANDOVER_NOTE],
-                        engine_budget=budget)
+    host = host_load_bytes(shape, cfg, dtype_bytes(cfg))
+    result = MethodPlan("ESSA", phases, usable_bytes(cfg), notes + [
+        HANDOVER_NOTE, host_load_note(shape, cfg, host)], engine_budget=budget, host_load=host)
     if advise and not result.fits:
         result.advice = smallest_fix(plan, shape, cfg, ranks, [
             *[(f"essa.members_per_pass={k2}", {"essa__members_per_pass": k2}, None)

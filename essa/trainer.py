@@ -17,7 +17,6 @@ from hpc.models.adapter_space import LoraEntrySpace, SingularValueSpace
 from hpc.data.tasks import load_task
 from hpc.evaluate import evaluate
 from hpc.models.loading import load_adapter, load_model
-from hpc.models.quantize import quantize_base
 from hpc.runtime.errors import UserError, user_errors_exit
 from hpc.job.lifecycle import finish, on_all_ranks, start_job, stop_if_preempted
 from hpc.job.loop import Method, run_loop
@@ -49,12 +48,10 @@ class ESSA(Method):
         self.task = on_all_ranks(world, lambda: load_task(cfg.task, cfg.model.path))
         if len(self.task.train) == 0 or len(self.task.eval) == 0:
             raise UserError(f"task {cfg.task.name} has an empty training or held-out split")
-        base, self.tok = on_all_ranks(world, lambda: load_model(cfg.model.path, cfg.model.dtype,
-                                                                job.device))
-        stop_if_preempted(job, "model loading")
-        self.model = quantize_base(on_all_ranks(world, lambda: load_adapter(
-            base, cfg.lora.adapter)), cfg.model.quantize)
-        stop_if_preempted(job, "adapter loading")
+        self.model, self.tok = on_all_ranks(world, lambda: load_model(
+            cfg.model.path, cfg.model.dtype, job.device, load=cfg.model.load,
+            wrap=lambda base: load_adapter(base, cfg.lora.adapter), quantize=cfg.model.quantize))
+        stop_if_preempted(job, "model and adapter loading")
         self.space = on_all_ranks(world, lambda: SingularValueSpace.from_peft(
             self.model, e.alpha, cfg.lora.targets) if e.space == "sv" else
             LoraEntrySpace.from_peft(self.model))

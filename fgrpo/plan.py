@@ -31,10 +31,12 @@ import math
 import os
 
 from hpc.engine.shape import ModelShape
-from hpc.plan.terms import (HANDOVER_NOTE, MethodPlan, Phase, dtype_bytes, engine_budget,
-                            engine_parts, evaluation_phase, gib, job_has_plan,
-                            quantized_copy_bytes, resolve_checkpointing, sequence_tokens,
-                            smallest_fix, total, unseen_parts, usable_bytes, with_changes)
+from hpc.plan.terms import (HANDOVER_NOTE, MethodPlan, Phase, arriving_linear_parts,
+                            dtype_bytes, engine_budget, engine_parts, evaluation_phase, gib,
+                            host_load_bytes, host_load_note, job_has_plan,
+                            quantized_copy_bytes, resolve_checkpointing, search_space_bytes,
+                            sequence_tokens, smallest_fix, total, unseen_parts, usable_bytes,
+                            with_changes)
 
 
 def _checkpointed(cfg, ranks: int) -> bool:
@@ -104,7 +106,7 @@ def fgrpo_state(shape: ModelShape, cfg, ranks: int) -> list:
         if f.full_finetune and f.loss.beta > 0:
             parts.append(("reference model shards (fgrpo.loss.beta > 0)", 4 * n // ranks,
                           "reference"))
-        return parts
+        return parts + _extra_state(shape, cfg)
     parts = [(f"weights ({n:,} parameters, {cfg.model.dtype})", n * e, "weights")]
     if f.full_finetune:
         if e < 4:
@@ -120,10 +122,54 @@ def fgrpo_state(shape: ModelShape, cfg, ranks: int) -> list:
         parts += [(f"LoRA {n_lora:,} parameters: fp32 weights", 4 * n_lora, "weights"),
                   ("LoRA fp32 AdamW moments", 8 * n_lora, "moments"),
                   ("LoRA fp32 gradients", 4 * n_lora, "gradients")]
+    return parts + _extra_state(shape, cfg)
+
+
+def _extra_state(shape: ModelShape, cfg) -> list:
+    """(label, bytes, kind) held beside the weights whatever the parallelism: the quantised
+    rollout copy of the decoder linears (whole on every rank, made from the whole weights as
+    they arrive) and ``fgrpo.space=sv``'s float64 search space."""
+    parts = []
     if cfg.model.quantize != "none":
         parts.append((f"{cfg.model.quantize} copy of the decoder linears for rollouts",
                       quantized_copy_bytes(shape, cfg), "rollout copy"))
+    if cfg.fgrpo.space == "sv":
+        parts.append(("search space fgrpo.space=sv: float64 adapter copy and SVD",
+                      search_space_bytes(shape, cfg, "sv", cfg.fgrpo.alpha), "space"))
     return parts
+
+
+LOADED_KINDS = ("weights", "reference", "rollout copy")  # what the load itself makes
+
+
+def load_phase(shape: ModelShape, cfg, ranks: int) -> Phase:
+    """The load (:func:`hpc.models.loading.load_model`): the weights, the reference and the
+    rollout copy as they arrive (the optimizer's state comes later), plus what is arriving:
+    DDP: nothing beyond (a tensor arrives as its parameter); FSDP2 (``model.load=streamed``):
+    the arriving tensor's rows on this rank in fp32, or the settling forward's gathered units
+    (:func:`settle_part`), the larger; under ``model.quantize`` a whole decoder linear with its
+    quantisation temporaries (its rollout copy). ``model.load=transformers`` under FSDP2
+    holds the whole fp32 model (and LoRA) before ``fully_shard``."""
+    f, n = cfg.fgrpo, shape.parameters()
+    parts = [(label, b) for label, b, kind in fgrpo_state(shape, cfg, ranks)
+             if kind in LOADED_KINDS]
+    # a decoder linear's rollout copy: from the whole fp32 tensor read for it (FSDP2), or from
+    # the weight itself, which is already counted (DDP)
+    arriving = arriving_linear_parts(shape, 4 if _sharded(cfg) else 0) \
+        if cfg.model.quantize != "none" else []
+    if _sharded(cfg) and cfg.model.load == "transformers":
+        whole = [("the whole fp32 model before fully_shard (model.load=transformers)", 4 * n)]
+        if not f.full_finetune:
+            n_lora = shape.lora_parameters(cfg.lora.rank, cfg.lora.targets)
+            whole.append((f"LoRA {n_lora:,} parameters, whole, fp32", 4 * n_lora))
+        parts = [(label, b) for label, b in parts if "shards" not in label] + whole
+    elif _sharded(cfg):  # the largest of what comes and goes, one after the other
+        rows = -(-shape.largest_tensor() // ranks)
+        arriving = [max([(f"the arriving tensor's rows on this rank ({rows:,} values, fp32)",
+                          rows * 4),
+                         settle_part(shape, cfg)] + arriving,
+                        key=lambda part: part[1])]
+    return Phase("load", parts + arriving)
 
 
 def moved_kinds(cfg, offload: str) -> tuple:
@@ -170,6 +216,20 @@ def offload_that_fits(shape: ModelShape, cfg, ranks: int) -> str:
 
 def _offload(cfg, ranks: int) -> str:
     return rollout_offload(cfg, ranks, "cuda", planned=True)
+
+
+def settle_part(shape: ModelShape, cfg) -> tuple:
+    """(label, bytes) of FSDP2's settling forward at the end of the load
+    (:func:`hpc.models.parallelize.settle`), in the compute dtype: a unit's all-gather output
+    lives beside its unsharded copy, so the root (embeddings, LM head, final norm) counts twice
+    while the first layers gather, then once beside three layers (the one computing, the
+    next one's all-gather output and its copy): the larger of 2 root + 2 layers and root + 3
+    layers (torch's tracker over the real load on 2 and 4 gloo ranks, a small and a large
+    root: tests/test_streamed_load.py, tests/mpi/load_check.py)."""
+    e, layer = dtype_bytes(cfg), shape.layer_parameters()
+    root = shape.parameters() - shape.layers * layer
+    return ("the settling forward: the gathered root and layers",
+            max(2 * root + 2 * layer, root + 3 * layer) * e)
 
 
 def gathered_parts(shape: ModelShape, cfg) -> list:
@@ -249,7 +309,7 @@ def plan(shape: ModelShape, cfg, ranks: int, advise: bool = True,
     train = Phase(f"training (micro_batch {f.optim.micro_batch})", state + gradients + kept
                   + (gathered_parts(shape, cfg) if _sharded(cfg) else [])
                   + training_activation_parts(shape, cfg, ranks))
-    phases = [rollout, train]
+    phases = [load_phase(shape, cfg, ranks), rollout, train]
     if f.full_finetune:
         extra = (("AdamW foreach temporaries", 4 * n // ranks) if _sharded(cfg) else
                  ("flat fp32 gradient copy of the all-reduce / AdamW foreach temporaries", 4 * n))
@@ -258,6 +318,9 @@ def plan(shape: ModelShape, cfg, ranks: int, advise: bool = True,
     phases.append(evaluation_phase(shape, cfg, decoding, k, budget))
     resident = sum(b for _, b in state + gradients)
     chunk = cfg.model.logprob_chunk
+    host = host_load_bytes(shape, cfg, 4 if _sharded(cfg) else dtype_bytes(cfg),
+                           ranks if _sharded(cfg) else 1,
+                           whole_linears=cfg.model.quantize != "none")
     result = MethodPlan("F-GRPO", phases, usable_bytes(cfg), [
         f"parallelism {f.parallel.strategy} over {ranks} ranks; activation checkpointing "
         f"{'on' if _checkpointed(cfg, ranks) else 'off'} (model.activation_checkpointing="
@@ -267,8 +330,9 @@ def plan(shape: ModelShape, cfg, ranks: int, advise: bool = True,
         + f"; engine budget {gib(budget)}",
         offload_note(cfg, offload, moved), kept_engine_note(cfg, keep_engine),
         HANDOVER_NOTE] + [n for n in [dynamic_sampling_note(cfg)] if n]
-        + (checkpointing_notes(shape, cfg, ranks) if advise else []),
-        engine_budget=budget)
+        + (checkpointing_notes(shape, cfg, ranks) if advise else [])
+        + [host_load_note(shape, cfg, host)],
+        engine_budget=budget, host_load=host)
     if advise and not result.fits:
         ckpt, chunked = {"model__activation_checkpointing": "on"}, {"model__logprob_chunk": 1024}
         both = dict(ckpt, **chunked)
@@ -302,6 +366,13 @@ def _engine_kept(shape: ModelShape, cfg, ranks: int) -> bool:
     if _sharded(cfg):
         return False
     return plan(shape, cfg, ranks, advise=False, keep_engine=True).fits
+
+
+def choices(cfg, ranks: int, device_type: str) -> dict:
+    """The decisions of F-GRPO's plan for a job (:func:`hpc.plan.registry.job_plan`): what
+    ``fgrpo.parallel.offload`` moves and whether the rollout's engine is kept."""
+    return {"offload": rollout_offload(cfg, ranks, device_type),
+            "rollout_engine_kept": rollout_engine_kept(cfg, ranks, device_type)}
 
 
 def rollout_engine_kept(cfg, ranks: int, device_type: str) -> bool:

@@ -13,31 +13,41 @@ from hpc.job.lifecycle import on_all_ranks, stop_if_preempted
 from hpc.models.adapter_space import SingularValueSpace
 from hpc.models.loading import attach_lora, load_adapter, load_model
 from hpc.models.logprobs import sequence_logprobs
-from fgrpo.plan import fgrpo_rollout_rows, rollout_engine_kept, rollout_offload
+from fgrpo.plan import fgrpo_rollout_rows
 from hpc.models.parallelize import (TrainedWeights, decoding, load_dtype, load_sharded_state,
-                                    save_full_model, save_gathered_adapter, shard_model,
+                                    save_full_model, save_gathered_adapter, settle, shard_units,
                                     sharded_state)
-from hpc.models.quantize import attach_generation_copy
 from hpc.runtime.dist import init_process_group
 from hpc.runtime.readback import count
 
 
 def build_model(cfg, device):
     """(policy, reference or None, tokenizer): LoRA (fresh or from lora.adapter) or full FT,
-    in fp32 under fgrpo.parallel.strategy=fsdp2 (sharded later; see :mod:`hpc.models.parallelize`).
-    With ``model.quantize`` the LoRA policy decodes from a quantised copy of its frozen base
-    linears (:func:`hpc.models.quantize.attach_generation_copy`) and trains on its own."""
-    model, tok = load_model(cfg.model.path,
-                            load_dtype(cfg.fgrpo.parallel.strategy, cfg.model.dtype), device)
+    in fp32 and sharded as it loads under fgrpo.parallel.strategy=fsdp2 (see
+    :mod:`hpc.models.parallelize`; the process group must exist). With ``model.quantize`` the
+    LoRA policy decodes from a quantised copy of its frozen base linears, made as each arrives
+    (:class:`hpc.models.quantize.GenerationCopy`), and trains on its own."""
+    sharded = cfg.fgrpo.parallel.strategy == "fsdp2"
+
+    def load(wrap=None, quantize="none"):
+        return load_model(cfg.model.path, load_dtype(cfg.fgrpo.parallel.strategy,
+                                                     cfg.model.dtype), device,
+                          load=cfg.model.load, wrap=wrap, quantize=quantize, quantized_copy=True,
+                          shard=(lambda m: shard_units(m, cfg.model.dtype)) if sharded else None)
+
     if cfg.fgrpo.full_finetune:
-        ref = copy.deepcopy(model).eval() if cfg.fgrpo.loss.beta > 0 else None
+        model, tok = load()
+        ref = None
+        if cfg.fgrpo.loss.beta > 0:  # sharded: loaded again, never a whole copy
+            ref = (load()[0] if sharded else copy.deepcopy(model)).eval()
         return model, ref, tok
     if cfg.lora.adapter:
-        policy = load_adapter(model, cfg.lora.adapter, is_trainable=True)
+        wrap = lambda base: load_adapter(base, cfg.lora.adapter, is_trainable=True)  # noqa: E731
     else:
-        policy = attach_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets, 0.0,
-                             seed=cfg.run.seed)
-    return attach_generation_copy(policy, cfg.model.quantize), None, tok
+        wrap = lambda base: attach_lora(base, cfg.lora.rank, cfg.lora.alpha,  # noqa: E731
+                                        cfg.lora.targets, 0.0, seed=cfg.run.seed)
+    policy, tok = load(wrap, cfg.model.quantize)
+    return policy, None, tok
 
 
 @torch.no_grad()
@@ -71,16 +81,16 @@ class TrainedPolicy(GradientMethod):
         :class:`hpc.models.parallelize.TrainedWeights`) on every rank."""
         job, cfg, world, f = self.job, self.job.cfg, self.job.world, self.job.cfg.fgrpo
         torch.manual_seed(cfg.run.seed)
+        init_process_group(world, job.device)  # FSDP2 shards the model as it loads
         self.model, self.ref_model, self.tok = on_all_ranks(world, lambda: build_model(
             cfg, job.device))
         stop_if_preempted(job, "model and adapter loading")
         self.checkpointed = self.checkpoint_activations()
-        init_process_group(world, job.device)
         self.sharded = f.parallel.strategy == "fsdp2"
         if self.sharded:
             for m in (self.model, self.ref_model):
                 if m is not None:
-                    shard_model(m, cfg.model.dtype)
+                    settle(m)
         self.space = None
         if f.space == "sv":  # ESSA's search space, trained by gradient
             self.space = SingularValueSpace.from_peft(self.model, f.alpha, cfg.lora.targets)
@@ -88,8 +98,8 @@ class TrainedPolicy(GradientMethod):
         else:
             self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.weights = TrainedWeights(self.params, f.optim.learning_rate, f.optim.weight_decay)
-        self.offload = rollout_offload(cfg, world.size, job.device.type)
-        self.keep_engine = rollout_engine_kept(cfg, world.size, job.device.type)
+        self.offload = job.plan.choice("offload")
+        self.keep_engine = job.plan.choice("rollout_engine_kept")
         self.collective_export = f.full_finetune or self.sharded  # gathers, rank 0 writes
 
     @contextlib.contextmanager

@@ -98,7 +98,6 @@ def main(argv=None):
     """``hpc-eval [CONFIG.yaml] [key=value ...]``: evaluate a model (+ lora.adapter)."""
     from hpc.job.lifecycle import on_all_ranks, start_job
     from hpc.models.loading import load_adapter, load_model
-    from hpc.models.quantize import quantize_base
     from hpc.runtime.runstore import RunStore, environment_attrs
     from hpc.job.loop import share_graph_check
     from hpc.data.tasks import load_task
@@ -106,11 +105,10 @@ def main(argv=None):
     job = start_job(EvalJobConfig, "eval", "hpc-eval", argv)
     cfg, world = job.cfg, job.world
     task = on_all_ranks(world, lambda: load_task(cfg.task, cfg.model.path))
-    model, tok = on_all_ranks(world, lambda: load_model(cfg.model.path, cfg.model.dtype,
-                                                        job.device))
-    if cfg.lora.adapter:
-        model = on_all_ranks(world, lambda: load_adapter(model, cfg.lora.adapter))
-    quantize_base(model, cfg.model.quantize)
+    model, tok = on_all_ranks(world, lambda: load_model(
+        cfg.model.path, cfg.model.dtype, job.device, load=cfg.model.load,
+        wrap=(lambda base: load_adapter(base, cfg.lora.adapter)) if cfg.lora.adapter else None,
+        quantize=cfg.model.quantize))
     attrs = environment_attrs(world, job.device)
     store = RunStore(f"{job.out_dir}/eval.h5", world.is_root,
                      dict(attrs, **job.sources.attrs(), method="eval", config=job.config_text))

@@ -8,7 +8,6 @@ import torch
 
 from hpc.evaluate import evaluate
 from hpc.models.loading import enable_activation_checkpointing, save_adapter
-from hpc.plan.registry import activation_checkpointing
 from hpc.job.loop import Method
 
 
@@ -33,10 +32,9 @@ class GradientMethod(Method):
 
     def checkpoint_activations(self) -> bool:
         """Turn on activation checkpointing of ``model`` where ``model.activation_checkpointing``
-        resolves to on (:func:`hpc.plan.registry.activation_checkpointing`); returns
-        whether it did."""
-        job = self.job
-        on = activation_checkpointing(job.cfg, self.name, job.world.size, job.device.type)
+        resolves to on (the job's plan, :class:`hpc.plan.registry.JobPlan`); returns whether
+        it did."""
+        on = self.job.plan.activation_checkpointing
         if on:
             enable_activation_checkpointing(self.model)
         return on

@@ -23,7 +23,6 @@ from hpc.gradient_method import GradientMethod
 from hpc.models.loading import attach_lora, load_model
 from hpc.models.logprobs import sequence_logprobs
 from hpc.models.parallelize import TrainedWeights
-from hpc.models.quantize import attach_generation_copy
 from hpc.runtime.dist import init_process_group
 from hpc.data.prompts import completion_batch
 from hpc.runtime.errors import UserError, user_errors_exit
@@ -49,12 +48,12 @@ class SFT(GradientMethod):
             raise UserError(f"the training set has {len(self.task.train)} problems, fewer than "
                             f"sft.batch_size={cfg.sft.batch_size}")
         torch.manual_seed(cfg.run.seed)
-        model, self.tok = on_all_ranks(world, lambda: load_model(cfg.model.path,
-                                                                 cfg.model.dtype, job.device))
+        self.model, self.tok = on_all_ranks(world, lambda: load_model(
+            cfg.model.path, cfg.model.dtype, job.device, load=cfg.model.load,
+            wrap=lambda base: attach_lora(base, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets,
+                                          cfg.lora.dropout, seed=cfg.run.seed),
+            quantize=cfg.model.quantize, quantized_copy=True))
         stop_if_preempted(job, "model loading")
-        self.model = attach_generation_copy(on_all_ranks(world, lambda: attach_lora(
-            model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets, cfg.lora.dropout,
-            seed=cfg.run.seed)), cfg.model.quantize)
         self.checkpointed = self.checkpoint_activations()
         init_process_group(world, job.device)
         self.weights = TrainedWeights([p for p in self.model.parameters() if p.requires_grad],

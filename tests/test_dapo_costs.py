@@ -23,7 +23,7 @@ def test_memory_plan_counts_the_kept_rollouts_and_says_the_extra_rollouts(tmp_pa
                          "fgrpo.sampling.filtered_share=0.6")
     shape = ModelShape.from_folder(cfg.model.path)
     plan = fgrpo_plan(shape, cfg, ranks=16)
-    rollout = plan.phases[0]
+    rollout = plan.phase("rollout")
     kept = dict(rollout.parts)["rollouts kept over 3 sampling rounds"]
     rows = (min(cfg.eval.batch_size, -(-cfg.fgrpo.batch_prompts // 16))
             * cfg.fgrpo.sampling.num_generations)
@@ -32,7 +32,7 @@ def test_memory_plan_counts_the_kept_rollouts_and_says_the_extra_rollouts(tmp_pa
     assert any(f"{extra} extra rollouts a step" in note for note in plan.notes)
     plain = fgrpo_plan(shape, cluster_config(cfg.model.path), ranks=16)
     assert not any("dynamic sampling" in note for note in plain.notes)
-    assert rollout.peak == plain.phases[0].peak + kept
+    assert rollout.peak == plain.phase("rollout").peak + kept
 
 
 def test_scaling_model_decodes_every_round_and_trains_one_batch():

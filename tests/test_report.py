@@ -195,3 +195,28 @@ def test_compare_still_works_and_user_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as err:
         main(["summary", str(path), "--target", "50"])
     assert err.value.code == 2
+
+
+def test_summary_sets_the_plan_beside_the_measured_memory(tmp_path, capsys):
+    """A run file that holds its job's plan and each rank's measured peaks (on CUDA, after the
+    load and at the end) gets a memory table: the plan's load phase and peak beside the
+    largest rank's; a run without them (CPU) gets none."""
+    path = tmp_path / "run" / "essa.h5"
+    path.parent.mkdir()
+    store = essa_two_ranks(path, close=False)
+    gib = 2 ** 30
+    store.set_attrs(plan=json.dumps({"phases": {"load": 33 * gib, "ESSA scoring": 50 * gib},
+                                     "peak": 55 * gib}),
+                    memory_load_peak=json.dumps([32 * gib, 34 * gib]),
+                    memory_job_peak=json.dumps([52 * gib, 51 * gib]))
+    store.close()
+    row = summarize(str(path))
+    assert row["memory"] == {"plan_load": 33.0, "plan_peak": 55.0, "measured_load": 34.0,
+                             "measured_peak": 52.0}
+    main(["summary", str(path)])
+    out = capsys.readouterr().out
+    assert "GiB per GPU: the plan's load phase and peak" in out
+    assert out.rstrip().splitlines()[-1].split() == ["run/essa.h5", "33.00", "55.00", "34.00",
+                                                     "52.00"]
+    main(["summary", str(essa_two_ranks(tmp_path / "cpu.h5").path)])
+    assert "GiB per GPU" not in capsys.readouterr().out

@@ -185,7 +185,35 @@ def summarize(path: str, target: float | None = None) -> dict:
     if target is not None:
         row["time_to_target_s"] = time_to_target(run, target)
     row["phases"] = phases
+    row["memory"] = memory_figures(run)
     return row
+
+
+def memory_figures(run: RunFile) -> dict:
+    """GiB per GPU: the job's plan (its ``plan`` attribute: the load phase and the peak) and
+    what the largest rank measured (``memory_load_peak``, ``memory_job_peak``: each rank's
+    ``torch.cuda.max_memory_allocated`` after the load and at the end, CUDA only); NaN where
+    the run file has none."""
+    def gib(nbytes) -> float:
+        return float(nbytes) / 2 ** 30 if nbytes is not None else float("nan")
+
+    def measured(key) -> float:
+        try:
+            peaks = json.loads(run.attrs.get(key, "[]"))
+        except (TypeError, ValueError):
+            peaks = []
+        return gib(max(peaks)) if peaks else float("nan")
+
+    try:
+        plan = json.loads(run.attrs.get("plan", "{}"))
+    except (TypeError, ValueError):
+        plan = {}
+    phases = plan.get("phases", {}) if isinstance(plan, dict) else {}
+    return {"plan_load": gib(phases.get("load")) if isinstance(phases, dict) else float("nan"),
+            "plan_peak": gib(plan.get("peak") or None) if isinstance(plan, dict) else
+            float("nan"),
+            "measured_load": measured("memory_load_peak"),
+            "measured_peak": measured("memory_job_peak")}
 
 
 def _aligned(group: dict, keys: list) -> list:
@@ -215,9 +243,11 @@ def _ratio(a: float, b: float) -> float:
 
 
 def flat(row: dict) -> dict:
-    """A summary row with its phases as ``phase_<name>_s`` columns (for CSV)."""
-    out = {k: v for k, v in row.items() if k != "phases"}
+    """A summary row with its phases as ``phase_<name>_s`` columns and its memory figures as
+    ``memory_<name>_gib`` (for CSV)."""
+    out = {k: v for k, v in row.items() if k not in ("phases", "memory")}
     out.update({f"phase_{k}_s": v for k, v in row["phases"].items()})
+    out.update({f"memory_{k}_gib": v for k, v in row.get("memory", {}).items()})
     return out
 
 
@@ -230,6 +260,8 @@ def _cell(key: str, value) -> str:
         return "not reached" if key == "time_to_target_s" else "-"
     if key in ("comm_share", "straggler_spread", "best_heldout", "final_eval"):
         return f"{100 * value:.1f}%"
+    if key.startswith("memory_"):
+        return f"{value:.2f}"
     if key == "bytes_per_step":
         return human_bytes(value)
     return f"{value:.3g}" if key.startswith("phase_") else f"{value:.2f}"
@@ -252,11 +284,18 @@ def phase_union(rows: list) -> list:
 def format_summary(rows: list) -> str:
     """The summary table, then a table of mean seconds per phase (mean over ranks)."""
     flats = [flat(r) for r in rows]
-    main = [k for k in flats[0] if not k.startswith("phase_")]
+    main = [k for k in flats[0] if not k.startswith(("phase_", "memory_"))]
     phases = phase_union(rows)
     keys = ["file"] + [f"phase_{p}_s" for p in phases]
-    return (text_table(flats, main) + "\n\nseconds per step by phase (mean over ranks)\n"
+    text = (text_table(flats, main) + "\n\nseconds per step by phase (mean over ranks)\n"
             + text_table(flats, keys, ["file"] + phases))
+    memory = [k for k in flats[0] if k.startswith("memory_")]
+    if any(np.isfinite(f[k]) for f in flats for k in memory):
+        text += ("\n\nGiB per GPU: the plan's load phase and peak, the largest rank's measured "
+                 "after the load and at the end\n"
+                 + text_table(flats, ["file"] + memory, ["file", "plan load", "plan peak",
+                                                         "measured load", "measured peak"]))
+    return text
 
 
 def write_csv(rows: list, path: str) -> None:

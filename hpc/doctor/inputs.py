@@ -1,7 +1,7 @@
 """A job's inputs on every node: the model folder (present, and the same config.json, tokenizer
 files and weight sizes as rank 0's: sha256 of the small files, sizes of the weights, which
 hashing would read for minutes), the memory plan's verdict for this rank count
-(:func:`hpc.plan.registry.check_job_memory`, the call every job makes at start), the data
+(:func:`hpc.plan.registry.job_plan`, the call every job makes at start), the data
 files (read row by row, as a job's input check does) and the space the run's checkpoints take.
 """
 from __future__ import annotations
@@ -9,11 +9,13 @@ from __future__ import annotations
 import hashlib
 import os
 
+import psutil
+
 from hpc.data.mathdata import check_task_files
 from hpc.doctor.findings import Finding
 from hpc.engine.shape import ModelShape
 from hpc.models.folders import TOKENIZER_FILES, WEIGHT_FILES, check_model_folder
-from hpc.plan.registry import check_job_memory
+from hpc.plan.registry import job_plan
 from hpc.runtime.config import BUILT_IN_MODEL_NAMES
 from hpc.runtime.errors import UserError
 
@@ -88,15 +90,36 @@ def model_text(path: str, folder: str, prints: dict) -> str:
 
 def plan_verdicts(method_cfgs: dict, world, device_type: str) -> list:
     """Each method's job config on this rank count (:meth:`JobConfig.validate_world`) and its
-    memory plan (:func:`check_job_memory`, which the jobs apply on CUDA only)."""
+    memory plan (:func:`job_plan`, which the jobs enforce on CUDA only)."""
     findings = []
     for method, cfg in method_cfgs.items():
         try:
             cfg.validate_world(world)
-            check_job_memory(cfg, method, world.size, device_type)
+            job_plan(cfg, method, world.size, device_type)
         except UserError as err:
             findings.append(Finding(f"{method} on {world.size} ranks", str(err), ""))
     return findings
+
+
+def host_memory_for_load(method_cfgs: dict, world, device_type: str) -> list:
+    """On each node (its local rank 0): the host memory the load takes there, its ranks times
+    the most any method's plan says a rank holds while it loads (:func:`job_plan`'s
+    ``host_load``), against the memory available on the node now."""
+    if world.local_rank != 0:
+        return []
+    per_rank = 0
+    for method, cfg in method_cfgs.items():
+        try:
+            per_rank = max(per_rank, job_plan(cfg, method, world.size, device_type).host_load)
+        except UserError:
+            pass  # the plan's own verdict is reported by plan_verdicts
+    need, available = per_rank * world.local_size, psutil.virtual_memory().available
+    if need <= available:
+        return []
+    return [Finding("host memory for the load", f"{world.local_size} ranks x "
+                    f"{per_rank / 2**30:.2f} GiB = {need / 2**30:.2f} GiB while the model loads, "
+                    f"{available / 2**30:.2f} GiB available",
+                    "fewer ranks per node, or model.load=streamed (one tensor a rank)")]
 
 
 def check_data(cfg) -> list:

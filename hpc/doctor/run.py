@@ -12,7 +12,8 @@ import torch
 from hpc.doctor import bandwidth, storage
 from hpc.doctor.findings import Finding, failure_lines, share
 from hpc.doctor.inputs import (check_data, check_same_model, checkpoint_need, data_text,
-                               fingerprint, model_folder_here, model_text, plan_verdicts)
+                               fingerprint, host_memory_for_load, model_folder_here, model_text,
+                               plan_verdicts)
 from hpc.doctor.ranks import pick_device, rank_facts, rank_rows
 from hpc.runtime.dist import destroy_process_group, init_process_group
 from hpc.runtime.errors import EXIT_USER_ERROR, UserError
@@ -112,6 +113,7 @@ def run(cfg, method_cfgs: dict, refusals: dict, config_path) -> int:
     found += run_root_checks(world, root, need, why)
     if world.is_root:
         found += plan_verdicts(method_cfgs, world, facts[0]["device_type"])
+    found += host_memory_for_load(method_cfgs, world, facts[0]["device_type"])
     found += check_data(cfg)
     everyone = share(world, {"findings": [f.as_dict() for f in found],
                              "interface": rendezvous.ifname if rendezvous else "-",

@@ -7,10 +7,12 @@ turns them off for every later engine) and counts the completion tokens it decod
 this lives in a module: two decoders in one process (two jobs, a test beside a job) never see
 each other's engine, budget or graph state.
 
-**Memory.** An engine is sized within a byte budget (:meth:`Decoder.budget`: the memory plan's
-``planned_budget``, else ``memory_gib``, else on CUDA
-:func:`hpc.engine.memory.budget_left` of the device's memory with what is not free at the
-decoder's first look as resident, on CPU ``CPU_ENGINE_MEMORY_GIB``) and at most
+**Memory.** An engine is sized within a byte budget (:meth:`Decoder.budget`: ``memory_gib``
+when given, else on CUDA :func:`hpc.engine.memory.budget_left` of the device's memory with what
+is not free at the decoder's first look as resident (the first engine is built after the load,
+so that is what the load left), capped by the memory plan's ``planned_budget``, which the plan
+derived the same way from what it expects to be resident: what the plan missed is charged
+once, by the device; on CPU ``CPU_ENGINE_MEMORY_GIB``) and at most
 ``config.slots`` slots, so a call with more requests than slots decodes them in waves through
 the slots (continuous batching), and an engine larger than the current phase asks for is
 replaced by one of that phase's size.
@@ -45,15 +47,15 @@ class Decoder:
 
     def budget(self, device: torch.device) -> int:
         """The engine's budget in bytes on ``device`` (module docstring)."""
-        if self.config.planned_budget:
-            return self.config.planned_budget
         if self.config.memory_gib > 0:
             return int(self.config.memory_gib * GIB)
         if device.type != "cuda":
-            return int(CPU_ENGINE_MEMORY_GIB * GIB)
+            return self.config.planned_budget or int(CPU_ENGINE_MEMORY_GIB * GIB)
         if str(device) not in self._derived:
             free, total = torch.cuda.mem_get_info(device)
             self._derived[str(device)] = budget_left(total, total - free)
+        if self.config.planned_budget:
+            return min(self.config.planned_budget, self._derived[str(device)])
         return self._derived[str(device)]
 
     def _replay(self, device: torch.device):

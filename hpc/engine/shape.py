@@ -32,6 +32,7 @@ QWEN25 = {
                 num_key_value_heads=8, intermediate_size=27648, vocab_size=152064,
                 tie_word_embeddings=False),
 }
+STORED_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # config.json's dtype (torch_dtype)
 ACTIVATION_VALUES = (4, 3)  # (x hidden, x intermediate) values per token live in one layer
 #   while decoding (the engine's step, measured with a tensor-lifetime tracker)
 
@@ -49,6 +50,7 @@ class ModelShape:
     vocab: int
     tied: bool
     qkv_bias: bool
+    stored_bytes: int = 2  # bytes a value in the checkpoint files (config.json's dtype)
 
     @classmethod
     def from_config(cls, config, source: str = "config.json") -> "ModelShape":
@@ -68,7 +70,9 @@ class ModelShape:
                    intermediate=need("intermediate_size"), vocab=need("vocab_size"),
                    tied=bool(config.get("tie_word_embeddings", False)),
                    qkv_bias=bool(config.get("attention_bias",
-                                            config.get("model_type") == "qwen2")))
+                                            config.get("model_type") == "qwen2")),
+                   stored_bytes=STORED_BYTES.get(str(config.get("dtype")
+                                                     or config.get("torch_dtype")), 2))
 
     @classmethod
     def from_folder(cls, path: str) -> "ModelShape":
@@ -92,6 +96,15 @@ class ModelShape:
                 "gate_proj": (self.hidden, self.intermediate),
                 "up_proj": (self.hidden, self.intermediate),
                 "down_proj": (self.intermediate, self.hidden)}
+
+    def largest_linear(self) -> int:
+        """Weights of the largest linear of a decoder layer."""
+        return max(i * o for i, o in self.module_shapes().values())
+
+    def largest_tensor(self) -> int:
+        """Values of the largest tensor of the checkpoint (the embedding or LM head, V h, or a
+        decoder linear)."""
+        return max(self.vocab * self.hidden, self.largest_linear())
 
     def layer_parameters(self) -> int:
         weights = sum(i * o for i, o in self.module_shapes().values())

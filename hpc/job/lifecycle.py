@@ -21,7 +21,7 @@ from hpc.job.run_folder import (check_resumable, check_writable, lock_run_folder
                                  newest_unfinished, run_folder)
 from hpc.models.base_model import check_base
 from hpc.models.loading import model_folder
-from hpc.plan.registry import check_job_memory, planned_engine_budget
+from hpc.plan.registry import JobPlan, job_plan
 from hpc.models.quantize import check_quantize
 from hpc.runtime.cli import parse_args
 from hpc.runtime.config import config_to_yaml, load_config
@@ -94,6 +94,7 @@ class Job:
     signals: object  # hpc.runtime.preempt.StopSignals, installed before any loading
     decoder: Decoder  # the job's decoding engine, passed to whoever decodes
     sources: InputSources  # where model.path and lora.adapter lie (Hub ids resolved)
+    plan: JobPlan  # the memory plan and its decisions, computed once at the start
 
     @property
     def run_file(self) -> str:
@@ -138,9 +139,9 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
     on_all_ranks(world, lambda: check_base(cfg.lora.adapter, sources.model.given,
                                            lambda _: model_folder(cfg.model.path),
                                            cfg.lora.allow_other_base))
-    on_all_ranks(world, lambda: check_job_memory(cfg, method, world.size, device.type))
-    decoder = Decoder(EngineConfig.from_model(cfg.model, on_all_ranks(
-        world, lambda: planned_engine_budget(cfg, method, world.size, device.type))))
+    # the job's one plan, before any weight loads: its verdict and every decision it takes
+    plan = on_all_ranks(world, lambda: job_plan(cfg, method, world.size, device.type))
+    decoder = Decoder(EngineConfig.from_model(cfg.model, plan.engine_budget))
 
     def claim_folder():
         run_folder_entries(out_dir, method)  # every rank: the folder is shared
@@ -153,7 +154,7 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
     on_all_ranks(world, claim_folder)
     return Job(cfg=cfg, world=world, device=device, out_dir=out_dir, resume=resume,
                config_text=config_text, method=method, signals=signals, decoder=decoder,
-               sources=sources)
+               sources=sources, plan=plan)
 
 
 def stop_if_preempted(job: Job, after: str, store: RunStore | None = None) -> None:

@@ -170,7 +170,8 @@ def run_attrs(job: Job, method: Method) -> dict:
                 method=method.name, config=job.config_text, step_name=method.step_name,
                 phases=json.dumps(phases), metrics=json.dumps(list(method.metrics) + list(LOOP_METRICS)),
                 heldout_accuracy=method.heldout_accuracy, preempted_before_first_step=False,
-                model_build=model_build(job.cfg.model.path), **method.attrs())
+                model_build=model_build(job.cfg.model.path), **job.plan.attrs(),
+                **method.attrs())
 
 
 def model_build(path: str) -> str:
@@ -309,6 +310,17 @@ def save(job: Job, method: Method, ckpt_dir: str, step: int, fields: dict) -> No
             prune_sharded(ckpt_dir)
 
 
+def record_device_peaks(job: Job, store: RunStore, attr: str) -> None:
+    """Collective on CUDA: every rank's ``torch.cuda.max_memory_allocated`` so far, stored by
+    rank 0 as the run file's attribute ``attr`` (JSON list of bytes, rank order), beside the
+    job's plan (``plan``); nothing on other devices."""
+    if job.device.type != "cuda":
+        return
+    peaks = job.world.allgather(np.array([torch.cuda.max_memory_allocated(job.device)],
+                                         dtype=np.int64), tag="control")
+    store.set_attrs(**{attr: json.dumps([int(p) for p in np.ravel(peaks)])})
+
+
 def run_loop(job: Job, method: Method) -> dict:
     """Run ``method`` for ``job`` (see the module docstring); returns on every rank a summary:
     ``start`` and ``final`` (EvalResult or None), ``steps``, ``wall_s``, ``preempted``."""
@@ -329,6 +341,7 @@ def run_loop(job: Job, method: Method) -> dict:
     if job.resume:
         store.replay()  # the reporters start over from the rows the run file kept
     store.write_row("segments", start, world_size=world.size)
+    record_device_peaks(job, store, "memory_load_peak")  # the load is done by now
     # A lost rank (a node gone mid-run): rank 0 names it in the run file before the abort.
     world.abort_hooks.append(lambda message, lost: store.mark_lost(world.hosts, lost, message))
     sync = torch.cuda.synchronize if job.device.type == "cuda" else None
@@ -397,6 +410,7 @@ def run_loop(job: Job, method: Method) -> dict:
     if world.is_root or method.collective_export:
         method.export(job.out_dir, step)
     store.set_attrs(steps_done=step, wall_seconds=wall)
+    record_device_peaks(job, store, "memory_job_peak")
     store.close("complete")
     return {"start": start_eval, "final": final, "steps": step, "wall_s": wall,
             "preempted": False}

@@ -19,6 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hpc.models.base_model import record_base
 from hpc.models.folders import ADAPTER_WEIGHT_FILES, check_adapter_folder, check_model_folder
+from hpc.models.quantize import GenerationCopy, QuantizeInPlace, arrive_all
+from hpc.models.streaming import streamed_model
 from hpc.runtime.atomic import replaced_dir
 from hpc.runtime.errors import UserError
 
@@ -61,31 +63,68 @@ def model_folder(path: str) -> str:
     return models[path].load()() if path in models else path
 
 
-def load_model(path: str, dtype: str = "float32", device="cpu"):
-    """Load ``(model, tokenizer)`` from a local Hugging Face folder or a built-in model's name
-    (:func:`model_folder`).
+LOADS = ("streamed", "transformers")  # model.load
 
-    ``dtype`` is ``float32``, ``bfloat16`` or ``float16``; ``device`` a torch device or
-    ``'auto'`` (CUDA if present). The model is in eval mode. The tokenizer always has a pad
-    token (eos when it has none) and pads on the left (generation).
-    """
-    if dtype not in DTYPES:
-        raise UserError(f"model dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    path = model_folder(path)
-    check_model_folder(path)
+
+def load_tokenizer(path: str):
+    """The tokenizer of model folder ``path`` (:func:`model_folder`d), with a pad token (eos
+    when it has none), padding on the left (generation)."""
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype],
-                                                     local_files_only=True)
     except Exception as err:  # noqa: BLE001 - any loader failure is a bad model folder
-        raise UserError(f"cannot load the model in {path}: {_first_line(err)}") from None
+        raise UserError(f"cannot load the tokenizer in {path}: {_first_line(err)}") from None
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise UserError(f"the tokenizer in {path} has neither a pad nor an eos token")
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def load_model(path: str, dtype: str = "float32", device="cpu", *, load: str = "streamed",
+               wrap=None, shard=None, quantize: str = "none", quantized_copy: bool = False):
+    """Load ``(model, tokenizer)`` from a local Hugging Face folder or a built-in model's name
+    (:func:`model_folder`), in eval mode.
+
+    ``dtype`` is ``float32``, ``bfloat16`` or ``float16``; ``device`` a torch device or
+    ``'auto'`` (CUDA if present). ``wrap(model) -> model``: what the job puts around the model
+    before its weights count (attaching or loading a LoRA adapter); ``shard(model)``: FSDP2's
+    ``fully_shard`` of its units (:func:`hpc.models.parallelize.shard_units`); ``quantize``
+    (``model.quantize``): the decoder linears quantised in place, or with ``quantized_copy`` a
+    quantised copy of them kept beside the model for rollouts (:mod:`hpc.models.quantize`).
+
+    ``load`` (``model.load``): ``streamed`` (:mod:`hpc.models.streaming`): the model built
+    without weights, wrapped, sharded, then its weights streamed in from the memory-mapped
+    checkpoint tensor by tensor, each linear quantised as it arrives, so a rank holds its share
+    of the weights plus one tensor; ``transformers``, the reference: ``from_pretrained`` whole
+    in host memory, moved to the device, wrapped, quantised, sharded. The same tensors either
+    way.
+    """
+    if dtype not in DTYPES:
+        raise UserError(f"model dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if load not in LOADS:
+        raise UserError(f"model.load {load!r} is not one of {', '.join(LOADS)}")
+    path = model_folder(path)
+    check_model_folder(path)
+    tokenizer = load_tokenizer(path)
+    device = _resolve_device(device)
+    arrival = QuantizeInPlace if not quantized_copy else GenerationCopy
+    if load == "transformers":
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype],
+                                                         local_files_only=True)
+        except Exception as err:  # noqa: BLE001 - any loader failure is a bad model folder
+            raise UserError(f"cannot load the model in {path}: {_first_line(err)}") from None
+        model = model.to(device).eval()
+        model = wrap(model) if wrap else model
+        arrive_all(arrival(model, quantize), model)
+        if shard:
+            shard(model)
+    else:
+        model = streamed_model(path, DTYPES[dtype], device, wrap, shard,
+                               lambda m: arrival(m, quantize))
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model.to(_resolve_device(device)).eval(), tokenizer
+    return model, tokenizer
 
 
 def _matches(name: str, target: str) -> bool:

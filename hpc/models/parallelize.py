@@ -62,21 +62,25 @@ def decoder_layers(model) -> list:
     return layers
 
 
-def shard_model(model, compute_dtype: str, mesh=None):
+def shard_units(model, compute_dtype: str, mesh=None) -> None:
     """Apply FSDP2 in place: ``fully_shard`` on each decoder layer (weights freed after its
     forward, gathered again for its backward), then on the transformers root (embeddings,
-    final norm, LM head; kept gathered between forward and backward). ``model`` must hold
-    fp32 weights; ``compute_dtype`` is what the forward and backward run in; ``mesh``: the
-    device mesh to shard over (default: every rank of the default process group, on the
-    model's device type). Returns ``model``.
-    """
+    final norm, LM head; kept gathered between forward and backward). ``model`` holds fp32
+    weights (or ``meta`` ones, :func:`hpc.models.streaming.shard_skeleton`);
+    ``compute_dtype`` is what the forward and backward run in; ``mesh``: the device mesh to
+    shard over (default: every rank of the default process group, on the model's device
+    type)."""
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=torch.float32)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
     fully_shard(_hf_model(model), mesh=mesh, mp_policy=policy, reshard_after_forward=False)
-    # FSDP2 settles its per-unit state on the first forward, among it which parameters train
-    # (their gradients are cast back to fp32): run it now, before anything (peft's
-    # disable_adapter for the reference log-probs) marks the LoRA factors frozen for a while.
+
+
+def settle(model):
+    """After a sharded model's weights are in: FSDP2 settles its per-unit state on the first
+    forward, among it which parameters train (their gradients are cast back to fp32): run it
+    now, before anything (peft's disable_adapter for the reference log-probs) marks the LoRA
+    factors frozen for a while. Returns ``model``."""
     with torch.no_grad():
         model(input_ids=torch.zeros((1, 1), dtype=torch.long,
                                     device=next(model.parameters()).device))
@@ -84,6 +88,13 @@ def shard_model(model, compute_dtype: str, mesh=None):
     # shards (the masters the optimizer steps), not the gathered copies.
     _hf_model(model).reshard()
     return model
+
+
+def shard_model(model, compute_dtype: str, mesh=None):
+    """:func:`shard_units` then :func:`settle` on a model whose weights are in. Returns
+    ``model``."""
+    shard_units(model, compute_dtype, mesh)
+    return settle(model)
 
 
 def is_sharded(model) -> bool:

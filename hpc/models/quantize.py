@@ -12,11 +12,13 @@ their own dtype on top, so the decoding engine's per-row member deltas are uncha
 * ``int4``: torchao ``Int4WeightOnlyConfig`` (groups of 128 along the input, tinygemm's
   ``tile_packed_to_4d`` layout, served by torch's own CUDA int4 kernel): CUDA and bfloat16 only.
 
-Two ways to apply it, after the model (and adapter) is loaded:
+Two ways to apply it, each linear as its weight arrives during the load
+(:func:`hpc.models.streaming.stream_weights`; after the whole load under the reference
+``model.load=transformers``):
 
-* :func:`quantize_base`: in place (ESSA, ``hpc-eval``): the job decodes only, so the base
-  weights exist once, quantised.
-* :func:`attach_generation_copy`: training jobs (F-GRPO, SFT), whose training forward must stay
+* :class:`QuantizeInPlace` (:func:`quantize_base`): in place (ESSA, ``hpc-eval``): the job
+  decodes only, so the base weights exist once, quantised, and never whole in ``model.dtype``.
+* :class:`GenerationCopy` (:func:`attach_generation_copy`): training jobs (F-GRPO, SFT), whose training forward must stay
   on the unquantised weights: a quantised copy of the base linears is kept beside the model (an
   extra ~half of the bf16 linears at int8) and :func:`generation_weights` swaps it in while
   :mod:`hpc.engine.generate` decodes (rollouts, evaluation). The sampling policy then differs
@@ -82,21 +84,61 @@ def base_linears(model) -> dict:
     return found
 
 
+class QuantizeInPlace:
+    """``model.quantize`` in place, one decoder linear at a time as its weight arrives
+    (:func:`hpc.models.streaming.stream_weights`): the decoding-only jobs (ESSA, ``hpc-eval``)
+    never hold the whole model in ``model.dtype``."""
+
+    def __init__(self, model, mode: str):
+        self.targets = {id(m) for m in base_linears(model).values()} if mode != "none" else set()
+        self.config = _config(mode) if mode != "none" else None
+
+    def wants(self, module) -> bool:
+        return id(module) in self.targets
+
+    def arrived(self, module, weight) -> None:
+        _torchao().quantize_(module, self.config)
+
+
+class GenerationCopy:
+    """A quantised copy of each decoder linear made as its weight arrives (``weight``: the whole
+    tensor, also under FSDP2), kept beside ``model`` for :func:`generation_weights` (the training
+    jobs, F-GRPO and SFT, whose training forward stays on the unquantised weights)."""
+
+    def __init__(self, model, mode: str):
+        self.names = ({id(m): name for name, m in base_linears(model).items()}
+                      if mode != "none" else {})
+        self.config = _config(mode) if mode != "none" else None
+        if self.names:
+            model.__dict__[COPY] = self.copies = {}
+
+    def wants(self, module) -> bool:
+        return id(module) in self.names
+
+    def arrived(self, module, weight) -> None:
+        self.copies[self.names[id(module)]] = _quantised_copy(weight, self.config)
+
+
+def arrive_all(arrival, model) -> None:
+    """``arrival`` (:class:`QuantizeInPlace` or :class:`GenerationCopy`) for every decoder linear
+    of a model whose weights are all in (the reference load, ``model.load=transformers``)."""
+    for module in list(base_linears(model).values()):
+        if arrival.wants(module):
+            arrival.arrived(module, module.weight)
+
+
 def quantize_base(model, mode: str):
     """Quantise the base linears of ``model`` (HF or peft) in place; returns ``model``."""
-    if mode != "none":
-        names = set(base_linears(model))
-        _torchao().quantize_(model, _config(mode), filter_fn=lambda m, fqn: fqn in names)
+    arrive_all(QuantizeInPlace(model, mode), model)
     return model
 
 
 @torch.no_grad()
-def _quantised_copy(linear: torch.nn.Linear, config) -> torch.nn.Linear:
-    """A new Linear holding a quantised copy of ``linear``'s weight (and its bias, shared);
-    ``linear`` itself is untouched."""
-    copy = torch.nn.Linear(linear.in_features, linear.out_features, bias=False, device="meta")
-    copy.weight = torch.nn.Parameter(linear.weight.detach(), requires_grad=False)
-    copy.bias = linear.bias
+def _quantised_copy(weight: torch.Tensor, config) -> torch.nn.Linear:
+    """A new bias-free Linear holding a quantised copy of ``weight`` (out, in); the bias, if
+    any, is the live module's, taken at each swap (:func:`generation_weights`)."""
+    copy = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    copy.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
     _torchao().quantize_(copy, config)
     return copy.eval()
 
@@ -106,10 +148,7 @@ def attach_generation_copy(model, mode: str):
     parameter, not in a state dict, not seen by an optimizer or gradient reduction) for
     :func:`generation_weights`; the model's own weights stay as they are. Returns ``model``.
     The copy is made once: only for a frozen base (LoRA training)."""
-    if mode != "none":
-        config = _config(mode)
-        model.__dict__[COPY] = {name: _quantised_copy(linear, config)
-                                for name, linear in base_linears(model).items()}
+    arrive_all(GenerationCopy(model, mode), model)
     return model
 
 
@@ -126,6 +165,7 @@ def generation_weights(model):
         parent, _, attr = name.rpartition(".")
         holder = model.get_submodule(parent)
         originals[name] = getattr(holder, attr)
+        quantised.bias = originals[name].bias  # the live one: gathered under FSDP2
         setattr(holder, attr, quantised)
     try:
         yield
@@ -133,6 +173,7 @@ def generation_weights(model):
         for name, linear in originals.items():
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent), attr, linear)
+            copies[name].bias = None
 
 
 def bytes_per_parameter(mode: str, in_features: int, weight_bytes: int = 2) -> float:

@@ -3,15 +3,22 @@ point of ``hpc.method_plans`` (setup.py), beside its config section, so this flo
 of them and adding a method adds its own ``plan.py``.
 
 A plan module may define ``plan(shape, cfg, ranks, advise=True) -> MethodPlan`` (its phases on
-one GPU; ``hpc-plan`` prints it and a job checks it at start) and
+one GPU; ``hpc-plan`` prints it and a job checks it at start),
 ``checkpointing_needed(shape, cfg, ranks) -> bool`` (its rule for
-``model.activation_checkpointing=auto``).
+``model.activation_checkpointing=auto``) and ``choices(cfg, ranks, device_type) -> dict`` (the
+other decisions its plan takes for a job, e.g. F-GRPO's offload).
+
+A job computes its plan once, at its start (:func:`job_plan`, after its inputs are checked and
+before any weight loads): a frozen :class:`JobPlan` that holds the verdict, the figures and
+every decision the plan takes (the engine budget, activation checkpointing, the method's
+choices); whoever needs one reads it there, and the run file records it.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import importlib.metadata
+import json
 import os
 
 from hpc.engine.shape import ModelShape
@@ -44,29 +51,63 @@ def plan_job_class():
     return dataclasses.make_dataclass("PlanJobConfig", fields, bases=(JobConfig,))
 
 
-def check_job_memory(cfg, method: str, ranks: int, device_type: str) -> None:
-    """At job start: UserError (one line) when ``method``'s plan does not fit. Only for a
-    planned method on CUDA with a local model folder and ``plan.gpu_memory_gib`` > 0."""
-    plan = planned_methods().get(method)
-    if plan is None or not job_has_plan(cfg, device_type):
-        return
-    result = plan(ModelShape.from_folder(cfg.model.path), cfg, ranks)
-    if not result.fits:
-        raise UserError(f"memory plan: {result.method} needs {gib(result.peak)} per GPU, more "
-                        f"than {gib(result.usable)} usable of plan.gpu_memory_gib="
+@dataclasses.dataclass(frozen=True)
+class JobPlan:
+    """A job's memory plan and the decisions it takes, computed once at the job's start
+    (:func:`job_plan`) and read by whoever needs a figure or a decision.
+
+    ``enforced``: the plan binds the job (a planned method on CUDA with a local model folder and
+    ``plan.gpu_memory_gib`` > 0): the job started only because it fits, its engines are sized
+    within ``engine_budget`` and its ``auto`` choices follow the plan. Otherwise the figures
+    (where the model folder has a ``config.json``) are for the record and the choices are the
+    unplanned defaults. ``host_load``: the host memory a rank holds during the load. ``phases``: ((phase name, bytes), ...) per GPU; ``text``: ``hpc-plan``'s
+    lines of the method; ``choices``: the method's other decisions (F-GRPO's offload and
+    whether its rollout engine is kept)."""
+
+    method: str
+    enforced: bool = False
+    text: str = ""
+    phases: tuple = ()
+    peak: int = 0
+    usable: int = 0
+    engine_budget: int = 0
+    host_load: int = 0  # host bytes a rank holds during the load
+    activation_checkpointing: bool = False
+    choices: tuple = ()
+
+    def choice(self, name: str):
+        return dict(self.choices)[name]
+
+    def attrs(self) -> dict:
+        """The run file's record of the plan: ``plan`` (JSON: the fields above)."""
+        return {"plan": json.dumps(dict(dataclasses.asdict(self), phases=dict(self.phases),
+                                        choices=dict(self.choices)))}
+
+
+def job_plan(cfg, method: str, ranks: int, device_type: str) -> JobPlan:
+    """``method``'s plan for a job of ``cfg`` on ``ranks`` ranks of ``device_type``: the one
+    computation of a job's plan. UserError (one line) when an enforced plan does not fit."""
+    module = method_plans().get(method)
+    has_plan = module is not None and hasattr(module, "plan")
+    enforced = has_plan and job_has_plan(cfg, device_type)
+    decisions = dict(activation_checkpointing=activation_checkpointing(cfg, method, ranks,
+                                                                       device_type),
+                     choices=tuple(sorted(getattr(module, "choices", lambda *_: {})(
+                         cfg, ranks, device_type).items())))
+    if not has_plan or not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
+        return JobPlan(method, **decisions)
+    result = module.plan(ModelShape.from_folder(cfg.model.path), cfg, ranks)
+    if enforced and not result.fits:
+        need = (f"needs {gib(result.peak)} per GPU, more than {gib(result.usable)} usable"
+                if result.peak > result.usable else
+                f"has no room for one decoding row within its engine budget of "
+                f"{gib(result.engine_budget)}, of {gib(result.usable)} usable")
+        raise UserError(f"memory plan: {result.method} {need} of plan.gpu_memory_gib="
                         f"{cfg.plan.gpu_memory_gib:g}; to fit: {result.advice} (details: "
                         f"hpc-plan with the same config)")
-
-
-def planned_engine_budget(cfg, method: str, ranks: int, device_type: str) -> int:
-    """The engine budget of ``method``'s plan (``MethodPlan.engine_budget``) for a job on CUDA
-    with a local model folder and ``plan.gpu_memory_gib`` > 0 (0 otherwise: the job derives it
-    from the device, :meth:`hpc.engine.decoder.Decoder.budget`). The job's engines are so
-    sized within the very figure the plan's phases were checked with."""
-    plan = planned_methods().get(method)
-    if plan is None or not job_has_plan(cfg, device_type):
-        return 0
-    return plan(ModelShape.from_folder(cfg.model.path), cfg, ranks, advise=False).engine_budget
+    return JobPlan(method, enforced, "\n".join(result.lines()),
+                   tuple((p.name, p.peak) for p in result.phases), result.peak, result.usable,
+                   result.engine_budget if enforced else 0, result.host_load, **decisions)
 
 
 def activation_checkpointing(cfg, method: str, ranks: int, device_type: str) -> bool:

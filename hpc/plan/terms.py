@@ -20,7 +20,11 @@ most ``USABLE_SHARE`` of ``plan.gpu_memory_gib`` and every engine holds a row in
 * the held-out evaluation (:func:`evaluation_phase`): ``eval.batch_size x eval.n_samples`` rows
   on top of what the method holds while it decodes;
 * what trackers cannot see on a GPU (:func:`unseen_parts`), the margin
-  ``model.activation_checkpointing=auto`` keeps.
+  ``model.activation_checkpointing=auto`` keeps;
+* the load (:mod:`hpc.models.streaming`), a phase of every plan: what the method holds once its
+  weights are in, plus the tensor that is arriving (:func:`arriving_linear_parts` when each
+  decoder linear is quantised as it arrives), and in host memory per rank one tensor read and
+  cast (:func:`host_load_bytes`); ``model.load=transformers`` holds the whole model first.
 
 The terms were checked against torch's memory tracker running the package's own engine and
 steps on fake tensors (benchmarks/memory_tracker.py, tests/test_memory_plan.py).
@@ -50,6 +54,8 @@ USABLE_SHARE = 0.9  # of plan.gpu_memory_gib a plan may fill (the rest: CUDA con
 CUDA_CONTEXT_BYTES = 3 * GIB // 4  # CUDA context, loaded kernels, NCCL communicators
 CUBLAS_WORKSPACE_BYTES = GIB // 4  # cuBLAS / cuBLASLt workspaces of the streams in use
 FRAGMENTATION_SHARE = 0.10  # of the activations: the caching allocator's rounding and splits
+QUANTIZE_TEMPORARY_BYTES = 8  # a weight, while torchao quantises its linear (two fp32
+#   temporaries; torch's tracker on CPU, int8; tests/test_streamed_load.py)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LORA_BYTES_PER_PARAM = 4  # peft keeps adapter weights in fp32
 LORA_TRAIN_BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW exp_avg + exp_avg_sq
@@ -100,6 +106,53 @@ def dequantized_linear_bytes(shape: ModelShape, cfg) -> int:
     return max(i * o for i, o in shape.module_shapes().values()) * dtype_bytes(cfg)
 
 
+def arriving_linear_parts(shape: ModelShape, elem: int) -> list:
+    """(label, bytes) of the decoder linear being quantised as it arrives: the largest one's
+    weight in ``elem`` bytes (0 where it is counted as a weight already) and torchao's
+    temporaries (:data:`QUANTIZE_TEMPORARY_BYTES`)."""
+    n = shape.largest_linear()
+    return [(f"the arriving decoder linear ({n:,} weights) and its quantisation temporaries",
+             n * (elem + QUANTIZE_TEMPORARY_BYTES))]
+
+
+def search_space_bytes(shape: ModelShape, cfg, space: str, alpha: float) -> int:
+    """What :mod:`hpc.models.adapter_space` keeps on the adapter's device: a float64 copy of
+    every LoRA factor (8 bytes a LoRA parameter) and, for ``space`` sv, its top
+    k = ceil(alpha r) singular triplets (float64 U (rows, k), s (k,), Vh (k, cols)); the thin
+    SVD's whole U and Vh of one factor come and go while it is built."""
+    from hpc.models.adapter_space import searched_count  # torch: imported on first use
+    r = cfg.lora.rank
+    k = searched_count(alpha, r) if space == "sv" else 0
+    shapes = shape.module_shapes()
+    per_layer = sum(8 * r * (i + o) + (8 * k * (r + i + 1) + 8 * k * (o + r + 1) if k else 0)
+                    for t in cfg.lora.targets if t in shapes for i, o in [shapes[t]])
+    return shape.layers * per_layer
+
+
+def host_load_bytes(shape: ModelShape, cfg, elem: int, share: int = 1,
+                    whole_linears: bool = False) -> int:
+    """Host memory a rank holds during the load: ``model.load=streamed``: one tensor read from
+    the memory-mapped file (in its stored dtype) and cast to ``elem`` bytes: the largest, or
+    1/``share`` of its rows (an FSDP2 shard; ``whole_linears``: a decoder linear is read whole
+    for its quantised copy); ``transformers``: the whole model in ``elem`` bytes."""
+    if cfg.model.load == "transformers":
+        return shape.parameters() * elem
+    rows = -(-shape.largest_tensor() // share)
+    if whole_linears:
+        rows = max(rows, shape.largest_linear())
+    return rows * (shape.stored_bytes + elem)
+
+
+def host_load_note(shape: ModelShape, cfg, per_rank: int) -> str:
+    """The plan's line on the load's host memory, per rank and per node."""
+    node = cfg.plan.ranks_per_node
+    how = ("from_pretrained: the whole model" if cfg.model.load == "transformers" else
+           "one tensor read from the memory-mapped checkpoint and cast")
+    return (f"load (model.load={cfg.model.load}): host memory {gib(per_rank)} a rank ({how}), "
+            f"{gib(per_rank * node)} a node of {node} ranks (plan.ranks_per_node; the "
+            f"checkpoint's pages are the page cache's, shared by the node)")
+
+
 def engine_positions(cfg) -> int:
     return rounded_length(sequence_tokens(cfg))
 
@@ -108,7 +161,7 @@ def engine_budget(cfg, resident: int) -> int:
     """The engine's budget: ``model.engine_memory_gib``, or :func:`hpc.engine.memory.budget_left`
     of ``plan.gpu_memory_gib`` with ``resident`` bytes (everything the method holds while it
     decodes) resident. A job with a plan decodes within this budget
-    (:func:`planned_engine_budget`), so its engines are the plan's."""
+    (:class:`hpc.plan.registry.JobPlan`), so its engines are the plan's."""
     if cfg.model.engine_memory_gib > 0:
         return int(cfg.model.engine_memory_gib * GIB)
     return budget_left(int(cfg.plan.gpu_memory_gib * GIB), resident)
@@ -165,6 +218,7 @@ class MethodPlan:
     notes: list
     advice: str = ""
     engine_budget: int = 0  # bytes every engine of the job is sized within
+    host_load: int = 0  # host bytes a rank holds during the load (:func:`host_load_bytes`)
 
     @property
     def peak(self) -> int:

@@ -186,6 +186,13 @@ class ModelConfig:
         "entropy, each chunk's logits recomputed in the backward, so no (batch, T, vocabulary) "
         "logits exist; 0 = the model's full logits (the reference path)", min=0,
         max=1_048_576)
+    load: str = param("streamed", "how the weights reach the device: streamed (the model built "
+                      "without weights, wrapped in its LoRA, sharded under FSDP2, then filled "
+                      "tensor by tensor from the memory-mapped checkpoint, each decoder linear "
+                      "quantised as it arrives: a rank holds its share of the weights plus one "
+                      "tensor) or transformers (from_pretrained whole in host memory, moved to "
+                      "the device, then wrapped, quantised and sharded: the reference)",
+                      choices=["streamed", "transformers"])
     quantize: str = param("none", "weight-only quantisation (torchao, extra 'quant') of the "
                           "decoder layers' base linears for generation: ESSA scoring and "
                           "evaluation in place; F-GRPO/SFT rollouts and evaluation from a "
@@ -280,6 +287,9 @@ class PlanConfig:
     max_prompt_tokens: int = param(512, "longest prompt (tokens) the memory plan assumes; "
                                    "hpc-data check counts the prompts longer than this", min=1,
                                    max=1_000_000)
+    ranks_per_node: int = param(8, "ranks (GPUs) per node the plan assumes for a node's host "
+                                "memory during the load (hpc-doctor counts the real ones)",
+                                min=1, max=4096)
     host_gb_per_s: float = param(20.0, "host-device copy speed per GPU (GB/s, pinned memory) "
                                  "the plan assumes for the seconds fgrpo.parallel.offload costs "
                                  "a step",
