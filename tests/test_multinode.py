@@ -64,6 +64,12 @@ def simulated_cluster(settings: dict):
     env.update(MPI_ENV, **settings, HPC_CLUSTER_DIR=str(root), SLURM_CONF=f"{root}/slurm.conf",
                PYTHON=sys.executable, PMIX_MCA_psec="native",
                PATH=os.path.dirname(sys.executable) + os.pathsep + sbin)
+    # What the job scripts set for srun, and what a user's own srun --mpi=pmix needs: PMIx
+    # fences on Slurm's ring collective, else MPI_Init's closing barrier holds only the ranks
+    # of one node and a rank can die inside MPI_Init (docs/troubleshooting.md). The tests'
+    # own sruns take it from here; test_pmix_fences_are_barriers_under_the_job_scripts_srun
+    # leaves it out to check the job scripts' setting.
+    env["SLURM_PMIX_FENCE"] = "ring"
     env["runs"] = str(root / "runs")
     (root / "runs").mkdir()
     try:
@@ -250,6 +256,28 @@ def test_local_rank_and_size_under_srun(cluster):
     proc, reports = srun_check(cluster)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_local_ranks(reports, cluster)
+
+
+FENCE_CHECK = os.path.join(REPO, "tests", "mpi", "fence_check.py")
+
+
+def test_pmix_fences_are_barriers_under_the_job_scripts_srun(cluster):
+    """srun as jobscripts/slurm/common.sh starts it (its own environment, not the cluster's
+    SLURM_PMIX_FENCE): a data-less PMIx fence, MPI_Finalize's, holds the rank on node1 until
+    the rank on node2, 2 s late, arrives. Slurm's tree collective, which such fences get by
+    default, releases each node's ranks alone when TreeWidth (50 here) exceeds the step's node
+    count, and MPI_Init's closing barrier is such a fence: a rank then dies inside MPI_Init
+    now and then (jobscripts/local-slurm/init-race.sh counts it; docs/troubleshooting.md)."""
+    env = {k: v for k, v in cluster.items() if k != "SLURM_PMIX_FENCE"}
+    line = ('source jobscripts/slurm/common.sh && LAUNCHER=srun choose_launcher && '
+            f'"${{launch[@]}}" --nodes=2 --ntasks-per-node=1 "$PYTHON" {FENCE_CHECK} 2')
+    proc = subprocess.run(["bash", "-c", line], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    waited = {int(rank): float(seconds) for rank, seconds in
+              (out.split()[1::2] for out in proc.stdout.splitlines() if out.startswith("rank "))}
+    assert sorted(waited) == [0, 1], proc.stdout
+    assert waited[0] > 1.5, f"MPI_Finalize on node1 did not wait for node2: {waited}"
 
 
 def test_local_rank_and_size_under_mpirun_in_an_allocation(cluster):

