@@ -669,6 +669,16 @@ def load_phases(case: str, cfg, ranks: int, layers: int | None,
     return {"load": tracker.peaks.get("all", 0)}
 
 
+def essa_space(model, cfg) -> list:
+    """The tensors of ESSA's search space over ``model``'s adapter (``essa.space``), which an
+    ESSA job builds after its load and holds to its end."""
+    from hpc.models.adapter_space import LoraEntrySpace, SingularValueSpace
+
+    space = (SingularValueSpace.from_peft(model, cfg.essa.alpha, cfg.lora.targets)
+             if cfg.essa.space == "sv" else LoraEntrySpace.from_peft(model))
+    return space.held_tensors()
+
+
 def model_config(cfg) -> dict:
     with open(f"{cfg.model.path}/config.json") as fh:
         return json.load(fh)
@@ -703,12 +713,14 @@ def measure_phases(case: str, cfg, ranks: int = 1, layers: int | None = None,
             fgrpo_job(decoder, model, cfg, ranks, tracker, real=device != "fake", steps=steps)
         elif case == "essa_job":
             model.requires_grad_(False)
-            tracker.track_external(model)
+            space = essa_space(model, cfg)  # held to the end, as the job holds it
+            tracker.track_external(model, *space)
             with tracker:
                 essa_job(decoder, model, cfg, ranks, tracker, steps)
         else:  # ESSA loads its adapter frozen (is_trainable=False)
             model.requires_grad_(False)
-            tracker.track_external(model)
+            space = essa_space(model, cfg)  # held to the end, as the job holds it
+            tracker.track_external(model, *space)
             with tracker:
                 if case in ("evaluation", "after_evaluation"):
                     evaluation_pass(decoder, model, cfg, ranks)

@@ -92,6 +92,12 @@ class _AdapterSpace:
         """Adapted module names, in vector order."""
         return [f.module for f in self._factors[::2]]
 
+    def held_tensors(self) -> list:
+        """The tensors the space keeps on the adapter's device (each factor's float64 copy, and
+        its SVD's U, s and Vh in :class:`SingularValueSpace`): what the memory plan charges as
+        the search space (:func:`hpc.plan.terms.search_space_bytes`)."""
+        return [t for f in self._factors for t in vars(f).values() if torch.is_tensor(t)]
+
     def _checked(self, x, ndim: int) -> torch.Tensor:
         x = np.asarray(x, dtype=np.float64)
         if x.ndim != ndim or x.shape[-1] != self.dim:
