@@ -185,3 +185,45 @@ def test_each_stated_tolerance_is_a_number_its_tests_use():
                 wrong.append(f"{page}: {text} in {claim!r}: no such number in "
                              f"{sorted({p for p, _ in tests})}")
     assert not wrong, "\n".join(wrong)
+
+
+
+def _module(path: str) -> ast.Module:
+    return ast.parse(open(os.path.join(REPO, path), encoding="utf-8").read())
+
+
+def _dict_entries(path: str, name: str) -> int:
+    """Entries of the module-level dict literal ``name`` (read, not imported: a test module's
+    import may start processes)."""
+    for node in _module(path).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name
+                                                for t in node.targets):
+            assert isinstance(node.value, ast.Dict), name
+            return len(node.value.keys)
+    raise AssertionError(f"{path} has no {name}")
+
+
+def _parametrisations(path: str, function: str) -> int:
+    """Cases of ``function``: the product of its parametrize lists' lengths (literal lists)."""
+    for node in ast.walk(_module(path)):
+        if isinstance(node, ast.FunctionDef) and node.name == function:
+            count = 1
+            for mark in node.decorator_list:
+                if isinstance(mark, ast.Call) and getattr(mark.func, "attr", "") == "parametrize":
+                    assert isinstance(mark.args[1], (ast.List, ast.Tuple)), function
+                    count *= len(mark.args[1].elts)
+            return count
+    raise AssertionError(f"{path} has no {function}")
+
+
+def test_counted_figures_are_the_counts_of_their_tests():
+    """Counts the pages state of a test's cases are its cases: faults.md's rows of crafted
+    checkpoint fields and the CMA resume test's shapes."""
+    faults = normalized(page_text("docs/faults.md"))
+    rows = re.search(r"test_a_crafted_checkpoint_field_falls_back_or_is_one_line` \((\d+) rows\)",
+                     faults)
+    assert rows and int(rows.group(1)) == _dict_entries("tests/test_crafted_files.py",
+                                                        "FIELD_CRAFTS")
+    shapes = re.search(r"resumed from each of 19 checkpoints, (\d+) shapes", faults)
+    cma = "test_cma_resume_from_every_checkpoint_of_20_generations_is_bitwise"
+    assert shapes and int(shapes.group(1)) == _parametrisations("tests/test_faults.py", cma)
