@@ -467,8 +467,57 @@ def test_cma_resume_from_every_checkpoint_of_20_generations_is_bitwise(tmp_path,
         es, ref = resumed.optimizer._es, full.optimizer._es
         assert np.array_equal(resumed.mean, full.mean), step
         assert resumed.optimizer.sigma == full.optimizer.sigma, step
+        # the covariance: CMA-ES's full matrix (es.C is es.sm.C, es.dC a view of its diagonal);
+        # sep-CMA's diagonal lives in sigma_vec.scaling
+        assert np.array_equal(es.C, ref.C) and np.array_equal(es.dC, ref.dC), step
+        assert np.array_equal(es.sigma_vec.scaling, ref.sigma_vec.scaling), step
         assert np.array_equal(es.pc, ref.pc), step
         assert np.array_equal(es.adapt_sigma.ps, ref.adapt_sigma.ps), step
+        assert (es.countiter, es.countevals) == (ref.countiter, ref.countevals)
+        assert (ref.countiter, ref.countevals) == (20, 20 * popsize)
+        # and the whole state the checkpoint holds: every pycma array and counter, the RNG
+        got, want = resumed.state_dict(), full.state_dict()
+        compared = same_state(got, want, step)
+        named = {"mean", "sigma", "pc", "adapt_sigma.ps", "countiter", "countevals",
+                 "sigma_vec.scaling", *(["C"] if kind == "sep-cma" else ["sm.C", "sm.B", "sm.D"])}
+        assert {f"optimizer.es.values.{p}" for p in named} | {
+            "optimizer.rng_keys", "optimizer.rng_pos", "optimizer.rng_has_gauss", "best_x",
+            "best_fitness"} <= set(compared), step
+    print(f"{kind} dim {dim} popsize {popsize}: {len(compared)} state entries equal bitwise "
+          f"after resuming from each of 19 checkpoints (pycma's wall-clock timers left out)")
+
+
+WALL_CLOCK = ("timer.", "logger.timer_all.", "logger.timer_plot.")
+
+
+def same_state(got, want, step, path="") -> list:
+    """Assert two optimizer state dicts are equal bitwise (arrays: dtype, shape, bytes; ints
+    and floats by value; nested dicts and lists by their keys and items), pycma's wall-clock
+    timers aside; returns the paths compared."""
+    compared = []
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and set(got) == set(want), (step, path)
+        for key in want:
+            name = key if not path else f"{path}.{key}"
+            if any(key.startswith(w) for w in WALL_CLOCK):
+                continue
+            compared += same_state(got[key], want[key], step, name)
+        return compared
+    if isinstance(want, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(want), (step, path)
+        for i, (a, b) in enumerate(zip(got, want)):
+            same_state(a, b, step, f"{path}[{i}]")
+        return [path]
+    if isinstance(want, (np.ndarray, np.generic)):
+        a, b = np.asarray(got), np.asarray(want)
+        assert a.dtype == b.dtype and a.shape == b.shape, (step, path)
+        assert a.tobytes() == b.tobytes(), (step, path)  # bitwise, NaN included
+        return [path]
+    if isinstance(want, float) and np.isnan(want):
+        assert isinstance(got, float) and np.isnan(got), (step, path)
+        return [path]
+    assert type(got) is type(want) and got == want, (step, path, got, want)
+    return [path]
 
 
 @pytest.fixture(scope="module")

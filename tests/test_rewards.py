@@ -145,3 +145,16 @@ def test_competition_boxed_answers(shared_data, relpath):
         gold = str(r["answer"])
         assert numeric_reward(f"The answer is \\boxed{{{r['answer']}}}", gold) == 1.0, gold
         assert numeric_reward(f"The answer is \\boxed{{{int(float(gold)) + 1}}}", gold) == 0.0
+
+
+@pytest.mark.parametrize("grader", [numeric_reward, math_reward])
+def test_non_integers_match_within_a_relative_1e_6(grader):
+    """docs/data.md: numbers that are not integers match within a relative 1e-6 of the gold:
+    2.5 +- 0.96e-6 relative is accepted on both sides, 2.5 +- 1.04e-6 is not."""
+    rel = 1e-6
+    for answer in ("2.5000024", "2.4999976"):  # 0.96 x rel
+        assert abs(float(answer) / 2.5 - 1) < rel
+        assert grader(f"The answer is \\boxed{{{answer}}}", "2.5") == 1.0, answer
+    for answer in ("2.5000026", "2.4999974"):  # 1.04 x rel
+        assert abs(float(answer) / 2.5 - 1) > rel
+        assert grader(f"The answer is \\boxed{{{answer}}}", "2.5") == 0.0, answer
