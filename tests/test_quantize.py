@@ -112,11 +112,13 @@ def test_the_jobs_int8_model_decodes_from_int8_linears(toy_adapter):
 @pytest.mark.usefixtures("torchao")
 def test_generation_copy_leaves_the_training_weights_alone():
     """F-GRPO/SFT: the training forward runs on the unquantised weights, generation on the
-    quantised copy, which decodes as the in-place quantised model does; LoRA stays on top."""
+    quantised copy, which decodes as the in-place quantised model (quantize_base, its linears
+    int8) does; LoRA stays on top."""
     model, tok = load_model(toy_model_path())
     peft = attach_lora(model, 4, 8.0, ["q_proj", "v_proj"])
     randomize_lora_b(peft, 0.05, torch.Generator().manual_seed(0))
     reference = quantize_base(copy.deepcopy(peft), "int8")
+    assert all(map(_quantised, base_linears(reference).values()))  # else the last line is moot
     ids = torch.tensor([tok("7+5=")["input_ids"]])
     with torch.no_grad():
         before = peft(ids).logits
