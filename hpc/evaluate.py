@@ -98,6 +98,7 @@ def main(argv=None):
     """``hpc-eval [CONFIG.yaml] [key=value ...]``: evaluate a model (+ lora.adapter)."""
     from hpc.job.lifecycle import on_all_ranks, start_job
     from hpc.models.loading import load_adapter, load_model
+    from hpc.models.quantize import quantized_linears
     from hpc.runtime.runstore import RunStore, environment_attrs
     from hpc.job.loop import share_graph_check
     from hpc.data.tasks import load_task
@@ -111,7 +112,8 @@ def main(argv=None):
         quantize=cfg.model.quantize))
     attrs = environment_attrs(world, job.device)
     store = RunStore(f"{job.out_dir}/eval.h5", world.is_root,
-                     dict(attrs, **job.sources.attrs(), method="eval", config=job.config_text))
+                     dict(attrs, **job.sources.attrs(), method="eval", config=job.config_text,
+                          quantized_linears=quantized_linears(model)))
     result = evaluate(model, tok, task, task.eval, cfg.eval, cfg.task.max_new_tokens, world,
                       job.decoder, seed=cfg.run.seed)
     log_eval(store, 0, result)

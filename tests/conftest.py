@@ -1,4 +1,4 @@
-"""Shared test helpers: real mpirun / h5dump / Slurm, skipped where absent except in CI.
+"""Shared test helpers: real mpirun / h5dump / Slurm / torchao, skipped where absent except in CI.
 
 CI sets HPC_TEST_STRICT=1, which turns every such skip into a failure. The tiers' marks, their
 guard and the time budget live in tests/tiers.py (its hooks are registered here).
@@ -65,6 +65,20 @@ def require(condition: bool, what: str):
             pytest.fail(f"{what} is required in CI (HPC_TEST_STRICT=1) but is missing")
         pytest.skip(f"{what} not available on this machine, so this was not tested "
                     f"(HPC_TEST_STRICT=1 makes it a failure)")
+
+
+def require_torchao():
+    """torchao, the extra 'quant' that `make venv` installs and model.quantize needs: a test of
+    quantisation skips without it, or fails under HPC_TEST_STRICT=1 (CI), as for mpirun."""
+    import importlib.util
+
+    require(importlib.util.find_spec("torchao") is not None, "torchao (the extra 'quant')")
+
+
+@pytest.fixture
+def torchao():
+    """:func:`require_torchao` before the test."""
+    require_torchao()
 
 
 def mpirun_path():

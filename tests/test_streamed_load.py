@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from conftest import run_mpi
+from conftest import require_torchao, run_mpi
 from hpc.models.loading import attach_lora, load_adapter, load_model, randomize_lora_b, \
     save_adapter
 from hpc.models.parallelize import shard_units
@@ -84,7 +84,8 @@ def test_lora_and_quantisation_as_weights_arrive_are_the_references(tmp_path, qu
     """A fresh LoRA (the same seeded factors), a loaded adapter, int8 in place (ESSA) and the
     int8 rollout copy (F-GRPO, SFT), each linear quantised as its weight arrives: the same
     tensors as quantising after a whole from_pretrained."""
-    pytest.importorskip("torchao") if quantize != "none" else None
+    if quantize != "none":
+        require_torchao()
     folder = qwen2_folder(tmp_path / "m", dtype=torch.bfloat16, adapter=tmp_path / "a")
     fresh = lambda m: attach_lora(m, 4, 8.0, ["q_proj", "v_proj"], seed=3)  # noqa: E731
     loaded = lambda m: load_adapter(m, str(tmp_path / "a"))  # noqa: E731
@@ -167,7 +168,7 @@ def test_int8_load_holds_the_int8_model_and_one_bf16_linear(twelve_layers, tmp_p
     """ESSA with model.quantize=int8 on 2 ranks: each linear quantised as it arrives, so a rank's
     peak is the int8 model, its adapter and one bf16 linear with torchao's temporaries, far
     below the bf16 model; the plan's load phase within 5%; the tensors are the reference's."""
-    pytest.importorskip("torchao")
+    require_torchao()
     figures = load_figures(*twelve_layers, "ddp-int8", 2, tmp_path)
     arriving = figures["largest_linear"] * (2 + 8)
     for rank in figures["ranks"]:

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from hpc.models.loading import model_folder
+from hpc.models.quantize import quantized_linears
 from hpc.runtime.checkpoint import load_latest, save_checkpoint
 from hpc.runtime.distckpt import (check_manifest, load_sharded, prune_sharded, save_sharded,
                                    verify_sharded)
@@ -81,7 +82,8 @@ class Method(abc.ABC):
     """What a training method gives :func:`run_loop`. Subclasses set the class attributes and
     the attributes of ``__init__`` and implement the methods that raise here.
 
-    ``__init__`` is the first start-up safe point for preemption; a method calls
+    ``__init__`` sets ``model`` (the job's model, whose quantised linears the run file counts)
+    and is the first start-up safe point for preemption; a method calls
     :func:`hpc.job.lifecycle.stop_if_preempted` again after each slow stage (model, adapter).
 
     The loop sets ``store`` (the :class:`RunStore`) and ``timer`` (a :class:`PhaseTimer` of
@@ -171,7 +173,7 @@ def run_attrs(job: Job, method: Method) -> dict:
                 phases=json.dumps(phases), metrics=json.dumps(list(method.metrics) + list(LOOP_METRICS)),
                 heldout_accuracy=method.heldout_accuracy, preempted_before_first_step=False,
                 model_build=model_build(job.cfg.model.path), **job.plan.attrs(),
-                **method.attrs())
+                quantized_linears=quantized_linears(method.model), **method.attrs())
 
 
 def model_build(path: str) -> str:

@@ -84,6 +84,20 @@ def base_linears(model) -> dict:
     return found
 
 
+def is_quantized(weight) -> bool:
+    """Whether ``weight`` is one of torchao's quantised tensors (INT8: ``Int8Tensor``, whose
+    ``qdata`` is int8; INT4: its tile-packed tensor), not a plain or distributed tensor."""
+    return type(weight).__module__.partition(".")[0] == "torchao"
+
+
+def quantized_linears(model) -> int:
+    """How many decoder linears of ``model`` decode from quantised weights: its base linears
+    quantised in place plus those of its generation copy; 0 without ``model.quantize``. The
+    run file's attribute ``quantized_linears``: what the load did, beside what the config asked."""
+    linears = list(base_linears(model).values()) + list((model.__dict__.get(COPY) or {}).values())
+    return sum(is_quantized(linear.weight) for linear in linears)
+
+
 class QuantizeInPlace:
     """``model.quantize`` in place, one decoder linear at a time as its weight arrives
     (:func:`hpc.models.streaming.stream_weights`): the decoding-only jobs (ESSA, ``hpc-eval``)
