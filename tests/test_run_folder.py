@@ -195,6 +195,21 @@ def test_a_refusal_before_torch_exits_2_on_every_rank(tmp_path, case):
 
 
 @pytest.mark.mpi
+def test_a_refusal_after_the_start_exits_2_on_every_rank(tmp_path):
+    """A mistake found once the ranks have started MPI and imported torch (model.quantize=int4
+    on a CPU, agreed in hpc.job.lifecycle.on_all_ranks): each rank's own exit code is 2 as
+    well, one line from rank 0, no run folder."""
+    out = tmp_path / "run"
+    proc, codes = run_mpi_exit_codes(
+        2, ["-m", "fgrpo", "model.path=toy", "model.device=cpu", "model.quantize=int4",
+            "run.progress=false", f"run.out={out}"], tmp_path / "codes")
+    assert codes == {0: 2, 1: 2}, (codes, proc.stderr[-3000:])
+    line = one_error_line(proc, "model.quantize")
+    assert line.startswith("error: "), line
+    assert not out.exists()
+
+
+@pytest.mark.mpi
 @pytest.mark.toy
 @pytest.mark.slow
 def test_a_second_job_on_the_same_folder_stops_before_touching_it(toy_adapter, tmp_path):

@@ -158,6 +158,8 @@ def exit_user_error(err: UserError) -> None:
         # still be importing: leaving first would make the launcher kill it before it prints.
         _ignore_sigterm()
         time.sleep(PEER_GRACE_S)
+    else:
+        _finalize_together()  # every rank leaves with 2 (the error is every rank's, or agreed)
     _exit_through_sigterm(EXIT_USER_ERROR)
 
 
@@ -178,13 +180,14 @@ FINALIZE_PAUSE_S = 0.25  # after MPI_Finalize, before a rank of an agreed exit l
 
 
 def _finalize_together() -> None:
-    """End MPI, then pause before leaving. mpirun (Open MPI 5) ends a job as soon as one rank
+    """End MPI, then pause before leaving (a rank of an agreed exit, code 2 or 3). mpirun (Open MPI 5) ends a job as soon as one rank
     exits non-zero, and a rank still inside MPI_Finalize then never completes it ("PMIX ERROR:
     PMIX_ERR_UNREACH") and is killed 0.5 s later, without an exit code of its own. 2 ranks
     that leave a barrier together with exit 2, 30 launches each on 2 busy cores: leaving at
     once after MPI_Finalize lost a rank's exit code in 8, leaving through mpi4py's MPI_Finalize
-    at exit in 3, pausing 0.25 s after MPI_Finalize in none."""
-    if not _mpi_started():
+    at exit in 3, pausing 0.25 s after MPI_Finalize in none. Only in a launched rank: a
+    caller in-process (a test) keeps its MPI."""
+    if not _launched() or not _mpi_started():
         return
     from mpi4py import MPI  # already loaded (checked above)
 
@@ -211,7 +214,8 @@ def user_errors_exit(main):
         except UserError as err:
             exit_user_error(err)
         except SystemExit as done:
-            if done.code not in (None, 0):
+            if done.code not in (None, 0):  # an agreed exit (2, 3): every rank leaves with it
+                _finalize_together()
                 _exit_through_sigterm(done.code)
             _ignore_stop_signals()
             raise
