@@ -20,19 +20,19 @@ from hpc.runtime.runstore import RunFile
 P = 6
 
 
-def essa_args(adapter, out, generations, *extra):
+def essa_args(adapter, out, generations, *extra, every=1):
     return ["-m", "essa", "model.path=toy", f"lora.adapter={adapter}", "task.n_train=200",
             "task.n_eval=16", f"essa.population={P}", "essa.minibatch=16",
             f"essa.generations={generations}", "eval.every=0", "eval.n_samples=2",
-            "eval.batch_size=16", "run.progress=false", "run.checkpoint_every=1",
+            "eval.batch_size=16", "run.progress=false", f"run.checkpoint_every={every}",
             f"run.out={out}", *extra]
 
 
-def fgrpo_args(adapter, out, steps, *extra):
+def fgrpo_args(adapter, out, steps, *extra, every=1):
     return ["-m", "fgrpo", "model.path=toy", f"lora.adapter={adapter}", "task.n_train=200",
             "task.n_eval=16", "fgrpo.batch_prompts=8", "fgrpo.sampling.num_generations=4",
             f"fgrpo.steps={steps}", "eval.every=0", "eval.n_samples=2", "run.progress=false",
-            "run.checkpoint_every=1", f"run.out={out}", *extra]
+            f"run.checkpoint_every={every}", f"run.out={out}", *extra]
 
 
 def sft_args(out, steps, *extra):
@@ -126,25 +126,209 @@ def test_essa_preemption_then_resume_is_bitwise(essa_20, toy_adapter, tmp_path, 
     _same_end(essa_20, part)
 
 
+@pytest.fixture(scope="module")
+def fgrpo_6(toy_adapter, tmp_path_factory):
+    """An uninterrupted 6-step F-GRPO run on 2 ranks, checkpointed every 3 steps."""
+    full = tmp_path_factory.mktemp("fgrpo-6") / "full"
+    proc = run_mpi(2, fgrpo_args(toy_adapter, full, 6, every=3))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return full
+
+
 @pytest.mark.mpi
 @pytest.mark.toy
 @pytest.mark.slow
-def test_fgrpo_preemption_then_resume_is_bitwise(toy_adapter, tmp_path):
-    """The interrupted run also moves its AdamW moments to host memory around every rollout
-    (fgrpo.parallel.offload=optimizer, restored state included after the resume): still bitwise."""
-    full, part = tmp_path / "full", tmp_path / "part"
-    assert run_mpi(2, fgrpo_args(toy_adapter, full, 6)).returncode == 0
+@pytest.mark.xdist_group("fgrpo_6")  # one worker runs the reference once
+def test_fgrpo_preemption_then_resume_is_bitwise(fgrpo_6, toy_adapter, tmp_path):
+    """The interrupted run checkpoints every step and moves its AdamW moments to host memory
+    around every rollout (fgrpo.parallel.offload=optimizer, restored state included after the
+    resume); the reference (``fgrpo_6``) checkpoints every 3 steps and keeps them in place:
+    the results depend on neither. Metrics and the exported adapter, bit for bit."""
+    part = tmp_path / "part"
     h5 = str(part / "fgrpo.h5")
     moved = fgrpo_args(toy_adapter, part, 6, "fgrpo.parallel.offload=optimizer")
     code, _, err = run_and_signal(moved, h5, "metrics", 2, signal.SIGUSR1)
     assert code == 3, err[-3000:]
     assert RunFile(h5).attrs["status"] == "preempted"
+    assert RunFile(h5).group("metrics")["step"][-1] < 6
     resumed = run_mpi(2, moved + ["--resume"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    a, b = RunFile(str(full / "fgrpo.h5")), RunFile(h5)
+    a, b = RunFile(str(fgrpo_6 / "fgrpo.h5")), RunFile(h5)
     assert b.group("metrics")["step"].tolist() == list(range(1, 7))
     for key in ("reward_mean", "loss", "entropy", "generated_tokens"):
         assert np.array_equal(a.group("metrics")[key], b.group("metrics")[key]), key
+    assert_same_adapters(fgrpo_6, part)
+
+
+def assert_same_adapters(full, part) -> None:
+    """Every adapter the two runs exported (F-GRPO adapter/, ESSA adapter-best/ and
+    adapter-mean/), the same bytes."""
+    names = sorted(p.parent.name for p in full.glob("adapter*/adapter_model.safetensors"))
+    assert names and names == sorted(p.parent.name for p in
+                                     part.glob("adapter*/adapter_model.safetensors"))
+    for name in names:
+        weights = f"{name}/adapter_model.safetensors"
+        assert (full / weights).read_bytes() == (part / weights).read_bytes(), name
+
+
+def run_and_kill_at_step(args, step, rank, paused):
+    """Start ``args`` on 2 ranks with the test hook PAUSE_AFTER_STEP_ENV: once step ``step``'s
+    row is written every rank waits; then SIGKILL to rank ``rank`` (a kill no process can
+    handle: mpirun ends the other rank). (returncode, stdout, stderr)."""
+    from hpc.runtime.preempt import PAUSE_AFTER_STEP_ENV
+
+    mpirun = mpirun_path()
+    require(mpirun is not None, "mpirun")
+    paused.mkdir()
+    proc = subprocess.Popen([mpirun, "-n", "2", "--oversubscribe", sys.executable] + args,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env=dict(os.environ, **MPI_ENV,
+                                     **{PAUSE_AFTER_STEP_ENV: f"{step}:{paused}"}))
+    try:
+        deadline = time.monotonic() + 300
+        while len(os.listdir(paused)) < 2 and proc.poll() is None and \
+                time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sorted(os.listdir(paused)) == ["paused-0", "paused-1"], \
+            (proc.poll(), proc.stderr.read()[-3000:] if proc.poll() is not None else "")
+        marker = next(a for a in args if a.startswith("run.out="))
+        pids = [pid for pid in rank_pids(marker) if rank_of(pid) == rank]
+        assert len(pids) == 1, pids
+        os.kill(pids[0], signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:  # a failed test: mpirun's ranks end with it
+            proc.kill()
+            proc.wait()
+    return proc.returncode, out, err
+
+
+# What two runs of one config may differ in: clock readings (attributes start_time, end_time,
+# wall_seconds; the datasets of measured durations, *_s and *seconds, and the per-rank phase
+# seconds of group timings) and the run folder's path (run.out in the config attribute).
+# The group segments (a row per start or resume) is compared on its own.
+CLOCK_ATTRS = ("start_time", "end_time", "wall_seconds")
+DURATIONS = ("_s", "seconds")
+
+
+def _config_without_out(text: str) -> dict:
+    import yaml
+
+    config = yaml.safe_load(text)
+    config["run"].pop("out")
+    return config
+
+
+def assert_same_run_file(full, part, method) -> None:
+    """The run file of ``part`` equals that of ``full`` bitwise but for what CLOCK_ATTRS and
+    DURATIONS name: every other attribute, every other dataset of every group (metrics,
+    evaluations, payload bytes, the method's own groups)."""
+    import h5py
+
+    with h5py.File(full / f"{method}.h5", "r") as fa, h5py.File(part / f"{method}.h5", "r") as fb:
+        assert fa.attrs["status"] == fb.attrs["status"] == "complete"
+        names = sorted(set(fa.attrs) - set(CLOCK_ATTRS))
+        assert names == sorted(set(fb.attrs) - set(CLOCK_ATTRS))
+        for name in names:
+            x, y = fa.attrs[name], fb.attrs[name]
+            if name == "config":
+                assert _config_without_out(x) == _config_without_out(y)
+            else:
+                assert np.array_equal(np.asarray(x), np.asarray(y)), name
+        kept = _compared_datasets(fa)
+        assert len(kept) > 10 and kept == _compared_datasets(fb)
+        for name in kept:
+            assert np.array_equal(fa[name][()], fb[name][()], equal_nan=True), name
+        for group in sorted({name.split("/")[0] for name in kept}):
+            assert np.array_equal(np.asarray(fa[group].attrs.get("rows")),
+                                  np.asarray(fb[group].attrs.get("rows"))), group
+
+
+def _compared_datasets(f) -> list:
+    """The names of the datasets of run file ``f`` that assert_same_run_file compares."""
+    import h5py
+
+    names = []
+
+    def visit(name, obj):  # returns None: visititems goes on
+        if isinstance(obj, h5py.Dataset) and not name.startswith(("timings/", "segments/")) \
+                and not name.endswith(DURATIONS):
+            names.append(name)
+
+    f.visititems(visit)
+    return sorted(names)
+
+
+def _same_state(x, y, where="state") -> None:
+    """Two checkpoint states (nested dicts, lists, tensors, arrays, scalars) equal bitwise."""
+    assert type(x) is type(y), where
+    if isinstance(x, dict):
+        assert list(x) == list(y), where
+        for key in x:  # pycma's timers (es.timer, its logger's timer_*) read the clock
+            if not (isinstance(key, str) and
+                    any(part.startswith("timer") for part in key.split("."))):
+                _same_state(x[key], y[key], f"{where}.{key}")
+    elif isinstance(x, (list, tuple)):
+        assert len(x) == len(y), where
+        for i, (a, b) in enumerate(zip(x, y)):
+            _same_state(a, b, f"{where}[{i}]")
+    elif isinstance(x, torch.Tensor):
+        assert x.dtype == y.dtype and torch.equal(x, y), where
+    elif isinstance(x, np.ndarray):
+        assert x.dtype == y.dtype and np.array_equal(x, y, equal_nan=True), where
+    else:
+        assert x == y or (x != x and y != y), where  # NaN equals NaN here
+
+
+def assert_same_final_checkpoint(full, part) -> None:
+    """The last checkpoint of both runs holds the same step, token count and method state
+    (F-GRPO: weights, AdamW moments, RNG; ESSA: the whole CMA-ES state with its covariance,
+    the search space, the RNG keys), bit for bit, but for pycma's wall-clock timers: a run
+    resumed from either goes on alike."""
+    a, b = (load_latest(str(run / "checkpoints")) for run in (full, part))
+    assert a["step"] == b["step"] and a["generated_tokens"] == b["generated_tokens"]
+    _same_state(a["method"], b["method"])
+
+
+@pytest.mark.parametrize("method", [
+    pytest.param("fgrpo", marks=pytest.mark.xdist_group("fgrpo_6")),  # with the test above
+    "essa"])
+@pytest.mark.mpi
+@pytest.mark.toy
+@pytest.mark.slow
+def test_sigkill_at_step_5_then_resume_from_step_3_is_bitwise(method, request, toy_adapter,
+                                                              tmp_path):
+    """run.checkpoint_every=3 (configs/cluster/math.yaml checkpoints every 5): the run is held
+    after step 5's row (the test hook PAUSE_AFTER_STEP_ENV) and a rank gets SIGKILL, which no
+    process can handle (F-GRPO: rank 0, the writer of the run file and the checkpoints;
+    ESSA: rank 1). The run file keeps rows 4 and 5, past the last checkpoint (step 3). The
+    same command with --resume on the same 2 ranks drops them, runs steps 4 to 6 again and
+    ends with the run file, the exported adapter(s) and the last checkpoint's state of an
+    uninterrupted run of the same config, bit for bit (see assert_same_run_file for what a
+    run file may differ in)."""
+    full = request.getfixturevalue(f"{method}_6")
+    part = tmp_path / "part"
+    make_args = {"fgrpo": fgrpo_args, "essa": essa_args}[method]
+    args = make_args(toy_adapter, part, 6, every=3)
+    rank = {"fgrpo": 0, "essa": 1}[method]
+    code, _, err = run_and_kill_at_step(args, 5, rank, tmp_path / "paused")
+    assert code not in (0, 2, 3), err[-3000:]
+    assert f"rank {rank} with PID" in err and "signal 9" in err, err[-3000:]
+    killed = RunFile(str(part / f"{method}.h5"))
+    assert killed.attrs["status"] == "running"
+    assert killed.group("metrics")["step"].tolist() == [1, 2, 3, 4, 5]
+    assert [os.path.basename(p) for p in list_checkpoints(str(part / "checkpoints"))] == \
+        ["step-00000003.safetensors"]
+    resumed = run_mpi(2, args + ["--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    run = RunFile(str(part / f"{method}.h5"))
+    assert run.group("metrics")["step"].tolist() == [1, 2, 3, 4, 5, 6]
+    assert run.group("segments")["step"].tolist() == [0, 3]  # started, resumed from step 3
+    assert run.group("segments")["world_size"].tolist() == [2, 2]
+    assert RunFile(str(full / f"{method}.h5")).group("segments")["step"].tolist() == [0]
+    assert_same_run_file(full, part, method)
+    assert_same_adapters(full, part)
+    assert_same_final_checkpoint(full, part)
 
 
 @pytest.mark.mpi
@@ -525,6 +709,15 @@ def essa_20(toy_adapter, tmp_path_factory):
     """An uninterrupted 20-generation ESSA run on 2 ranks that keeps every checkpoint."""
     full = tmp_path_factory.mktemp("essa-20") / "full"
     proc = run_mpi(2, essa_args(toy_adapter, full, 20, "essa.keep_checkpoints=100"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return full
+
+
+@pytest.fixture(scope="module")
+def essa_6(toy_adapter, tmp_path_factory):
+    """An uninterrupted 6-generation ESSA run on 2 ranks, checkpointed every 3 generations."""
+    full = tmp_path_factory.mktemp("essa-6") / "full"
+    proc = run_mpi(2, essa_args(toy_adapter, full, 6, every=3))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return full
 

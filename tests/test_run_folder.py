@@ -118,11 +118,95 @@ def test_resume_of_a_missing_run_is_an_error(tmp_path):
     assert os.listdir(out) == []
 
 
-def before_torch(proc) -> bool:
-    """Whether the ranks that reported (mpirun ends the others once one exited 2) had exited 2
-    before importing torch."""
+def before_torch(proc, ranks=2) -> bool:
+    """Whether every one of the ``ranks`` ranks reported that it exited 2 before importing
+    torch (each leaves by itself: the launcher kills none of them)."""
     reports = [line for line in proc.stdout.splitlines() if line.startswith("TORCH ")]
-    return bool(reports) and set(reports) == {"TORCH False 2"}
+    return reports == ["TORCH False 2"] * ranks
+
+
+# Around each rank, a shell that writes the rank's exit code to RANK_CODES/rank-<rank> as the
+# rank ends. The shell ignores SIGTERM, as a job's ranks do once they leave, so a rank the
+# launcher ends (mpirun SIGKILLs the others 0.5 s after a rank exits non-zero) leaves no file.
+EXIT_CODE_SHELL = ('trap "" TERM; "$@"; code=$?; '
+                   'echo $code > "$RANK_CODES/rank-$OMPI_COMM_WORLD_RANK"; exit $code')
+
+
+def run_mpi_exit_codes(n: int, args: list, codes) -> tuple:
+    """``python args...`` on ``n`` ranks under the real mpirun, each inside EXIT_CODE_SHELL:
+    (CompletedProcess, {rank: exit code} of the ranks that ended by themselves)."""
+    mpirun = mpirun_path()
+    require(mpirun is not None, "mpirun")
+    codes.mkdir()
+    proc = subprocess.run([mpirun, "-n", str(n), "--oversubscribe", "sh", "-c",
+                           EXIT_CODE_SHELL, "sh", sys.executable] + list(args),
+                          capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env=dict(os.environ, **MPI_ENV, RANK_CODES=str(codes)))
+    return proc, {int(p.name.split("-")[1]): int(p.read_text()) for p in codes.iterdir()}
+
+
+def _entries(folder) -> dict:
+    """{name: kind} of everything under ``folder``."""
+    kinds = {}
+    for path in sorted(folder.rglob("*")):
+        kinds[str(path.relative_to(folder))] = ("link" if path.is_symlink() else "folder"
+                                                if path.is_dir() else "file" if
+                                                path.is_file() else "special")
+    return kinds
+
+
+# The run-folder mistakes answered before torch is imported (hpc.job.run_folder), and a config
+# value out of range (answered before them): (plant in the run folder, words of the line).
+PRE_TORCH_REFUSALS = {
+    "checkpoints a file": (lambda out: (out / "checkpoints").write_text(""),
+                           ("checkpoints is not a folder",)),
+    ".lock a folder": (lambda out: (out / ".lock").mkdir(), (".lock is not a plain file",)),
+    ".lock a FIFO": (lambda out: os.mkfifo(out / ".lock"), (".lock is not a plain file",)),
+    "run file a folder": (lambda out: (out / "fgrpo.h5").mkdir(),
+                          ("fgrpo.h5 is not a plain file",)),
+    "resume of an empty folder": (lambda out: None, ("--resume", "holds no fgrpo run")),
+    "config value out of range": (lambda out: None, ("fgrpo.sampling.num_generations",)),
+}
+
+
+@pytest.mark.parametrize("case", list(PRE_TORCH_REFUSALS))
+@pytest.mark.mpi
+def test_a_refusal_before_torch_exits_2_on_every_rank(tmp_path, case):
+    """docs/faults.md: a user error ends every rank with exit 2. Found before torch is
+    imported, before the ranks had started MPI, rank 0 printed its line and left, and mpirun
+    killed rank 1 (which waited for that line) 0.5 s later: rank 1 recorded no exit code.
+    Now the ranks agree (hpc.runtime.cli.agree_on_inputs): each rank's own exit code is 2,
+    the line is printed once, by rank 0, and the run folder is as it was (no run file)."""
+    plant, words = PRE_TORCH_REFUSALS[case]
+    out = tmp_path / "run"
+    out.mkdir()
+    plant(out)
+    before = _entries(out)
+    extra = {"resume of an empty folder": ["--resume"],
+             "config value out of range": ["fgrpo.sampling.num_generations=1000000000"]}
+    proc, codes = run_mpi_exit_codes(
+        2, ["-m", "fgrpo", f"lora.adapter={placeholder_adapter(tmp_path / 'adapter')}",
+            "run.progress=false", f"run.out={out}", *extra.get(case, [])], tmp_path / "codes")
+    assert codes == {0: 2, 1: 2}, (codes, proc.stderr[-3000:])
+    line = one_error_line(proc, *words)
+    assert line.startswith("error: "), line  # rank 0's, not a rank's own
+    assert _entries(out) == before
+    assert not (out / "fgrpo.h5").is_file()
+
+
+@pytest.mark.mpi
+def test_a_refusal_after_the_start_exits_2_on_every_rank(tmp_path):
+    """A mistake found once the ranks have started MPI and imported torch (model.quantize=int4
+    on a CPU, agreed in hpc.job.lifecycle.on_all_ranks): each rank's own exit code is 2 as
+    well, one line from rank 0, no run folder."""
+    out = tmp_path / "run"
+    proc, codes = run_mpi_exit_codes(
+        2, ["-m", "fgrpo", "model.path=toy", "model.device=cpu", "model.quantize=int4",
+            "run.progress=false", f"run.out={out}"], tmp_path / "codes")
+    assert codes == {0: 2, 1: 2}, (codes, proc.stderr[-3000:])
+    line = one_error_line(proc, "model.quantize")
+    assert line.startswith("error: "), line
+    assert not out.exists()
 
 
 @pytest.mark.mpi

@@ -25,28 +25,21 @@ from hpc.plan.registry import JobPlan, job_plan
 from hpc.models.quantize import check_quantize
 from hpc.runtime.cli import parse_args
 from hpc.runtime.config import config_to_yaml, load_config
-from hpc.runtime.errors import EXIT_USER_ERROR, UserError
+from hpc.runtime.errors import UserError
 from hpc.runtime.preempt import EXIT_PREEMPTED, any_rank_signalled, startup_delay, stop_signals
 from hpc.runtime.readback import run_folder_entries
 from hpc.runtime.rendezvous import agree
 from hpc.runtime.results import format_table
 from hpc.runtime.runstore import RunStore, environment_attrs, readable
-from hpc.runtime.world import World, get_world, select_device
+from hpc.runtime.world import World, get_world, select_device, stop_together
 from hpc.toys.builtin import check_cached
 
 
-class PeerFailed(SystemExit):
-    """Another rank reported a user error; this rank exits 2 without printing."""
-
-    def __init__(self):
-        super().__init__(EXIT_USER_ERROR)
-
-
 def on_all_ranks(world: World, fn):
-    """Run ``fn()`` on every rank; if it raises UserError on any rank, every rank stops.
-
-    The rank(s) that saw the error re-raise it (printed as one line by the entry point); the
-    others raise :class:`PeerFailed`. One 1-byte Allgather, tag ``control``.
+    """Run ``fn()`` on every rank; if it raises UserError on any rank, every rank stops
+    (:func:`hpc.runtime.world.stop_together`: the rank(s) that saw the error re-raise it,
+    printed as one line by the entry point; the others raise :class:`hpc.runtime.errors.PeerFailed`). One 1-byte
+    Allgather, tag ``control``.
     """
     err = None
     result = None
@@ -54,15 +47,7 @@ def on_all_ranks(world: World, fn):
         result = fn()
     except UserError as caught:
         err = caught
-    if world.size > 1:
-        failed = world.allgather(np.array([err is not None], dtype=np.int8), tag="control")
-        if err is None and failed.any():
-            raise PeerFailed()
-        if err is not None and not failed[0]:
-            err.same_on_all_ranks = False  # rank 0 is fine: this rank must print its own line
-    if err is not None:
-        err.abort_peers = False  # every rank stops here by agreement
-        raise err
+    stop_together(world, err)
     return result
 
 

@@ -56,7 +56,7 @@ from hpc.runtime.distckpt import (check_manifest, load_sharded, prune_sharded, s
 from hpc.runtime.errors import UserError
 from hpc.job.lifecycle import (Job, agree_on_resume_step, on_all_ranks, progress_bar,
                              stop_if_preempted)
-from hpc.runtime.preempt import preempted_exit, should_stop
+from hpc.runtime.preempt import pause_after_step, preempted_exit, should_stop
 from hpc.runtime.readback import amount, count
 from hpc.runtime.report_to import open_reporters
 from hpc.runtime.results import EvalResult, log_eval
@@ -387,6 +387,7 @@ def run_loop(job: Job, method: Method) -> dict:
         stop = stop or reached or 0 < cfg.run.max_generated_tokens <= tokens
         store.log_step(step, metrics=metrics, timings=gather_timings(world, timer),
                        nbytes=world.take_bytes())
+        pause_after_step(step, world.rank)  # tests only: a kill at a known step
         if _due(cfg.run.checkpoint_every, step, total) or stop:
             begin = time.perf_counter()
             with timer.phase("checkpoint"):

@@ -17,7 +17,8 @@ import sys
 import textwrap
 
 from hpc.runtime.config import config_keys, load_config, rule_text
-from hpc.runtime.errors import EXIT_USER_ERROR, UserError, exit_user_error
+from hpc.runtime.errors import (EXIT_USER_ERROR, PeerFailed, UserError, exit_agreed,
+                                exit_user_error, launched)
 from hpc.runtime.preempt import EXIT_PREEMPTED, stop_signals
 
 EXIT_CODES_HELP = (f"exit codes: 0 done; {EXIT_USER_ERROR} user error (one line on stderr naming "
@@ -116,7 +117,8 @@ def job_command(prog: str, config_ref: str, run_ref: str, about: str,
     loading take), reads the command line and the config and runs the torch-free check at
     ``check_ref`` (if given; the jobs: :data:`JOB_INPUTS`) on it, the job's ``method`` (the
     name its run folder and run file take) and whether it resumes: a mistake in any ends here,
-    in about a second, before torch is imported; then runs ``run_ref``
+    in about a second, before torch is imported, with exit 2 on every rank
+    (:func:`agree_on_inputs`); then runs ``run_ref``
     (``'module:function'``, called with the arguments; it reads them again)."""
 
     def main(argv=None):
@@ -125,14 +127,42 @@ def job_command(prog: str, config_ref: str, run_ref: str, about: str,
             print(job_help(prog, about, _load(config_ref)))
             return 0
         stop_signals()
+        cfg, failed = None, None
         try:
             config_path, overrides, resume = parse_args(prog, argv)
             cfg = load_config(_load(config_ref), config_path, overrides)
             if check_ref:
                 _load(check_ref)(cfg, method, resume)
         except UserError as err:
-            exit_user_error(err)
+            failed = err
+        agree_on_inputs(failed, cfg)
         return _load(run_ref)(argv)
 
     main.__doc__ = f"``{prog}``: {about}"
     return main
+
+
+def agree_on_inputs(err: UserError | None, cfg=None) -> None:
+    """The ranks' verdict on a job's command line, config and inputs, before torch is
+    imported: ``err`` is this rank's mistake found (None: none). A process that is no
+    launched rank ends alone for it (one line, exit 2). Launched ranks start MPI (the job
+    would a moment later) and agree (:func:`hpc.runtime.world.stop_together`): where any rank
+    found a mistake, rank 0 prints the line (or each rank that alone found one, its own), all
+    wait for it and every rank exits 2 itself. (A rank leaving alone made the launcher kill
+    the others as it went: mpirun SIGKILLs them 0.5 s later, so they recorded no exit code.)
+    ``cfg``: the config, where it was read, for ``run.collective_timeout_s``."""
+    if not launched():
+        if err is not None:
+            exit_user_error(err)
+        return
+    from hpc.runtime.world import get_world, stop_together  # MPI_Init: a launched rank's
+
+    world = get_world()
+    run = getattr(cfg, "run", None)
+    world.timeout_s = getattr(run, "collective_timeout_s", world.timeout_s)
+    try:
+        stop_together(world, err)
+    except UserError as agreed:
+        exit_agreed(agreed, world.barrier)
+    except PeerFailed:
+        exit_agreed(None, world.barrier)

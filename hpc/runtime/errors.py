@@ -26,6 +26,13 @@ class UserError(Exception):
         self.abort_peers = not same_on_all_ranks
 
 
+class PeerFailed(SystemExit):
+    """Another rank reported a user error; this rank exits 2 without printing."""
+
+    def __init__(self):
+        super().__init__(EXIT_USER_ERROR)
+
+
 SHOWN_CHARS = 80  # the most characters of a bad value an error line shows
 
 
@@ -146,12 +153,52 @@ def exit_user_error(err: UserError) -> None:
     if err.abort_peers:
         _abort_peers()
     elif err.same_on_all_ranks and _rank_from_env() != 0 and not _mpi_started():
-        # Rank 0 prints the line. Found before the ranks could agree (a config error before
-        # MPI starts), rank 0 may still be importing: leaving first would make the launcher
-        # kill it before it prints.
+        # Rank 0 prints the line. Found before the ranks could agree (a tool's mistake before
+        # MPI starts; a job's ranks agree first: hpc.runtime.cli.agree_on_inputs), rank 0 may
+        # still be importing: leaving first would make the launcher kill it before it prints.
         _ignore_sigterm()
         time.sleep(PEER_GRACE_S)
+    else:
+        _finalize_together()  # every rank leaves with 2 (the error is every rank's, or agreed)
     _exit_through_sigterm(EXIT_USER_ERROR)
+
+
+def exit_agreed(err: UserError | None, barrier) -> None:
+    """End this rank for a user error every rank has agreed on (``err``: this rank's; None:
+    another rank's, :class:`PeerFailed`): its one line where it is this rank's to print (see
+    :func:`report_user_error`), then ``barrier()``, so that no rank leaves before the line is
+    out, then exit 2. The ranks leave together, each with its own exit code 2, before the
+    launcher could kill a slower one as the first is gone."""
+    if err is not None:
+        report_user_error(err)
+    barrier()
+    _finalize_together()
+    _exit_through_sigterm(EXIT_USER_ERROR)
+
+
+FINALIZE_PAUSE_S = 0.25  # after MPI_Finalize, before a rank of an agreed exit leaves
+
+
+def _finalize_together() -> None:
+    """End MPI, then pause before leaving (a rank of an agreed exit, code 2 or 3). mpirun (Open MPI 5) ends a job as soon as one rank
+    exits non-zero, and a rank still inside MPI_Finalize then never completes it ("PMIX ERROR:
+    PMIX_ERR_UNREACH") and is killed 0.5 s later, without an exit code of its own. 2 ranks
+    that leave a barrier together with exit 2, 30 launches each on 2 busy cores: leaving at
+    once after MPI_Finalize lost a rank's exit code in 8, leaving through mpi4py's MPI_Finalize
+    at exit in 3, pausing 0.25 s after MPI_Finalize in none. Only in a launched rank: a
+    caller in-process (a test) keeps its MPI."""
+    if not _launched() or not _mpi_started():
+        return
+    from mpi4py import MPI  # already loaded (checked above)
+
+    if not MPI.Is_finalized():
+        MPI.Finalize()
+    time.sleep(FINALIZE_PAUSE_S)
+
+
+def launched() -> bool:
+    """Whether this process is a rank started by mpirun or srun."""
+    return _launched()
 
 
 def user_errors_exit(main):
@@ -167,7 +214,8 @@ def user_errors_exit(main):
         except UserError as err:
             exit_user_error(err)
         except SystemExit as done:
-            if done.code not in (None, 0):
+            if done.code not in (None, 0):  # an agreed exit (2, 3): every rank leaves with it
+                _finalize_together()
                 _exit_through_sigterm(done.code)
             _ignore_stop_signals()
             raise

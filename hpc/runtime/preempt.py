@@ -30,6 +30,11 @@ EXIT_PREEMPTED = 3
 # Test-only: seconds each start-up safe point sleeps first, so that a test's signal lands in
 # start-up even where loading the toy model takes no time. Never set it in a real job.
 STARTUP_DELAY_ENV = "HPC_TEST_STARTUP_DELAY_S"
+# Test-only: "STEP:FOLDER". Once step STEP's row is written (before its checkpoint, if one is
+# due), every rank creates FOLDER/paused-RANK and waits there (at most PAUSE_S), so that a test
+# can SIGKILL a rank at a step it knows. Never set it in a real job.
+PAUSE_AFTER_STEP_ENV = "HPC_TEST_PAUSE_AFTER_STEP"
+PAUSE_S = 300.0
 
 
 class StopSignals:
@@ -70,6 +75,21 @@ def startup_delay() -> None:
     seconds = float(os.environ.get(STARTUP_DELAY_ENV) or 0)
     if seconds > 0:
         time.sleep(seconds)
+
+
+def pause_after_step(step: int, rank: int) -> None:
+    """Wait as ``$HPC_TEST_PAUSE_AFTER_STEP`` asks, after step ``step`` (tests only; see
+    PAUSE_AFTER_STEP_ENV)."""
+    value = os.environ.get(PAUSE_AFTER_STEP_ENV)
+    if not value:
+        return
+    at, folder = value.split(":", 1)
+    if step != int(at):
+        return
+    open(os.path.join(folder, f"paused-{rank}"), "w").close()
+    until = time.monotonic() + PAUSE_S
+    while time.monotonic() < until:  # a stop signal is recorded, not obeyed, here
+        time.sleep(0.1)
 
 
 def should_stop(world, signals: StopSignals, out_of_time: bool) -> tuple:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hpc.runtime.errors import UserError
+from hpc.runtime.errors import PeerFailed, UserError
 
 _LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
 _ARRIVE_TAG, _RELEASE_TAG, _PING_TAG, _PONG_TAG = 7301, 7302, 7303, 7304
@@ -288,6 +288,24 @@ def get_world() -> World:
         _WORLD = World(comm=comm, rank=comm.Get_rank(), size=comm.Get_size(),
                        local_rank=local_rank, local_size=local_size, hostname=hostname)
     return _WORLD
+
+
+def stop_together(world: World, err: UserError | None) -> None:
+    """Collective: whether a user error ``err`` (None: none here) stops the job, decided by
+    every rank alike. When any rank has one, every rank raises: the rank(s) that saw it
+    re-raise ``err`` (printed by rank 0 alone where rank 0 saw it too, else each with its
+    rank), the others :class:`PeerFailed` (exit 2 without a line); every rank then exits 2
+    itself, not killed by the launcher as a peer leaves. One 1-byte Allgather, tag
+    ``control``."""
+    if world.size > 1:
+        failed = world.allgather(np.array([err is not None], dtype=np.int8), tag="control")
+        if err is None and failed.any():
+            raise PeerFailed()
+        if err is not None and not failed[0]:
+            err.same_on_all_ranks = False  # rank 0 is fine: this rank must print its own line
+    if err is not None:
+        err.abort_peers = False  # every rank stops here by agreement
+        raise err
 
 
 def select_device(world: World, requested: str = "auto"):
