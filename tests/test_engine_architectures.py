@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from essa.batched import member_completions
 import hpc.engine.runner as runner
+from essa.batched import member_completions
 from hpc.engine.architectures import engine_refusal
 from hpc.engine.decoder import Decoder
 from hpc.engine.generate import eos_ids, generate_tokens
@@ -161,3 +161,4 @@ def test_a_refused_model_is_a_user_error_at_the_engine():
     model.config.sliding_window = 8
     with pytest.raises(UserError, match="sliding-window attention.*use model.engine=hf"):
         generate_tokens(model, tok, PROMPTS, MAX_NEW, path="engine")
+
