@@ -37,36 +37,6 @@ def test_rank_count_invariance(toy_adapter, tmp_path):
         assert sorted(set(owners.tolist())) == list(range(n))
 
 
-@pytest.mark.mpi
-def test_bytes_per_generation_do_not_grow_with_the_model(tiny_models, tmp_path):
-    per_gen = {}
-    for name, (model_dir, adapter, n_params) in tiny_models.items():
-        out = tmp_path / name
-        proc = run_mpi(2, essa_args(adapter, out, "essa.generations=2", model=model_dir))
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        run = RunFile(str(out / "essa.h5"))
-        per_gen[name] = run.group("bytes")["fitness"].tolist()
-    assert tiny_models["large"][2] >= 4 * tiny_models["small"][2]
-    assert per_gen["small"] == per_gen["large"] == [8 * P, 8 * P]
-
-
-@pytest.mark.mpi
-@pytest.mark.toy
-@pytest.mark.slow
-def test_resume_equals_uninterrupted(toy_adapter, tmp_path):
-    full = tmp_path / "full"
-    assert run_mpi(2, essa_args(toy_adapter, full, "essa.generations=4")).returncode == 0
-    part = tmp_path / "part"
-    first = run_mpi(2, essa_args(toy_adapter, part, "essa.generations=2"))
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = run_mpi(2, essa_args(toy_adapter, part, "essa.generations=4") + ["--resume"])
-    assert second.returncode == 0, second.stderr[-3000:]
-    a, b = RunFile(str(full / "essa.h5")), RunFile(str(part / "essa.h5"))
-    assert b.group("essa")["step"].tolist() == [1, 2, 3, 4]
-    assert np.array_equal(a.group("essa")["fitness"], b.group("essa")["fitness"])
-    assert np.array_equal(a.group("final")["mean"][-1], b.group("final")["mean"][-1])
-
-
 def _one_error_line(proc, *words):
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     lines = our_lines(proc.stderr)

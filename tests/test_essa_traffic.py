@@ -104,6 +104,9 @@ def test_bytes_the_mpi_layer_sends_per_generation_do_not_grow_with_the_model(tin
         per_generation[name] = {r: tuple((four[r][i] - two[r][i]) / 2 for i in range(3))
                                 for r in (0, 1)}
         total[name] = four
+        # the package's own counter (what the fitness collective returned, each rank's share
+        # included) agrees: 8 bytes a member a generation at both sizes
+        assert counter["fitness"].tolist() == [8 * P] * 4, counter["fitness"]
         own = {k: int(v[1]) for k, v in counter.items() if k not in ("step", "eval")}
         print(f"{name} ({n_params:,} parameters): MPI layer, bytes (messages) sent per "
               f"generation: rank 0 {per_generation[name][0][0]:g} "

@@ -1,8 +1,10 @@
-"""The decode step and the prefill of a Qwen2-architecture model over a static KV cache, with
-per-row LoRA members: :class:`DecodeEngine`.
+"""The decode step and the prefill of a Qwen2-, Qwen3-, Llama- or Mistral-architecture model
+(:mod:`hpc.engine.architectures`) over a static KV cache, with per-row LoRA members:
+:class:`DecodeEngine`.
 
-It runs the Hugging Face model's own modules (embeddings, q/k/v/o and MLP linears, RMSNorms,
-rotary embedding, LM head); no weight is copied.
+It runs the Hugging Face model's own modules (embeddings, q/k/v/o and MLP linears with their
+biases, RMSNorms, Qwen3's q/k norms, rotary embedding with its scaling, LM head); no weight is
+copied.
 
 * **slots**: a :class:`hpc.engine.kv_cache.KVCache` of ``[layers, slots, kv_heads, max_len,
   head_dim]`` allocated once; a request takes a free slot, is prefilled (admitted requests in
@@ -28,8 +30,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from peft.tuners.lora import LoraLayer
-from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from hpc.engine.architectures import engine_refusal
 from hpc.engine.kv_cache import KVCache
 from hpc.engine.memory import engine_memory
 from hpc.engine.scheduler import Scheduler
@@ -67,16 +70,14 @@ class Site:
         return (out + F.linear(xa, self.b_cat) * self.scaling).to(out.dtype)
 
 
-def _core(model):
-    """(Qwen2ForCausalLM, {id(module): name in ``model``}) of a HF or peft model."""
+def _core(model, max_len: int):
+    """(the HF causal LM, {id(module): name in ``model``}) of a HF or peft model; UserError
+    (one line) for a model the engine does not run."""
     names = {id(m): n for n, m in model.named_modules()}
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if getattr(base.config, "model_type", "") != "qwen2":
-        raise UserError(f"the decoding engine runs Qwen2-architecture models, not "
-                        f"{type(base).__name__} (use model.engine=hf)")
-    if getattr(base.config, "use_sliding_window", False):
-        raise UserError("the decoding engine has no sliding-window attention "
-                        "(use model.engine=hf)")
+    refusal = engine_refusal(base.config.to_dict(), max_len)
+    if refusal:
+        raise UserError(refusal)
     return base, names
 
 
@@ -92,7 +93,7 @@ class DecodeEngine:
     """
 
     def __init__(self, model, slots: int, max_len: int, k: int, ranks: dict, replay=None):
-        base, names = _core(model)
+        base, names = _core(model, max_len)
         cfg = base.config
         self.model, self.k, self.ranks = model, k, ranks
         self.embed, self.norm = base.model.embed_tokens, base.model.norm
@@ -100,6 +101,7 @@ class DecodeEngine:
         self.shape = ModelShape.from_config(cfg)
         self.heads, self.kv_heads = self.shape.heads, self.shape.kv_heads
         self.head_dim = self.shape.head_dim
+        self.qk_norm = self.shape.qk_norm
         self.layers = []
         param = next(base.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -170,8 +172,11 @@ class DecodeEngine:
         returns the attention output (rows, heads, t, head_dim)."""
         rows, t, _ = h.shape
         x = layer.input_layernorm(h)
-        q = sites["q_proj"](x, member).view(rows, t, -1, self.head_dim).transpose(1, 2)
-        k = sites["k_proj"](x, member).view(rows, t, -1, self.head_dim).transpose(1, 2)
+        q = sites["q_proj"](x, member).view(rows, t, -1, self.head_dim)
+        k = sites["k_proj"](x, member).view(rows, t, -1, self.head_dim)
+        if self.qk_norm:  # Qwen3: an RMSNorm over each head, before the rotation
+            q, k = layer.self_attn.q_norm(q), layer.self_attn.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = sites["v_proj"](x, member).view(rows, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         a = attend(q, k, v).transpose(1, 2).reshape(rows, t, -1)

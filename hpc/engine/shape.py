@@ -4,12 +4,14 @@ The engine sizes its KV cache with it, the memory plan every phase, ESSA its mem
 pass and the scaling model its LoRA sizes; per-token memory has one formula here
 (:meth:`ModelShape.kv_token_bytes`, :meth:`ModelShape.activation_token_bytes`).
 
-Qwen2 / Llama family: GQA attention, SwiGLU MLP, RMSNorm: ``hidden_size`` h,
-``num_hidden_layers`` L, ``num_attention_heads`` a, ``num_key_value_heads`` g (default a),
-``head_dim`` d (default h / a), ``intermediate_size`` I, ``vocab_size`` V,
-``tie_word_embeddings`` (default false), q/k/v biases when ``attention_bias`` is true or the
-model type is ``qwen2``. Parameters: V*h embeddings, per layer q (h*a*d), k and v (h*g*d each),
-o (a*d*h), 3*h*I MLP, 2*h norms (+ a*d + 2*g*d biases), a final h norm, V*h lm_head unless tied.
+Qwen2 / Llama family (Qwen2, Qwen3, Llama, Mistral): GQA attention, SwiGLU MLP, RMSNorm:
+``hidden_size`` h, ``num_hidden_layers`` L, ``num_attention_heads`` a, ``num_key_value_heads``
+g (default a), ``head_dim`` d (default h / a), ``intermediate_size`` I, ``vocab_size`` V,
+``tie_word_embeddings`` (default false); q/k/v biases for model type ``qwen2``, q/k/v/o biases
+when ``attention_bias`` is true (Llama, Qwen3), MLP biases when ``mlp_bias`` is true (Llama),
+q/k norms (d each) for ``qwen3``. Parameters: V*h embeddings, per layer q (h*a*d), k and v
+(h*g*d each), o (a*d*h), 3*h*I MLP, 2*h norms (+ a*d + 2*g*d q/k/v biases, + h o bias,
++ 2*I + h MLP biases, + 2*d q/k norms), a final h norm, V*h lm_head unless tied.
 """
 from __future__ import annotations
 
@@ -51,6 +53,9 @@ class ModelShape:
     tied: bool
     qkv_bias: bool
     stored_bytes: int = 2  # bytes a value in the checkpoint files (config.json's dtype)
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
 
     @classmethod
     def from_config(cls, config, source: str = "config.json") -> "ModelShape":
@@ -64,15 +69,17 @@ class ModelShape:
             return config[key]
 
         hidden, heads = need("hidden_size"), need("num_attention_heads")
+        kind, attention_bias = config.get("model_type"), bool(config.get("attention_bias"))
         return cls(hidden=hidden, layers=need("num_hidden_layers"), heads=heads,
                    kv_heads=config.get("num_key_value_heads") or heads,
                    head_dim=config.get("head_dim") or hidden // heads,
                    intermediate=need("intermediate_size"), vocab=need("vocab_size"),
                    tied=bool(config.get("tie_word_embeddings", False)),
-                   qkv_bias=bool(config.get("attention_bias",
-                                            config.get("model_type") == "qwen2")),
+                   qkv_bias=attention_bias or kind == "qwen2",
                    stored_bytes=STORED_BYTES.get(str(config.get("dtype")
-                                                     or config.get("torch_dtype")), 2))
+                                                     or config.get("torch_dtype")), 2),
+                   o_bias=attention_bias and kind != "qwen2",
+                   mlp_bias=bool(config.get("mlp_bias")), qk_norm=kind == "qwen3")
 
     @classmethod
     def from_folder(cls, path: str) -> "ModelShape":
@@ -109,7 +116,10 @@ class ModelShape:
     def layer_parameters(self) -> int:
         weights = sum(i * o for i, o in self.module_shapes().values())
         bias = (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
-        return weights + bias + 2 * self.hidden
+        bias += (self.hidden if self.o_bias else 0) + (
+            2 * self.intermediate + self.hidden if self.mlp_bias else 0)
+        norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        return weights + bias + norms
 
     def parameters(self) -> int:
         embeddings = self.vocab * self.hidden

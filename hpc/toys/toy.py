@@ -31,7 +31,9 @@ import time
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 from hpc.data.tasks import ARITH_TEMPLATE, _arith_problem
 from hpc.engine.generate import generate
@@ -80,6 +82,35 @@ def qwen2_config(vocab_size: int, hidden: int = 128, layers: int = 4, heads: int
                        intermediate_size=intermediate or 2 * hidden, max_position_embeddings=64,
                        tie_word_embeddings=True, pad_token_id=0, eos_token_id=1,
                        bos_token_id=None)
+
+
+def architecture_config(arch: str, vocab_size: int, hidden: int = 128, layers: int = 4,
+                        heads: int = 4, kv_heads: int = 2, intermediate: int | None = None):
+    """A small config of architecture ``arch`` (``qwen2``, ``llama``, ``mistral``, ``qwen3``)
+    for the character tokenizer, each with what sets its family apart: Qwen2 tied with q/k/v
+    biases (:func:`qwen2_config`); Llama 3.x untied with ``llama3`` RoPE scaling; Mistral
+    untied, no biases, its 4096-token sliding window (wider than any row); Qwen3 with q/k
+    norms and ``head_dim`` h / a (its default is 128)."""
+    if arch == "qwen2":
+        return qwen2_config(vocab_size, hidden, layers, heads, kv_heads, intermediate)
+    common = dict(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  intermediate_size=intermediate or 2 * hidden, max_position_embeddings=64,
+                  pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    if arch == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32})
+    if arch == "mistral":
+        return MistralConfig(**common, tie_word_embeddings=False)
+    if arch == "qwen3":
+        return Qwen3Config(**common, head_dim=hidden // heads, tie_word_embeddings=True)
+    raise ValueError(f"no toy config for architecture {arch!r}")
+
+
+CAUSAL_LM = {"qwen2": Qwen2ForCausalLM, "llama": LlamaForCausalLM, "mistral": MistralForCausalLM,
+             "qwen3": Qwen3ForCausalLM}
 
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -214,8 +245,9 @@ def toy_info(path: str | None = None) -> dict:
 
 
 def tiny_model(hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-               seed: int = 0, save_dir: str | None = None):
-    """A randomly initialised small Qwen2ForCausalLM and the toy character tokenizer (tests).
+               seed: int = 0, save_dir: str | None = None, arch: str = "qwen2"):
+    """A randomly initialised small causal LM of architecture ``arch``
+    (:func:`architecture_config`; default Qwen2) and the toy character tokenizer (tests).
 
     Built in well under a second; ``save_dir`` saves both (loadable by
     :func:`hpc.models.loading.load_model`). Returns ``(model, tokenizer)`` with the model in
@@ -224,7 +256,8 @@ def tiny_model(hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int 
     tokenizer = build_tokenizer()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(qwen2_config(len(tokenizer), hidden, layers, heads, kv_heads))
+        config = architecture_config(arch, len(tokenizer), hidden, layers, heads, kv_heads)
+        model = CAUSAL_LM[arch](config)
     model.eval()
     if save_dir:
         model.save_pretrained(save_dir)

@@ -1,0 +1,164 @@
+"""The package's decoding engine on the Llama, Mistral and Qwen3 architectures besides Qwen2:
+token for token against Hugging Face ``generate`` (greedy, keyed sampling, a peft adapter and
+ESSA members per row) on a random model of each architecture (:func:`hpc.toys.toy.tiny_model`:
+Llama 3.x untied with ``llama3`` RoPE scaling, Llama with q/k/v/o and MLP biases, Mistral with
+its sliding window wider than any row, Qwen3 with q/k norms), its shape's parameter count, and
+the one-line refusals of what it does not run."""
+import numpy as np
+import pytest
+import torch
+
+import hpc.engine.runner as runner
+from essa.batched import member_completions
+from hpc.engine.architectures import engine_refusal
+from hpc.engine.decoder import Decoder
+from hpc.engine.generate import eos_ids, generate_tokens
+from hpc.engine.scheduler import Request
+from hpc.engine.shape import ModelShape
+from hpc.models.adapter_space import SingularValueSpace
+from hpc.models.loading import attach_lora, randomize_lora_b
+from hpc.runtime.errors import UserError
+from hpc.toys.toy import tiny_model
+
+ARCHS = ["qwen2", "llama", "mistral", "qwen3"]
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+MAX_NEW = 12
+PROMPTS = [f"{a}+{b}=" for a in (3, 41, 507, 8) for b in (9, 62, 130, 7)]  # 4 to 8 tokens
+
+
+@pytest.fixture(scope="module", autouse=True)
+def threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def model_of(arch: str, **config):
+    """A random 2-layer model of ``arch`` (hidden 64, 2 heads of 32, 1 KV head) whose every
+    weight, norms included, is N(0, 0.3^2) (biases N(0, 0.05^2)): completions then differ between prompts (at the
+    default initialisation a tied model repeats one token), and the q/k norms' weights are not
+    ones, so leaving them out would show."""
+    model, tok = tiny_model(hidden=64, heads=2, kv_heads=1, seed=1, arch=arch)
+    if config:
+        for key, value in config.items():
+            setattr(model.config, key, value)
+        model = type(model)(model.config).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.05 if name.endswith("bias") else 0.3))
+    return model, tok
+
+
+def built(case: str):
+    """(case, model, tokenizer): an architecture of ARCHS, or ``llama-biases`` (Llama with
+    q/k/v/o and MLP biases)."""
+    if case == "llama-biases":
+        return case, *model_of("llama", attention_bias=True, mlp_bias=True)
+    return case, *model_of(case)
+
+
+@pytest.fixture(scope="module", params=ARCHS + ["llama-biases"])
+def arch_model(request):
+    return built(request.param)
+
+
+def test_greedy_tokens_equal_hf_generate(arch_model):
+    arch, model, tok = arch_model
+    ref = generate_tokens(model, tok, PROMPTS, MAX_NEW, path="hf", batch_size=5)
+    assert len({tuple(r) for r in ref}) >= 4, ref  # completions depend on the prompt
+    assert generate_tokens(model, tok, PROMPTS, MAX_NEW, path="engine", batch_size=6) == ref
+
+
+def test_sampled_tokens_equal_hf_generate(arch_model):
+    arch, model, tok = arch_model
+    kw = dict(do_sample=True, temperature=1.2, top_p=0.95, num_return_sequences=3, seed=5)
+    ref = generate_tokens(model, tok, PROMPTS, MAX_NEW, path="hf", batch_size=8, **kw)
+    assert len({tuple(r) for r in ref}) > len(PROMPTS)
+    assert generate_tokens(model, tok, PROMPTS, MAX_NEW, path="engine", batch_size=7,
+                           **kw) == ref
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_adapter_and_members_per_row_equal_hf(arch):
+    """A peft LoRA on all seven linears as the engine's one member, and 3 ESSA members of its
+    singular-value space interleaved in one batch, each equal to HF's completions."""
+    model, tok = model_of(arch)
+    peft = attach_lora(model, 4, 8.0, TARGETS)
+    randomize_lora_b(peft, 0.3, torch.Generator().manual_seed(3))
+    peft.eval()
+    ref = generate_tokens(peft, tok, PROMPTS, MAX_NEW, path="hf", batch_size=5)
+    with peft.disable_adapter():
+        assert generate_tokens(peft, tok, PROMPTS, MAX_NEW, path="hf") != ref  # it acts
+    assert generate_tokens(peft, tok, PROMPTS, MAX_NEW, path="engine", batch_size=6) == ref
+
+    space = SingularValueSpace.from_peft(peft)
+    k = 3
+    members = np.random.default_rng(k).normal(0.0, 0.5, (k, space.dim)) * space.singular_values()
+    factors = space.factors_batch(members)
+    want = member_completions(peft, tok, factors, PROMPTS, MAX_NEW, batch_size=8)
+    assert len({tuple(t) for t in want}) == k
+    requests = [Request(tok(p)["input_ids"], MAX_NEW, m, i) for i, p in enumerate(PROMPTS)
+                for m in range(k)]
+    out = tok.batch_decode(Decoder().run_requests(peft, requests, eos_ids(peft, tok), None, 10,
+                                                  factors=factors), skip_special_tokens=True)
+    assert [[out[i * k + m] for i in range(len(PROMPTS))] for m in range(k)] == want
+
+
+def test_qwen3_without_its_qk_norms_differs(monkeypatch):
+    """The Qwen3 comparison above would catch an engine that skipped the q/k norms."""
+    model, tok = model_of("qwen3")
+    ref = generate_tokens(model, tok, PROMPTS, MAX_NEW, path="hf", batch_size=8)
+    original = runner.DecodeEngine.__init__
+
+    def without_norms(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.qk_norm = False
+
+    monkeypatch.setattr(runner.DecodeEngine, "__init__", without_norms)
+    assert generate_tokens(model, tok, PROMPTS, MAX_NEW, path="engine", batch_size=8) != ref
+
+
+def test_shape_counts_the_parameters(arch_model):
+    _, model, _ = arch_model
+    assert ModelShape.from_config(model.config).parameters() == sum(
+        p.numel() for p in model.parameters())
+
+
+REFUSED = {
+    "gemma2": ({"model_type": "gemma2"}, "gemma2-architecture models"),
+    "dynamic RoPE": ({"model_type": "llama", "rope_parameters": {"rope_type": "dynamic",
+                                                                  "factor": 2.0}},
+                     "RoPE of type dynamic"),
+    "longrope (old key)": ({"model_type": "llama", "rope_scaling": {"type": "longrope"}},
+                           "RoPE of type longrope"),
+    "Qwen2 sliding window": ({"model_type": "qwen2", "use_sliding_window": True,
+                              "sliding_window": 4096}, "sliding-window attention"),
+    "Mistral window below the rows": ({"model_type": "mistral", "sliding_window": 16},
+                                      "sliding-window attention (window 16, rows of up to 64"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_what_the_engine_refuses_is_one_line_naming_the_backend_that_runs_it(case):
+    config, what = REFUSED[case]
+    line = engine_refusal(config, 64)
+    assert what in line and line.endswith("use model.engine=hf") and "\n" not in line
+
+
+def test_runs_what_it_should():
+    for config in ({"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 32},
+                   {"model_type": "mistral", "sliding_window": 4096},
+                   {"model_type": "mistral", "sliding_window": None},
+                   {"model_type": "llama", "rope_parameters": {"rope_type": "yarn"}},
+                   {"model_type": "qwen3", "layer_types": ["full_attention"] * 2}):
+        assert engine_refusal(config, 64) == "", config
+
+
+def test_a_refused_model_is_a_user_error_at_the_engine():
+    model, tok = model_of("mistral")
+    model.config.sliding_window = 8
+    with pytest.raises(UserError, match="sliding-window attention.*use model.engine=hf"):
+        generate_tokens(model, tok, PROMPTS, MAX_NEW, path="engine")
+
