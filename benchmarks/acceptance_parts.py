@@ -38,7 +38,7 @@ from gpu_check import SHAPES, Budget, build, greedy
 from engine_speed import stored_bytes
 
 from hpc.engine.config import EngineConfig  # common.py: repo on sys.path
-from hpc.engine.decoder import Decoder
+from hpc.engine.engine_backend import EngineBackend
 from hpc.engine.generate import generate_tokens
 from hpc.engine.graphs import GraphedDecode
 from hpc.engine.scheduler import Request
@@ -183,7 +183,7 @@ def agreement(tokens: list, reference: list) -> dict:
             "tokens_before_first_difference": prefix / sum(len(r) for r in reference)}
 
 
-def graph_state(decoder: Decoder) -> dict:
+def graph_state(decoder: EngineBackend) -> dict:
     """Whether ``decoder``'s engine replays CUDA graphs, how many decode shapes passed their
     self-check, and the failure of the one that did not ('' if none)."""
     graphs = decoder.engine.graphs if decoder.engine is not None else None
@@ -192,10 +192,10 @@ def graph_state(decoder: Decoder) -> dict:
             "self_check_failure": decoder.graph_failure}
 
 
-def engine_tokens(decoder: Decoder, model, ids: torch.Tensor, new: int) -> list:
+def engine_tokens(decoder: EngineBackend, model, ids: torch.Tensor, new: int) -> list:
     """Exactly ``new`` greedy tokens per row of ``ids`` (rows, prompt) from the engine."""
     requests = [Request(p, new) for p in ids.tolist()]
-    return decoder.run_requests(model, requests, [], None, len(requests))
+    return decoder.decode(model, requests, [], None, len(requests))
 
 
 def tokens_per_s(rows: list, seconds: float) -> float:
@@ -229,7 +229,7 @@ def _toy_engine_vs_hf(s: Setup, dtype: str) -> dict:
     """The toy in ``dtype`` (float32: the one :meth:`Setup.toy` keeps) through both paths."""
     model, tok = s.toy() if dtype == "float32" else load_model(s.toy_path, dtype, s.device)
     prompts = toy_prompts(s.toy_prompts)
-    decoder = Decoder()  # as a job has it: CUDA graphs on CUDA
+    decoder = EngineBackend()  # as a job has it: CUDA graphs on CUDA
 
     def run(path):
         return generate_tokens(model, tok, prompts, TOY_NEW, batch_size=len(prompts),
@@ -248,7 +248,7 @@ def _toy_engine_vs_hf(s: Setup, dtype: str) -> dict:
 def _random_engine_vs_hf(s: Setup) -> dict:
     model, ids = s.random_model()
     new = s.lengths[1]
-    decoder = Decoder()
+    decoder = EngineBackend()
     hf, hf_s = warm_then_time(lambda: greedy(model, ids, new).tolist(), s.device)
     eng, eng_s = warm_then_time(lambda: engine_tokens(decoder, model, ids, new), s.device)
     out = {"rows": len(ids), "prompt_tokens": s.lengths[0], "new_tokens": new,
@@ -260,7 +260,7 @@ def _random_engine_vs_hf(s: Setup) -> dict:
 
 
 def engine_vs_hf(s: Setup, budget: PartBudget) -> dict:
-    """Greedy tokens of the engine (:class:`hpc.engine.decoder.Decoder`, as a job builds it)
+    """Greedy tokens of the engine (:class:`hpc.engine.engine_backend.EngineBackend`, as a job builds it)
     and HF ``generate``: identical on the trained toy in fp32 (the check); in bf16 (``toy_bf16``,
     where a bf16 rounding may flip the toy's closest greedy choices) and on the random shape
     the share of tokens that agree and tokens/s of each, as figures."""
@@ -286,9 +286,9 @@ def engine_vs_hf(s: Setup, budget: PartBudget) -> dict:
 def _graphs_on_off(s: Setup, replay, decode) -> dict:
     """``decode(decoder)`` (token lists) with CUDA graphs (``replay``; GraphedDecode: through
     ``cuda_graphs=True``, as a job's config asks for them) and without."""
-    on = Decoder(EngineConfig(cuda_graphs=True,
+    on = EngineBackend(EngineConfig(cuda_graphs=True,
                               replay=None if replay is GraphedDecode else replay))
-    off = Decoder(EngineConfig(cuda_graphs=False))
+    off = EngineBackend(EngineConfig(cuda_graphs=False))
     eager, eager_s = warm_then_time(lambda: decode(off), s.device)
     graphed, graphed_s = warm_then_time(lambda: decode(on), s.device)
     out = {"identical": graphed == eager, **agreement(graphed, eager),
@@ -354,7 +354,7 @@ def _quantized_toy(s: Setup, modes: list) -> dict:
     def decode(mode, reference=None) -> tuple:
         model, tok = load_model(s.toy_path, s.dtype, s.device)
         quantize_base(model, mode)
-        decoder = Decoder()  # as a job has it: CUDA graphs on CUDA
+        decoder = EngineBackend()  # as a job has it: CUDA graphs on CUDA
         tokens = generate_tokens(model, tok, prompts, TOY_NEW, batch_size=len(prompts),
                                  decoder=decoder)
         figures = {**agreement(tokens, reference or tokens), "cuda_graphs": graph_state(decoder)}
@@ -375,7 +375,7 @@ def _quantized_random(s: Setup, modes: list) -> dict:
 
     def decode(mode, reference=None) -> tuple:
         quantized = quantize_base(copy.deepcopy(model), mode) if mode != "none" else model
-        decoder = Decoder()
+        decoder = EngineBackend()
         tokens, seconds = warm_then_time(
             lambda: engine_tokens(decoder, quantized, ids, s.lengths[1]), s.device)
         figures = {"tokens_per_s": tokens_per_s(tokens, seconds),

@@ -20,7 +20,7 @@ import torch
 from common import REPO, lora_model, machine, model_path
 from engine_speed import compare, row_lengths, solution_lengths
 
-from hpc.engine.decoder import Decoder
+from hpc.engine.engine_backend import EngineBackend
 from hpc.models.adapter_space import SingularValueSpace
 
 LONGEST = 48
@@ -42,7 +42,7 @@ def main(argv=None) -> None:
     prompts = torch.randint(2, model.config.vocab_size, (args.rows, 8),
                             generator=torch.Generator().manual_seed(0))
     hw = {"bandwidth": 1.0, "peak_flops": 1.0}  # no bound on CPU; only the ratios matter
-    decoder = Decoder()
+    decoder = EngineBackend()
     print(f"machine: {machine()}\n{what}, {lora}, {args.rows} rows")
     print(f"{'k':>3} {'lengths':>7} {'mean len':>8} {'engine tok/s':>12} {'HF tok/s':>9} "
           f"{'engine/HF':>9}")

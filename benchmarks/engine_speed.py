@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from essa.member_lora import MemberLora
+from hpc.models.member_lora import MemberLora
 from hpc.engine.scheduler import Request
 
 STOP = 1  # the stop token id HF generate is forced to emit at each row's length
@@ -94,7 +94,7 @@ def hf_seconds(model, prompts: torch.Tensor, lengths: np.ndarray, device) -> flo
 def engine_seconds(decoder, model, prompts: torch.Tensor, lengths: np.ndarray, device,
                    rows: int, members: np.ndarray | None = None,
                    factors: dict | None = None) -> float:
-    """Seconds of one call of ``decoder``'s engine (:class:`hpc.engine.decoder.Decoder`)
+    """Seconds of one call of ``decoder``'s engine (:class:`hpc.engine.engine_backend.EngineBackend`)
     decoding every prompt row (``rows`` slots), row i ending after ``lengths[i]`` tokens;
     ``members`` (rows,) and ``factors`` give per-row members."""
     ids = prompts.tolist()
@@ -103,7 +103,7 @@ def engine_seconds(decoder, model, prompts: torch.Tensor, lengths: np.ndarray, d
                 enumerate(zip(ids, lengths, member))]
     _sync(device)
     start = time.perf_counter()
-    out = decoder.run_requests(model, requests, [], None, rows, factors=factors)
+    out = decoder.decode(model, requests, [], None, rows, members=factors)
     _sync(device)
     seconds = time.perf_counter() - start
     if [len(o) for o in out] != lengths.tolist():

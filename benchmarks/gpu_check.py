@@ -28,7 +28,7 @@ a rank-8 LoRA on q/k/v/o with random B, and the ESSA search space over it. Promp
 tokens, the generation length is fixed (min_new_tokens = max_new_tokens, greedy). For each k it
 times the generation of k members x P prompts (k*P rows):
 
-* ``lora_fused`` and ``lora_exact``: :class:`essa.member_lora.MemberLora`, fused (the CUDA
+* ``lora_fused`` and ``lora_exact``: :class:`hpc.models.member_lora.MemberLora`, fused (the CUDA
   default) and with peft's arithmetic, member-major rows;
 * ``base``: the same rows through the model with every adapted layer swapped back to its base
   Linear: pure batched generation without LoRA;
@@ -57,12 +57,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from common import REPO, TARGETS, machine
 from engine_speed import compare, row_lengths, solution_lengths, stored_bytes
-from hpc.engine.decoder import Decoder
+from hpc.engine.engine_backend import EngineBackend
 from hpc.engine.scheduler import Request
 from hpc.models.sampling import Sampling
 
-from essa.batched import members_on_device  # common.py: repo on sys.path
-from essa.member_lora import MemberLora
+from hpc.engine.hf_backend import members_on_device  # common.py: repo on sys.path
+from hpc.models.member_lora import MemberLora
 from hpc.models.adapter_space import SingularValueSpace
 from hpc.models.loading import attach_lora
 from hpc.engine.shape import QWEN25
@@ -292,7 +292,7 @@ def members_section(model, space, device, ks, n_prompts, lengths, budget, save) 
     return rows
 
 
-def fgrpo_step(model, device, lengths, decoder: Decoder | None = None) -> dict:
+def fgrpo_step(model, device, lengths, decoder: EngineBackend | None = None) -> dict:
     """Seconds per phase of one F-GRPO step on one rank (see the module docstring); with a
     ``decoder`` the rollouts are sampled by its engine instead of HF generate."""
     from transformers import GenerationConfig
@@ -328,7 +328,7 @@ def fgrpo_step(model, device, lengths, decoder: Decoder | None = None) -> dict:
         if decoder is not None:
             requests = [Request(p, new_tokens, 0, i, j) for i, p in enumerate(prompts.tolist())
                         for j in range(G)]
-            new = decoder.run_requests(model, requests, [], Sampling(1.0, 1.0, SEED), n * G)
+            new = decoder.decode(model, requests, [], Sampling(1.0, 1.0, SEED), n * G)
             return torch.cat([prompts.repeat_interleave(G, 0), torch.tensor(new)],
                              dim=1).to(device)
         with torch.inference_mode():
@@ -424,13 +424,13 @@ def check_model(name: str, device, ks, n_prompts, budget, save, args=None) -> di
     save(result)
     start = time.perf_counter()
     model, space = build(SHAPES[name], device, dtype)
-    decoder = Decoder()
+    decoder = EngineBackend()
     _sync(device)
     result["build_s"] = time.perf_counter() - start
     result["parameters"] = sum(p.numel() for p in model.parameters())
     result["search_dim"] = space.dim
     result["members_that_fit"] = (members_on_device(model, 96, n_prompts, sum(lengths))
-                                  if device.type == "cuda" else None)  # of 96, choose_k's cap
+                                  if device.type == "cuda" else None)  # of 96, the hf backend's cap
     save(result)
     print(f"{name}: built in {result['build_s']:.0f} s", flush=True)
     if args is not None and args.int8_only:
@@ -487,7 +487,7 @@ def int8_section(decoder, model, space, device, args, lengths, n_prompts, budget
             "weight_bytes": sum(stored_bytes(p) for n, p in model.named_parameters()
                                 if "lora_" not in n),
             "members_that_fit": (members_on_device(model, 96, n_prompts, sum(lengths))
-                                 if device.type == "cuda" else None),  # of 96, choose_k's cap
+                                 if device.type == "cuda" else None),  # of 96, the hf backend's cap
             "free_gib": (torch.cuda.mem_get_info(device)[0] / 2 ** 30
                          if device.type == "cuda" else None),
             "engine": []}

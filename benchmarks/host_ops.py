@@ -9,7 +9,7 @@ the share of host ops that LoRA adds bounds members/s against pure generation. T
 aten ops of one greedy decoding step (``gpu_check.host_ops_per_step``) through a Qwen2 with each
 model's layer structure and thin layers (hidden 64: the count does not depend on the widths),
 for the three variants of ``gpu_check``: ``base`` (no LoRA), ``lora_fused`` and ``lora_exact``
-(:class:`essa.member_lora.MemberLora`). It prints the counts, the ops LoRA adds per layer, the
+(:class:`hpc.models.member_lora.MemberLora`). It prints the counts, the ops LoRA adds per layer, the
 op ratio base/variant (the throughput ratio a fully host-bound device would show) and, measured
 side by side on this CPU, where thin layers make decoding host-bound too, the ratio of
 decoding times (best of ``--repeats`` interleaved rounds of ``--tokens`` new tokens).

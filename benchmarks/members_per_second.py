@@ -29,7 +29,7 @@ import torch
 from common import REPO, lora_model, machine, model_path
 
 from essa.population import score_members  # common.py put the repository on sys.path
-from hpc.engine.decoder import Decoder
+from hpc.engine.engine_backend import EngineBackend
 from hpc.models.adapter_space import SingularValueSpace
 from hpc.models.loading import save_adapter
 from hpc.runtime.runstore import RunFile
@@ -46,7 +46,7 @@ def members_per_second(model, tok, space, members, task, n_prompts, ks, repeats)
     of ``repeats`` interleaved rounds."""
     prompts, answers = task.train.prompts[:n_prompts], task.train.answers[:n_prompts]
     best = dict.fromkeys(ks, float("inf"))
-    decoder = Decoder()  # one engine kept across the rounds, as a job keeps it
+    decoder = EngineBackend()  # one engine kept across the rounds, as a job keeps it
     for _ in range(repeats):
         for k in ks:
             timer = PhaseTimer(["rebuild", "generate", "reward"])

@@ -42,7 +42,7 @@ def _essa_generation(model, tok, task, world, k: int, population: int, minibatch
     from essa.population import owners, score_members
     from hpc.models.adapter_space import SingularValueSpace
     from essa.trainer import PHASES
-    from hpc.engine.decoder import Decoder
+    from hpc.engine.engine_backend import EngineBackend
     from hpc.runtime.timing import PhaseTimer
 
     space = SingularValueSpace.from_peft(model)
@@ -50,7 +50,7 @@ def _essa_generation(model, tok, task, world, k: int, population: int, minibatch
     mine = members[owners(population, world.size) == world.rank]
     prompts = task.train.prompts[:minibatch]
     score_members(model, tok, space, mine, task, prompts, task.train.answers[:minibatch],
-                  8, 64, PhaseTimer(PHASES), Decoder(), k)
+                  8, 64, PhaseTimer(PHASES), EngineBackend(), k)
 
 
 def _fgrpo_step(model, tok, task, world, device, prompts: int, num_generations: int) -> None:
@@ -62,7 +62,7 @@ def _fgrpo_step(model, tok, task, world, device, prompts: int, num_generations: 
     from fgrpo.gradients import accumulate_gradients
     from fgrpo.trainer import PHASES
     from hpc.engine.config import EngineConfig
-    from hpc.engine.decoder import Decoder
+    from hpc.engine.engine_backend import EngineBackend
     from hpc.runtime.dist import all_reduce_mean_, init_process_group
     from hpc.runtime.timing import PhaseTimer
     from hpc.runtime.world import my_slice
@@ -77,7 +77,7 @@ def _fgrpo_step(model, tok, task, world, device, prompts: int, num_generations: 
     rollouts = sample_rollouts(model, tok, task, [task.train.prompts[i] for i in mine],
                                [task.train.answers[i] for i in mine], f,
                                cfg.task.max_new_tokens, cfg.eval.batch_size, world.rank,
-                               PhaseTimer(PHASES), Decoder(EngineConfig.from_model(cfg.model)))
+                               PhaseTimer(PHASES), EngineBackend(EngineConfig.from_model(cfg.model)))
     adv = group_advantages(rollouts.rewards, f.advantage.scale_rewards, f.advantage.gamma)
     model.train()
     opt.zero_grad()

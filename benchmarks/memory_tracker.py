@@ -27,7 +27,7 @@ the config's ``model.dtype``; tensors on the ``cpu`` device: on a CPU-only torch
 leaf that needs a gradient aborts the process) and runs, under
 ``torch.distributed._tools.mem_tracker.MemTracker``, what a job runs:
 
-* ``essa``: one scoring pass as :func:`essa.batched.score_members_engine` drives the decoding
+* ``essa``: one scoring pass as :func:`essa.population.score_members` drives the decoding
   engine: ``engine_for`` with ``eval.batch_size * k`` slots of ``plan.max_prompt_tokens +
   task.max_new_tokens`` positions and k stacked members, one prefill of as many prompts as the
   scheduler admits at once (``PREFILL_TOKENS``), then one decode step over every slot at the
@@ -202,14 +202,14 @@ def tracked_decoder(cfg):
     (:func:`_decode_pass`) from the model's full shape, so its byte budget is no limit here;
     CUDA graphs as the job's config has them (on a GPU their pool is counted)."""
     from hpc.engine.config import EngineConfig
-    from hpc.engine.decoder import Decoder
+    from hpc.engine.engine_backend import EngineBackend
 
-    return Decoder(EngineConfig(cuda_graphs=cfg.model.cuda_graphs, planned_budget=1 << 60))
+    return EngineBackend(EngineConfig(cuda_graphs=cfg.model.cuda_graphs, planned_budget=1 << 60))
 
 
 def _decode_pass(decoder, model, cfg, rows: int, k: int, budget: int, sampled: bool,
                  members: int = 0) -> None:
-    """One pass as :meth:`hpc.engine.decoder.Decoder.run_requests` runs it: ``engine_for``
+    """One pass as :meth:`hpc.engine.engine_backend.EngineBackend.decode` runs it: ``engine_for``
     for ``rows`` rows, at most the slots the model's full shape gets within ``budget`` bytes
     (:func:`hpc.plan.terms.engine_slots`; kept by ``decoder``), members loaded, one
     prefill of the rows admitted at once, one decode step over every slot at the full context,
@@ -286,7 +286,7 @@ def evaluation_pass(decoder, model, cfg, ranks: int) -> None:
 def evaluation(decoder, model, cfg, budget: int, sampled: bool, next_decode: tuple) -> None:
     """The held-out evaluation as :func:`hpc.evaluate.evaluate` runs it: the greedy pass
     (``eval.batch_size`` rows), for ``sampled`` the sampled one (``eval.batch_size x
-    eval.n_samples`` rows), then :meth:`hpc.engine.decoder.Decoder.end_phase` with the next
+    eval.n_samples`` rows), then :meth:`hpc.engine.engine_backend.EngineBackend.end_phase` with the next
     phase's (rows, members)."""
     from hpc.engine.runner import adapter_ranks
     from hpc.plan.terms import evaluation_rows
@@ -302,23 +302,23 @@ def evaluation(decoder, model, cfg, budget: int, sampled: bool, next_decode: tup
 @contextlib.contextmanager
 def legacy_handover():
     """Within the block, engines change hands as before release-before-build: the old engine
-    stays alive while :meth:`hpc.engine.decoder.Decoder.engine_for` builds the new one, and an
+    stays alive while :meth:`hpc.engine.engine_backend.EngineBackend.engine_for` builds the new one, and an
     evaluation's engine is not released at its end (its next phase replaces it). The reference
     the whole-job test holds the fix against (``--legacy-handover``)."""
-    from hpc.engine.decoder import Decoder
+    from hpc.engine.engine_backend import EngineBackend
 
-    build, end = Decoder.engine_for, Decoder.end_phase
+    build, end = EngineBackend.engine_for, EngineBackend.end_phase
 
     def engine_for(self, model, *args, **kwargs):
         old = self.engine
         held = dict(vars(old)) if old is not None else {}  # noqa: F841 (through the build)
         return build(self, model, *args, **kwargs)
 
-    Decoder.engine_for, Decoder.end_phase = engine_for, lambda self, *args, **kwargs: False
+    EngineBackend.engine_for, EngineBackend.end_phase = engine_for, lambda self, *args, **kwargs: False
     try:
         yield
     finally:
-        Decoder.engine_for, Decoder.end_phase = build, end
+        EngineBackend.engine_for, EngineBackend.end_phase = build, end
 
 
 def essa_job(decoder, model, cfg, ranks: int, tracker, steps: int = 2) -> None:

@@ -30,7 +30,7 @@ from scipy.stats import spearmanr
 from common import LORA_ALPHA, LORA_RANK, TARGETS, machine
 
 from essa.population import score_members  # common.py put the repository on sys.path
-from hpc.engine.decoder import Decoder
+from hpc.engine.engine_backend import EngineBackend
 from hpc.data.tasks import load_task
 from hpc.models.adapter_space import SingularValueSpace
 from hpc.engine.generate import generate_tokens
@@ -63,7 +63,7 @@ def population(space, size: int, sigma: float) -> np.ndarray:
 def fitness(model, tok, space, members, task, n: int, max_new: int, k: int) -> np.ndarray:
     timer = PhaseTimer(["rebuild", "generate", "reward"])
     return score_members(model, tok, space, members, task, task.train.prompts[:n],
-                         task.train.answers[:n], max_new, BATCH, timer, Decoder(), k)
+                         task.train.answers[:n], max_new, BATCH, timer, EngineBackend(), k)
 
 
 def compare(name: str, n_eval: int, minibatch: int, args) -> None:

@@ -2,14 +2,20 @@
 
 Members are split over ranks in contiguous blocks (:func:`hpc.runtime.world.split_evenly`, any
 P >= N). A member's fitness is the mean reward of greedy completions on the generation's
-minibatch, identical whichever rank computes it (same prompts, same generation batching).
+minibatch, identical whichever rank computes it (same prompts, same decoding batches). k members
+decode together in one call of the job's decoding backend (:mod:`hpc.engine.backend`), each
+request tagged with its member: on the package's engine their factors are stacked and every row
+applies its own; on ``hf`` k adapters share one ``generate`` call, member-major. Either way the
+model's own adapter is untouched, and fitness equals one member at a time wherever greedy
+tokens agree (:mod:`hpc.engine.hf_backend` says when that is bitwise).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from essa.batched import score_members_batched, score_members_engine
-from hpc.engine.generate import generate
+import torch
+
+from hpc.engine.generate import member_completions
 from hpc.runtime.world import split_evenly
 
 
@@ -25,31 +31,50 @@ def minibatch_indices(n_train: int, size: int, seed: int, generation: int) -> np
     return rng.choice(n_train, size=min(size, n_train), replace=False)
 
 
+def mean_reward(task, completions: list, answers: list, cache: dict) -> float:
+    """Mean of ``task.rewards`` over (completion, answer) pairs; only pairs missing from
+    ``cache`` ({pair: reward}, filled in) are scored: members of one generation mostly write
+    the same completions. Same value as ``np.mean(task.rewards(completions, answers))``."""
+    pairs = list(zip(completions, answers))
+    new = list(dict.fromkeys(p for p in pairs if p not in cache))
+    if new:
+        cache.update(zip(new, task.rewards([c for c, _ in new], [a for _, a in new])))
+    return float(np.mean([cache[p] for p in pairs]))
+
+
+def padded_group(factors: dict, start: int, k: int) -> dict:
+    """Members start .. start+k-1 of ``factors``; a short last group is padded with copies of
+    its first member (never decoded), so an engine keeps one shape for every group."""
+    group = {}
+    for name, (a, b) in factors.items():
+        a, b = a[start:start + k], b[start:start + k]
+        pad = k - a.shape[0]
+        group[name] = (torch.cat([a] + [a[:1]] * pad), torch.cat([b] + [b[:1]] * pad))
+    return group
+
+
 def score_members(model, tokenizer, space, members: np.ndarray, task, prompts: list,
                   answers: list, max_new_tokens: int, batch_size: int, timer, decoder,
                   k: int = 1) -> np.ndarray:
     """Fitness of each row of ``members`` (n, dim): mean reward in [0, 1], float64 (n,).
 
-    Decoded by ``decoder`` (the job's :class:`hpc.engine.decoder.Decoder`). On the decoding
-    engine (``model.engine=engine``) k members decode together, each row
-    tagged with its member (:func:`essa.batched.score_members_engine`, any k, the model's
-    adapter untouched). On the reference path ``hf``, ``k`` > 1 scores k members per batched
-    generation (:mod:`essa.batched`, same fitness), and with k = 1 the model's adapter is left
-    holding the last member's weights; callers re-apply what they need next.
+    ``decoder``: the job's backend. k members (capped by n) decode per call, up to
+    ``batch_size * k`` rows at once. Phases: ``rebuild`` (A', B' of all n members in one
+    vectorised call, then sliced per group), ``generate``, ``reward``.
     """
-    if decoder.path == "engine":
-        return score_members_engine(model, tokenizer, space, members, task, prompts, answers,
-                                    max_new_tokens, batch_size, timer, k, decoder)
-    if k > 1:
-        return score_members_batched(model, tokenizer, space, members, task, prompts, answers,
-                                     max_new_tokens, batch_size, timer, k, decoder)
+    with timer.phase("rebuild"):
+        k = max(1, min(k, len(members)))
+        factors = space.factors_batch(members)
     fitness = np.empty(len(members), dtype=np.float64)
-    for i, x in enumerate(members):
+    cache = {}
+    for g in range(0, len(members), k):
+        n_group = min(k, len(members) - g)
         with timer.phase("rebuild"):
-            space.apply(model, x)
+            group = padded_group(factors, g, k)
         with timer.phase("generate"):
-            completions = generate(model, tokenizer, prompts, max_new_tokens,
-                                   batch_size=batch_size, decoder=decoder, path="hf")
+            texts = member_completions(model, tokenizer, group, prompts, max_new_tokens,
+                                       batch_size, decoder=decoder, n_members=n_group)
         with timer.phase("reward"):
-            fitness[i] = float(np.mean(task.rewards(completions, answers)))
+            for m, completions in enumerate(texts):
+                fitness[g + m] = mean_reward(task, completions, answers, cache)
     return fitness

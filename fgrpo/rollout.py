@@ -106,7 +106,7 @@ def sample_rollouts(model, tokenizer, task, prompts: list, answers: list, f, max
     """Sample ``f.sampling.num_generations`` completions per prompt and score them. Completion
     j of prompt i draws with the key (``seed``, ``first_index`` + i, j)
     (:func:`hpc.engine.generate.generate_tokens`), whichever rank samples it, decoded by
-    ``decoder`` (:class:`hpc.engine.decoder.Decoder`). ``f``: the ``fgrpo`` section
+    ``decoder`` (:class:`hpc.engine.engine_backend.EngineBackend`). ``f``: the ``fgrpo`` section
     (sampling, overlong shaping and filtering)."""
     G = f.sampling.num_generations
     device = next(model.parameters()).device

@@ -64,7 +64,7 @@ def keep_informative(uniform: np.ndarray, need: int) -> np.ndarray:
 
 def sample_step(model, tok, task, cfg, world, step: int, timer, decoder) -> StepRollouts:
     """The step's rollouts (see the module docstring), decoded by ``decoder`` (the job's
-    :class:`hpc.engine.decoder.Decoder`); collective when dynamic sampling is on."""
+    :class:`hpc.engine.engine_backend.EngineBackend`); collective when dynamic sampling is on."""
     f, seed = cfg.fgrpo, cfg.run.seed
     target = min(f.batch_prompts, len(task.train))
     kept, first, have, filtered, drawn, rounds = [], None, 0, 0, 0, 0

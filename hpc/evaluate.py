@@ -57,10 +57,10 @@ def evaluate(model, tokenizer, task, split, eval_cfg: EvalConfig, max_new_tokens
              world: World, decoder, seed: int = 0, sampled: bool = True,
              next_decode: tuple = (0, 1)) -> EvalResult:
     """Greedy accuracy and (if ``sampled``) pass@k over ``split``, shared across ranks,
-    decoded by ``decoder`` (the job's :class:`hpc.engine.decoder.Decoder`). The evaluation's
+    decoded by ``decoder`` (the job's :class:`hpc.engine.engine_backend.EngineBackend`). The evaluation's
     engine is released at the end unless the phase after it, which decodes ``next_decode`` =
     (rows, members) at once ((0, 1): nothing), would reuse it
-    (:meth:`hpc.engine.decoder.Decoder.end_phase`)."""
+    (:meth:`hpc.engine.engine_backend.EngineBackend.end_phase`)."""
     from hpc.engine.generate import generate
 
     start = time.perf_counter()
@@ -113,11 +113,14 @@ def main(argv=None):
     attrs = environment_attrs(world, job.device)
     store = RunStore(f"{job.out_dir}/eval.h5", world.is_root,
                      dict(attrs, **job.sources.attrs(), method="eval", config=job.config_text,
-                          quantized_linears=quantized_linears(model)))
+                          quantized_linears=quantized_linears(model),
+                          decode_backend=job.decoder.name,
+                          decode_backend_version=job.decoder.version()))
     result = evaluate(model, tok, task, task.eval, cfg.eval, cfg.task.max_new_tokens, world,
                       job.decoder, seed=cfg.run.seed)
     log_eval(store, 0, result)
     share_graph_check(world, job.decoder, store)
+    job.decoder.close()
     store.close()
     if world.is_root:
         label = cfg.lora.adapter or cfg.model.path

@@ -9,12 +9,11 @@ import torch
 from transformers.generation.logits_process import TopPLogitsWarper
 
 from conftest import run_cli, run_mpi
-from essa.batched import member_completions
 from essa.population import score_members
 from hpc.models.adapter_space import SingularValueSpace
-from hpc.engine.config import EngineConfig
-from hpc.engine.decoder import Decoder
-from hpc.engine.generate import eos_ids, generate, generate_tokens
+from hpc.engine.backend import make_backend
+from hpc.engine.engine_backend import EngineBackend
+from hpc.engine.generate import eos_ids, generate, generate_tokens, member_completions
 from hpc.engine.memory import bucket
 from hpc.engine.scheduler import Request
 from hpc.models.loading import load_model
@@ -55,7 +54,7 @@ def test_prompts_have_mixed_lengths_and_rows_stop_early(toy, prompts):
     model, tok = toy
     lengths = {len(tok(p)["input_ids"]) for p in prompts}
     assert len(lengths) >= 3
-    ends = [len(row) for row in generate_tokens(model, tok, prompts, MAX_NEW, path="hf")]
+    ends = [len(row) for row in generate_tokens(model, tok, prompts, MAX_NEW, backend="hf")]
     assert len(set(ends)) >= 2 and min(ends) < MAX_NEW  # rows end at different steps
 
 
@@ -63,17 +62,17 @@ def test_prompts_have_mixed_lengths_and_rows_stop_early(toy, prompts):
 @pytest.mark.toy
 def test_greedy_tokens_equal_hf_generate(toy, prompts, batch_size):
     model, tok = toy
-    ref = generate_tokens(model, tok, prompts, MAX_NEW, batch_size=batch_size, path="hf")
+    ref = generate_tokens(model, tok, prompts, MAX_NEW, batch_size=batch_size, backend="hf")
     assert generate_tokens(model, tok, prompts, MAX_NEW, batch_size=batch_size,
-                           path="engine") == ref
+                           backend="engine") == ref
 
 
 @pytest.mark.toy
 def test_fixed_length_prompts_equal_hf_generate(toy):
     model, tok = toy
     fixed = [f"{a}+{b}=" for a, b in zip(range(10, 40), range(60, 90))]
-    assert generate(model, tok, fixed, MAX_NEW, path="engine", batch_size=8) == \
-        generate(model, tok, fixed, MAX_NEW, path="hf", batch_size=8)
+    assert generate(model, tok, fixed, MAX_NEW, backend="engine", batch_size=8) == \
+        generate(model, tok, fixed, MAX_NEW, backend="hf", batch_size=8)
 
 
 @pytest.mark.toy
@@ -81,19 +80,19 @@ def test_per_row_limits_stop_rows_and_admit_waiting_ones(toy, prompts):
     """Rows with their own max_new end early and free their slot; every row still equals its
     HF completion cut at its limit."""
     model, tok = toy
-    ref = generate_tokens(model, tok, prompts, MAX_NEW, path="hf")
+    ref = generate_tokens(model, tok, prompts, MAX_NEW, backend="hf")
     limits = [1 + i % MAX_NEW for i in range(len(prompts))]
     requests = [Request(tok(p)["input_ids"], n) for p, n in zip(prompts, limits)]
-    out = Decoder().run_requests(model, requests, eos_ids(model, tok), None, rows=5)
+    out = EngineBackend().decode(model, requests, eos_ids(model, tok), None, rows=5)
     assert out == [r[:n] for r, n in zip(ref, limits)]
 
 
 @pytest.mark.toy
 def test_peft_adapter_is_one_member(adapted, toy, prompts):
     model, tok = adapted
-    ref = generate_tokens(model, tok, prompts, MAX_NEW, path="hf", batch_size=16)
-    assert ref != generate_tokens(toy[0], tok, prompts, MAX_NEW, path="hf")
-    assert generate_tokens(model, tok, prompts, MAX_NEW, path="engine", batch_size=5) == ref
+    ref = generate_tokens(model, tok, prompts, MAX_NEW, backend="hf", batch_size=16)
+    assert ref != generate_tokens(toy[0], tok, prompts, MAX_NEW, backend="hf")
+    assert generate_tokens(model, tok, prompts, MAX_NEW, backend="engine", batch_size=5) == ref
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
@@ -104,7 +103,7 @@ def test_members_per_row_equal_one_at_a_time_hf(adapted, prompts, k):
     model, tok = adapted
     space = SingularValueSpace.from_peft(model)
     factors = space.factors_batch(toy_members(space, k))
-    ref = member_completions(model, tok, factors, prompts, MAX_NEW, batch_size=16)
+    ref = member_completions(model, tok, factors, prompts, MAX_NEW, 16, backend="hf")
     # the members differ (two of them may coincide at a near tie of the CPU-built toy)
     assert len({tuple(t) for t in ref}) >= k - 1
     assert engine_member_texts(model, tok, factors, prompts, k, rows=12) == ref
@@ -121,8 +120,7 @@ def test_essa_fitness_equals_reference_path(adapted, prompts, k):
     for path in ("hf", "engine"):
         fitness[path] = score_members(model, tok, space, members, HashTask(), prompts, answers,
                                       MAX_NEW, 16, PhaseTimer(["rebuild", "generate", "reward"]),
-                                      Decoder(EngineConfig(path=path)), k=k)
-        space.apply(model, np.zeros(space.dim))  # the hf k=1 path leaves the last member
+                                      make_backend(path), k=k)
     assert len(set(fitness["hf"].tolist())) > 1
     assert np.array_equal(fitness["engine"], fitness["hf"])
 
@@ -131,15 +129,15 @@ def test_essa_fitness_equals_reference_path(adapted, prompts, k):
 def test_sampled_tokens_equal_hf_and_do_not_depend_on_batching(toy, prompts):
     model, tok = toy
     kw = dict(do_sample=True, temperature=1.5, top_p=0.95, num_return_sequences=4, seed=11)
-    ref = generate_tokens(model, tok, prompts, MAX_NEW, path="hf", batch_size=16, **kw)
+    ref = generate_tokens(model, tok, prompts, MAX_NEW, backend="hf", batch_size=16, **kw)
     assert len({tuple(r) for r in ref[:4 * 8]}) > 8  # samples vary
-    assert generate_tokens(model, tok, prompts, MAX_NEW, path="engine", batch_size=3,
+    assert generate_tokens(model, tok, prompts, MAX_NEW, backend="engine", batch_size=3,
                            **kw) == ref
-    split = (generate_tokens(model, tok, prompts[:17], MAX_NEW, path="engine", **kw)
-             + generate_tokens(model, tok, prompts[17:], MAX_NEW, path="engine",
+    split = (generate_tokens(model, tok, prompts[:17], MAX_NEW, backend="engine", **kw)
+             + generate_tokens(model, tok, prompts[17:], MAX_NEW, backend="engine",
                                first_index=17, **kw))
     assert split == ref
-    assert generate_tokens(model, tok, prompts, MAX_NEW, path="engine",
+    assert generate_tokens(model, tok, prompts, MAX_NEW, backend="engine",
                            **{**kw, "seed": 12}) != ref
 
 
@@ -164,8 +162,8 @@ def test_top_p_filter_is_transformers_rule():
 @pytest.mark.toy
 def test_no_prompts_no_rows(toy):
     """A rank whose share of the problems is empty decodes nothing on either path."""
-    for path in ("engine", "hf"):
-        assert generate(*toy, [], MAX_NEW, path=path, do_sample=True, seed=1) == []
+    for backend in ("engine", "hf"):
+        assert generate(*toy, [], MAX_NEW, backend=backend, do_sample=True, seed=1) == []
 
 
 def test_buckets_are_powers_of_two_capped():
@@ -230,6 +228,9 @@ def test_essa_run_equals_reference_path(toy_adapter, tmp_path):
                            f"model.engine={path}"], timeout=900)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[path] = RunFile(str(out / "essa.h5"))
+        assert runs[path].attrs["decode_backend"] == path
+        assert runs[path].attrs["decode_backend_version"].split()[0] == (
+            "essa-hpc" if path == "engine" else "transformers")
     fitness = runs["hf"].group("essa")["fitness"]
     assert fitness.shape == (3, 6) and fitness.std() > 0
     assert np.array_equal(runs["engine"].group("essa")["fitness"], fitness)

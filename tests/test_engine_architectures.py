@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import hpc.engine.runner as runner
-from essa.batched import member_completions
+from hpc.engine.generate import member_completions
 from hpc.engine.architectures import engine_refusal
-from hpc.engine.decoder import Decoder
+from hpc.engine.engine_backend import EngineBackend
 from hpc.engine.generate import eos_ids, generate_tokens
 from hpc.engine.scheduler import Request
 from hpc.engine.shape import ModelShape
@@ -66,17 +66,17 @@ def arch_model(request):
 
 def test_greedy_tokens_equal_hf_generate(arch_model):
     arch, model, tok = arch_model
-    ref = generate_tokens(model, tok, PROMPTS, MAX_NEW, path="hf", batch_size=5)
+    ref = generate_tokens(model, tok, PROMPTS, MAX_NEW, backend="hf", batch_size=5)
     assert len({tuple(r) for r in ref}) >= 4, ref  # completions depend on the prompt
-    assert generate_tokens(model, tok, PROMPTS, MAX_NEW, path="engine", batch_size=6) == ref
+    assert generate_tokens(model, tok, PROMPTS, MAX_NEW, backend="engine", batch_size=6) == ref
 
 
 def test_sampled_tokens_equal_hf_generate(arch_model):
     arch, model, tok = arch_model
     kw = dict(do_sample=True, temperature=1.2, top_p=0.95, num_return_sequences=3, seed=5)
-    ref = generate_tokens(model, tok, PROMPTS, MAX_NEW, path="hf", batch_size=8, **kw)
+    ref = generate_tokens(model, tok, PROMPTS, MAX_NEW, backend="hf", batch_size=8, **kw)
     assert len({tuple(r) for r in ref}) > len(PROMPTS)
-    assert generate_tokens(model, tok, PROMPTS, MAX_NEW, path="engine", batch_size=7,
+    assert generate_tokens(model, tok, PROMPTS, MAX_NEW, backend="engine", batch_size=7,
                            **kw) == ref
 
 
@@ -88,28 +88,28 @@ def test_adapter_and_members_per_row_equal_hf(arch):
     peft = attach_lora(model, 4, 8.0, TARGETS)
     randomize_lora_b(peft, 0.3, torch.Generator().manual_seed(3))
     peft.eval()
-    ref = generate_tokens(peft, tok, PROMPTS, MAX_NEW, path="hf", batch_size=5)
+    ref = generate_tokens(peft, tok, PROMPTS, MAX_NEW, backend="hf", batch_size=5)
     with peft.disable_adapter():
-        assert generate_tokens(peft, tok, PROMPTS, MAX_NEW, path="hf") != ref  # it acts
-    assert generate_tokens(peft, tok, PROMPTS, MAX_NEW, path="engine", batch_size=6) == ref
+        assert generate_tokens(peft, tok, PROMPTS, MAX_NEW, backend="hf") != ref  # it acts
+    assert generate_tokens(peft, tok, PROMPTS, MAX_NEW, backend="engine", batch_size=6) == ref
 
     space = SingularValueSpace.from_peft(peft)
     k = 3
     members = np.random.default_rng(k).normal(0.0, 0.5, (k, space.dim)) * space.singular_values()
     factors = space.factors_batch(members)
-    want = member_completions(peft, tok, factors, PROMPTS, MAX_NEW, batch_size=8)
+    want = member_completions(peft, tok, factors, PROMPTS, MAX_NEW, 8, backend="hf")
     assert len({tuple(t) for t in want}) == k
     requests = [Request(tok(p)["input_ids"], MAX_NEW, m, i) for i, p in enumerate(PROMPTS)
                 for m in range(k)]
-    out = tok.batch_decode(Decoder().run_requests(peft, requests, eos_ids(peft, tok), None, 10,
-                                                  factors=factors), skip_special_tokens=True)
+    out = tok.batch_decode(EngineBackend().decode(peft, requests, eos_ids(peft, tok), None, 10,
+                                                  members=factors), skip_special_tokens=True)
     assert [[out[i * k + m] for i in range(len(PROMPTS))] for m in range(k)] == want
 
 
 def test_qwen3_without_its_qk_norms_differs(monkeypatch):
     """The Qwen3 comparison above would catch an engine that skipped the q/k norms."""
     model, tok = model_of("qwen3")
-    ref = generate_tokens(model, tok, PROMPTS, MAX_NEW, path="hf", batch_size=8)
+    ref = generate_tokens(model, tok, PROMPTS, MAX_NEW, backend="hf", batch_size=8)
     original = runner.DecodeEngine.__init__
 
     def without_norms(self, *args, **kwargs):
@@ -117,7 +117,7 @@ def test_qwen3_without_its_qk_norms_differs(monkeypatch):
         self.qk_norm = False
 
     monkeypatch.setattr(runner.DecodeEngine, "__init__", without_norms)
-    assert generate_tokens(model, tok, PROMPTS, MAX_NEW, path="engine", batch_size=8) != ref
+    assert generate_tokens(model, tok, PROMPTS, MAX_NEW, backend="engine", batch_size=8) != ref
 
 
 def test_shape_counts_the_parameters(arch_model):
@@ -160,5 +160,43 @@ def test_a_refused_model_is_a_user_error_at_the_engine():
     model, tok = model_of("mistral")
     model.config.sliding_window = 8
     with pytest.raises(UserError, match="sliding-window attention.*use model.engine=hf"):
-        generate_tokens(model, tok, PROMPTS, MAX_NEW, path="engine")
+        generate_tokens(model, tok, PROMPTS, MAX_NEW, backend="engine")
 
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_sft_essa_and_fgrpo_jobs_decode_on_the_engine_through_auto(tmp_path, arch):
+    """A Llama and a Qwen3 model run SFT, then ESSA and F-GRPO from its adapter, on 2 ranks
+    with ``model.engine=auto``: each run file names the package's engine, and the adapters the
+    jobs exported decode to HF ``generate``'s greedy tokens on it."""
+    from peft import PeftModel
+
+    from conftest import run_mpi
+    from hpc.runtime.runstore import RunFile
+
+    _, model, tok = built(arch)
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    runs = tmp_path / "runs"
+    common = [f"model.path={folder}", "model.engine=auto", "task.n_train=64", "task.n_eval=8",
+              "eval.n_samples=2", "eval.every=0", "run.progress=false"]
+    for method, extra in (("sft", ["sft.steps=2", "sft.batch_size=8"]),
+                          ("essa", ["essa.population=4", "essa.minibatch=8",
+                                    "essa.generations=1", f"lora.adapter={runs / 'sft' / 'adapter'}"]),
+                          ("fgrpo", ["fgrpo.steps=1", "fgrpo.batch_prompts=4",
+                                     "fgrpo.sampling.num_generations=2",
+                                     f"lora.adapter={runs / 'sft' / 'adapter'}"])):
+        proc = run_mpi(2, ["-m", method, *common, *extra, f"run.out={runs / method}"],
+                       timeout=300)
+        assert proc.returncode == 0, (method, proc.stderr[-3000:])
+        attrs = RunFile(str(runs / method / f"{method}.h5")).attrs
+        assert attrs["decode_backend"] == "engine", method
+    for method in ("sft", "fgrpo"):
+        peft = PeftModel.from_pretrained(type(model).from_pretrained(folder),
+                                         runs / method / "adapter").eval()
+        want = generate_tokens(peft, tok, PROMPTS, MAX_NEW, backend="hf", batch_size=16)
+        assert len({tuple(t) for t in want}) > 8, method  # completions differ between prompts
+        assert generate_tokens(peft, tok, PROMPTS, MAX_NEW, backend="engine") == want, method

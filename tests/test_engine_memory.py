@@ -13,7 +13,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from conftest import our_lines, run_cli, run_mpi
 from hpc.models.adapter_space import SingularValueSpace
 from hpc.engine.config import EngineConfig
-from hpc.engine.decoder import Decoder
+from hpc.engine.engine_backend import EngineBackend
 from hpc.engine.generate import eos_ids, generate_tokens
 from hpc.engine.memory import (GIB, bucket, engine_bytes, engine_memory, rounded_length,
                                slots_within)
@@ -41,7 +41,7 @@ def threads():
 @pytest.fixture
 def decoder():
     """A fresh decoder of the default model section (budget, slots, graphs on)."""
-    return Decoder()
+    return EngineBackend()
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def test_bytes_formula_equals_the_engine_tensors(decoder):
     factors = space.factors_batch(toy_members(space, 3))
     requests = [Request(tok(p)["input_ids"], MAX_NEW, i % 3, i) for i, p in
                 enumerate(mixed_prompts(12))]
-    decoder.run_requests(model, requests, eos_ids(model, tok), None, 12, factors=factors)
+    decoder.decode(model, requests, eos_ids(model, tok), None, 12, members=factors)
     engine = decoder.engine
     planned = engine.memory()
     assert engine.slots == 16 and engine.k == 3
@@ -154,7 +154,7 @@ def test_small_budget_decodes_in_waves_with_the_same_completions(toy, prompts, s
     ref = generate_tokens(model, tok, prompts, MAX_NEW, batch_size=16, decoder=decoder, **kw)
     assert decoder.engine.slots == (64 if sampled else 16)
     max_len = max(len(tok(p)["input_ids"]) for p in prompts) + MAX_NEW
-    limited = Decoder(EngineConfig(memory_gib=budget_gib_for(model, 5, max_len))
+    limited = EngineBackend(EngineConfig(memory_gib=budget_gib_for(model, 5, max_len))
                       if limit == "engine_memory_gib" else EngineConfig(slots=3))
     assert generate_tokens(model, tok, prompts, MAX_NEW, batch_size=16, decoder=limited,
                            **kw) == ref
@@ -168,12 +168,12 @@ def test_an_engine_is_resized_to_each_phase(toy, prompts, decoder):
     model, tok = toy
     eos = eos_ids(model, tok)
     requests = [Request(tok(p)["input_ids"], MAX_NEW) for p in prompts]
-    decoder.run_requests(model, requests, eos, None, 64)
+    decoder.decode(model, requests, eos, None, 64)
     assert decoder.engine.slots == 64
-    decoder.run_requests(model, requests, eos, None, 8)
+    decoder.decode(model, requests, eos, None, 8)
     small = decoder.engine
     assert small.slots == 8 and small.cache.nbytes == small.memory()["kv_cache"]
-    decoder.run_requests(model, requests[:3], eos, None, 8)  # a short last call of the phase
+    decoder.decode(model, requests[:3], eos, None, 8)  # a short last call of the phase
     assert decoder.engine is small
 
 
@@ -182,7 +182,7 @@ def test_budget_without_room_for_one_row_is_one_line(toy):
     model, tok = toy
     with pytest.raises(UserError, match="model.engine_memory_gib"):
         generate_tokens(model, tok, ["1+2="], MAX_NEW,
-                        decoder=Decoder(EngineConfig(memory_gib=1e-6)))
+                        decoder=EngineBackend(EngineConfig(memory_gib=1e-6)))
 
 
 @pytest.mark.parametrize("replay", [CheckedStep, PerturbedStep])
@@ -193,7 +193,7 @@ def test_self_check_on_first_capture(toy, prompts, replay):
     with the completions of the eager engine either way; another decoder is not touched."""
     model, tok = toy
     ref = generate_tokens(model, tok, prompts, MAX_NEW, batch_size=8)
-    decoder = Decoder(EngineConfig(replay=replay))
+    decoder = EngineBackend(EngineConfig(replay=replay))
     out = generate_tokens(model, tok, prompts, MAX_NEW, batch_size=8, decoder=decoder)
     assert out == ref
     if replay is CheckedStep:
@@ -206,7 +206,7 @@ def test_self_check_on_first_capture(toy, prompts, replay):
         # the decoder's later engines decode eagerly: one of another shape replays nothing
         generate_tokens(model, tok, prompts[:2], MAX_NEW, batch_size=1, decoder=decoder)
         assert decoder.engine.graphs is None and decoder.engine.slots == 1
-        other = Decoder(EngineConfig(replay=CheckedStep))
+        other = EngineBackend(EngineConfig(replay=CheckedStep))
         generate_tokens(model, tok, prompts[:2], MAX_NEW, batch_size=1, decoder=other)
         assert other.graph_failure == "" and other.engine.graphs is not None
 

@@ -1,4 +1,4 @@
-"""Batched members (essa.batched): k members per generation give one-at-a-time fitness and
+"""Batched members on the hf backend (hpc.engine.hf_backend, MemberLora): k members per generation give one-at-a-time fitness and
 completions bit for bit (fp32, CPU), in one process and under mpirun -n 2."""
 import copy
 import json
@@ -10,13 +10,17 @@ import pytest
 import torch
 
 from conftest import REPO, run_cli, run_mpi
-from essa.batched import choose_k, mean_reward, members_on_device, members_that_fit
-from essa.member_lora import MemberLora
+from essa.population import mean_reward, score_members
+from hpc.engine.backend import make_backend
+from hpc.engine.hf_backend import members_on_device, members_that_fit
 from hpc.engine.shape import ModelShape
+from hpc.models.member_lora import MemberLora
 from hpc.models.adapter_space import SingularValueSpace
 from hpc.models.loading import attach_lora, randomize_lora_b
 from hpc.toys.toy import tiny_model
-from mpi.batched_check import N_MEMBERS, N_PROMPTS, HashTask, build_case, completions, score
+from hpc.runtime.timing import PhaseTimer
+from mpi.batched_check import (BATCH, MAX_NEW, N_MEMBERS, N_PROMPTS, HashTask, build_case,
+                               completions, score)
 
 BENCHMARKS = os.path.join(REPO, "benchmarks")
 
@@ -56,6 +60,18 @@ def test_batched_equals_one_at_a_time(case, reference, k):
     # 5 members: the last group is short for every k
     assert completions(case, case[3], k) == reference[1]
     assert np.array_equal(score(case, case[3], k), reference[0])
+
+
+def test_one_member_a_pass_equals_peft(case, reference):
+    """k = 1 on the hf backend decodes its member through MemberLora, not through peft's own
+    adapter (which stays untouched): the same fitness bit for bit."""
+    model, tok, space, members, prompts, answers = case
+    before = {n: p.clone() for n, p in model.named_parameters() if "lora_" in n}
+    fitness = score_members(model, tok, space, members, HashTask(), prompts, answers, MAX_NEW,
+                            BATCH, PhaseTimer(["rebuild", "generate", "reward"]),
+                            make_backend("hf"), 1)
+    assert np.array_equal(fitness, reference[0])
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if n in before)
 
 
 def test_mean_reward_scores_each_pair_once():
@@ -205,12 +221,6 @@ def test_rows_must_be_a_multiple_of_k(case):
     with MemberLora(model, space.factors_batch(members[:3])), torch.no_grad():
         with pytest.raises(ValueError, match="not a multiple of 3 members"):
             model(input_ids=torch.ones((4, 2), dtype=torch.long))
-
-
-def test_choose_k_on_cpu_is_the_configured_k(case):
-    model, tok, _, _, prompts, _ = case
-    assert choose_k(model, tok, 4, 10, prompts, 16, 8) == 4
-    assert choose_k(model, tok, 16, 5, prompts, 16, 8) == 5
 
 
 def test_members_on_device_reads_free_memory_and_the_adapter_size(case, monkeypatch):

@@ -166,7 +166,7 @@ def test_the_shared_floor_names_no_method():
 
 def test_every_module_stands_on_a_floor():
     assert floor("essa.__main__") == floor("compare.scaling") == len(FLOORS) - 1
-    assert floor("hpc.runtime.world") < floor("hpc.engine.decoder") < floor("hpc.job.loop")
+    assert floor("hpc.runtime.world") < floor("hpc.engine.engine_backend") < floor("hpc.job.loop")
     assert floor("essa.trainer") == floor("sft.trainer") == [n for n, _ in FLOORS].index("methods")
     for module in _graph():
         floor(module)

@@ -8,7 +8,7 @@ import pytest
 from transformers import Qwen2Config
 
 from compare.scaling import Model
-from essa.batched import members_that_fit
+from hpc.engine.hf_backend import members_that_fit
 from hpc.engine.memory import ENGINE_MEMORY_SHARE, engine_memory
 from hpc.engine.shape import QWEN25, ModelShape
 from hpc.plan.terms import engine_parts

@@ -1,37 +1,20 @@
-"""Batched text generation: completions only, prompt-major, by one of two paths.
+"""Batched text generation: completions only, prompt-major, through a decoding backend
+(:mod:`hpc.engine.backend`): the job's (``decoder=``), a fresh one of a registered name
+(``backend=``), else a fresh one of the package's engine.
 
-* ``engine`` (the default): the decoding engine of a :class:`hpc.engine.decoder.Decoder`
-  (static KV cache, continuous batching, CUDA graphs on GPU); each prompt is prefilled unpadded.
-* ``hf``: Hugging Face ``model.generate`` (the reference path), described below.
-
-The path is the decoder's (``model.engine``, :class:`hpc.engine.config.EngineConfig`), or the
-call's (``path=``). Without a decoder a call decodes through a fresh default one (nothing
-kept between such calls). Sampling on both paths is keyed (:mod:`hpc.models.sampling`):
-prompt ``first_index + i``'s sample ``j`` depends only on (seed, first_index + i, j), not on
-the batch or the number of ranks.
-
-Reference path:
-
-Prompts are left-padded with an attention mask, so position ids start at 0 on the first real
-token of every row (``generate`` derives them from the mask). Greedy decoding is deterministic.
-
-Batch invariance (fp32, CPU): a prompt gets the same greedy completion whatever the other
-prompts of its batch when all prompts tokenise to the same length (no padding; tested). With
-prompts of different lengths the padded rows see a different mask and matmul shape, which can
-change logits in the last bits (about 1e-5 for the toy model) and so, rarely, flip a near-tied
-argmax (none in 200 mixed-length toy prompts); in bf16/fp16 or on GPU flips are more likely.
+Sampling on every backend is keyed (:mod:`hpc.models.sampling`): prompt ``first_index + i``'s
+sample ``j`` depends only on (seed, first_index + i, j), not on the batch or the number of
+ranks.
 """
 from __future__ import annotations
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList
 
-from hpc.engine.config import PATHS
-from hpc.engine.decoder import Decoder
+from hpc.engine.backend import DecodeBackend, make_backend
 from hpc.engine.scheduler import Request
 from hpc.models.chat import stop_token_ids
 from hpc.models.quantize import generation_weights
-from hpc.models.sampling import KeyedGumbelProcessor, Sampling
+from hpc.models.sampling import Sampling
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -43,16 +26,6 @@ def eos_ids(model, tokenizer) -> list[int]:
         ids.update(configured if isinstance(configured, (list, tuple)) else [configured])
     ids.discard(None)
     return sorted(ids)
-
-
-def _model_device(model) -> torch.device:
-    return next(model.parameters()).device
-
-
-def _through_eos(ids: torch.Tensor, eos: list[int]) -> list[int]:
-    """``ids`` (T,) up to and including the first eos token, as a list."""
-    hits = torch.isin(ids, torch.tensor(eos, device=ids.device)).nonzero()
-    return (ids[: int(hits[0]) + 1] if len(hits) else ids).tolist()
 
 
 def _sampling(do_sample, temperature, top_p, seed) -> Sampling | None:
@@ -67,74 +40,33 @@ def _sampling(do_sample, temperature, top_p, seed) -> Sampling | None:
 
 def generate_tokens(model, tokenizer, prompts: list[str], max_new_tokens: int, *,
                     do_sample=False, temperature=1.0, top_p=1.0, num_return_sequences=1,
-                    batch_size=64, seed=None, first_index=0, decoder: Decoder | None = None,
-                    path: str | None = None) -> list[list[int]]:
+                    batch_size=64, seed=None, first_index=0,
+                    decoder: DecodeBackend | None = None,
+                    backend: str | None = None) -> list[list[int]]:
     """Like :func:`generate`, but return each completion's token ids, up to and including the
     eos token that ended it (a completion cut by ``max_new_tokens`` has no eos)."""
-    decoder = decoder or Decoder()
+    decoder = make_backend(backend) if backend else decoder or make_backend()
     sampling = _sampling(do_sample, temperature, top_p, seed)
     n_rows = 1 if sampling is None else num_return_sequences  # greedy samples are all alike
     keys = [(first_index + i, j) for i in range(len(prompts)) for j in range(n_rows)]
-    path = path or decoder.path
-    if path not in PATHS:
-        raise ValueError(f"generation path {path!r} is not one of {PATHS}")
     was_training = model.training
     model.eval()
     try:
         texts = [prompts[p - first_index] for p, _ in keys]
+        ids = [tokenizer(t)["input_ids"] for t in texts]
+        requests = [Request(p, max_new_tokens, 0, pi, si) for p, (pi, si) in zip(ids, keys)]
         with generation_weights(model):  # the quantised base copy of a training job, if any
-            if path == "engine":
-                rows = _engine_rows(decoder, model, tokenizer, texts, keys, max_new_tokens,
-                                    sampling, batch_size * n_rows)
-            else:
-                rows = _hf_rows(model, tokenizer, texts, keys, max_new_tokens, sampling,
-                                batch_size * n_rows)
-                decoder.count_tokens(rows)
+            rows = decoder.decode(model, requests, eos_ids(model, tokenizer), sampling,
+                                  batch_size * n_rows)
     finally:
         model.train(was_training)
     return [row for row in rows for _ in range(num_return_sequences // n_rows)]
 
 
-def _engine_rows(decoder, model, tokenizer, texts, keys, max_new_tokens, sampling,
-                 rows) -> list:
-    """Completions of ``texts`` (one per row, keyed by ``keys``) through the decoder's engine
-    with at most ``rows`` rows decoding at once; the peft adapter of ``model``, if any, on
-    every row."""
-    ids = [tokenizer(t)["input_ids"] for t in texts]
-    requests = [Request(p, max_new_tokens, 0, pi, si) for p, (pi, si) in zip(ids, keys)]
-    return decoder.run_requests(model, requests, eos_ids(model, tokenizer), sampling, rows)
-
-
-def _hf_rows(model, tokenizer, texts, keys, max_new_tokens, sampling, rows) -> list:
-    """Completions of ``texts`` through HF ``generate``, ``rows`` per call, greedy; sampled
-    rows get their keyed Gumbel noise from :class:`KeyedGumbelProcessor`."""
-    eos = eos_ids(model, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    gen_cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False,
-                               repetition_penalty=1.0, pad_token_id=pad_id,
-                               eos_token_id=eos)
-    device = _model_device(model)
-    out: list[list[int]] = []
-    with torch.inference_mode():
-        for start in range(0, len(texts), rows):
-            batch = tokenizer(texts[start:start + rows], return_tensors="pt", padding=True,
-                              padding_side="left").to(device)
-            width = batch["input_ids"].shape[1]
-            processors = LogitsProcessorList()
-            if sampling is not None:
-                key = torch.tensor(keys[start:start + rows], dtype=torch.int64, device=device)
-                processors.append(KeyedGumbelProcessor(sampling, key[:, 0], key[:, 1], width))
-            ids = model.generate(input_ids=batch["input_ids"],
-                                 attention_mask=batch["attention_mask"],
-                                 generation_config=gen_cfg, logits_processor=processors)
-            out.extend(_through_eos(row, eos) for row in ids[:, width:])
-    return out
-
-
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, *, do_sample=False,
              temperature=1.0, top_p=1.0, num_return_sequences=1, batch_size=64,
-             seed=None, first_index=0, decoder: Decoder | None = None,
-             path: str | None = None) -> list[str]:
+             seed=None, first_index=0, decoder: DecodeBackend | None = None,
+             backend: str | None = None) -> list[str]:
     """Complete every prompt; return ``len(prompts) * num_return_sequences`` strings.
 
     Completions are decoded without special tokens and cut at the first eos. Prompt ``i``'s
@@ -144,13 +76,41 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, *, do_sa
     with ``n > 1`` decodes once and repeats the completion ``n`` times. Samples are keyed by
     (``seed``, ``first_index`` + prompt position, sample index) (module docstring); without
     ``seed`` one is drawn from the global torch RNG. ``batch_size`` counts prompts decoding at
-    once (each expands to ``n`` rows). ``decoder``: the job's :class:`Decoder` (default: a
-    fresh one); ``path``: ``'engine'`` or ``'hf'`` (default: the decoder's). The model is put
+    once (each expands to ``n`` rows). ``decoder``: the job's backend; ``backend``: a
+    registered backend's name, decoding through a fresh one (default: the decoder, else a
+    fresh engine). The model is put
     in eval mode for the call and restored afterwards; works with PEFT models (their adapter
     on every row).
     """
     ids = generate_tokens(model, tokenizer, prompts, max_new_tokens, do_sample=do_sample,
                           temperature=temperature, top_p=top_p,
                           num_return_sequences=num_return_sequences, batch_size=batch_size,
-                          seed=seed, first_index=first_index, decoder=decoder, path=path)
+                          seed=seed, first_index=first_index, decoder=decoder,
+                          backend=backend)
     return tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+
+def member_completions(model, tokenizer, factors: dict, prompts: list[str],
+                       max_new_tokens: int, batch_size: int, *,
+                       decoder: DecodeBackend | None = None, backend: str | None = None,
+                       n_members: int | None = None) -> list[list[str]]:
+    """Greedy completions of the first ``n_members`` (default all k) of k members on every
+    prompt: a list per member of len(prompts) strings, decoded in one backend call with up
+    to ``batch_size`` prompts a member at once. ``factors``: {peft LoRA layer name: (A' (k, r,
+    in), B' (k, out, r))} (:meth:`hpc.engine.backend.DecodeBackend.decode`); the model's own
+    adapter is untouched. ``decoder`` / ``backend`` as for :func:`generate`."""
+    decoder = make_backend(backend) if backend else decoder or make_backend()
+    k = next(iter(factors.values()))[0].shape[0]
+    n = k if n_members is None else n_members
+    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    requests = [Request(p, max_new_tokens, m, i, 0) for m in range(n) for i, p in enumerate(ids)]
+    was_training = model.training
+    model.eval()
+    try:
+        rows = decoder.decode(model, requests, eos_ids(model, tokenizer), None, batch_size * k,
+                              members=factors)
+    finally:
+        model.train(was_training)
+    texts = tokenizer.batch_decode(rows, skip_special_tokens=True)
+    return [texts[m * len(prompts):(m + 1) * len(prompts)] for m in range(n)]
+

@@ -3,7 +3,7 @@
 The first time a decode shape is captured, a few steps replayed from the graph are compared
 with the same steps run eagerly (:func:`compare_steps`); on a mismatch the engine decodes
 eagerly from then on and records why (``DecodeEngine.graph_failure``); its owner
-(:class:`hpc.engine.decoder.Decoder`) then builds no graphed engine again, and the job switches
+(:class:`hpc.engine.engine_backend.EngineBackend`) then builds no graphed engine again, and the job switches
 graphs off on every rank and records it (:func:`hpc.job.loop.share_graph_check`).
 """
 from __future__ import annotations

@@ -21,7 +21,7 @@ copied.
   a batch and the step has no host work per member. k = 0 is the bare model; a peft model's own
   adapter is k = 1 (no mask; the same ops as peft's LoRA forward).
 
-Build an engine through its owner, :meth:`hpc.engine.decoder.Decoder.engine_for`.
+Build an engine through its owner, :meth:`hpc.engine.engine_backend.EngineBackend.engine_for`.
 """
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def _core(model, max_len: int):
 class DecodeEngine:
     """Static state for decoding ``slots`` rows of up to ``max_len`` tokens with ``k`` members.
 
-    Build with :meth:`hpc.engine.decoder.Decoder.engine_for` (kept and reused by its owner);
+    Build with :meth:`hpc.engine.engine_backend.EngineBackend.engine_for` (kept and reused by its owner);
     load members with :meth:`set_members`; decode with :meth:`run`. ``ranks``: {adapted module
     name: r}. ``replay``: None (every step eager), :class:`hpc.engine.graphs.GraphedDecode`
     (CUDA graphs, self-checked) or a subclass of it; called with the engine.

@@ -14,14 +14,15 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
+from hpc.engine.backend import DecodeBackend, make_backend, resolve_backend
 from hpc.engine.config import EngineConfig
-from hpc.engine.decoder import Decoder
 from hpc.job.inputs import InputSources, recorded_sources, resolve_sources
 from hpc.job.run_folder import (check_resumable, check_writable, lock_run_folder,
                                  newest_unfinished, run_folder)
 from hpc.models.base_model import check_base
 from hpc.models.loading import model_folder
 from hpc.plan.registry import JobPlan, job_plan
+from hpc.plan.terms import sequence_tokens
 from hpc.models.quantize import check_quantize
 from hpc.runtime.cli import parse_args
 from hpc.runtime.config import config_to_yaml, load_config
@@ -77,7 +78,7 @@ class Job:
     config_text: str
     method: str
     signals: object  # hpc.runtime.preempt.StopSignals, installed before any loading
-    decoder: Decoder  # the job's decoding engine, passed to whoever decodes
+    decoder: DecodeBackend  # the job's decoding backend, passed to whoever decodes
     sources: InputSources  # where model.path and lora.adapter lie (Hub ids resolved)
     plan: JobPlan  # the memory plan and its decisions, computed once at the start
 
@@ -126,7 +127,9 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
                                            cfg.lora.allow_other_base))
     # the job's one plan, before any weight loads: its verdict and every decision it takes
     plan = on_all_ranks(world, lambda: job_plan(cfg, method, world.size, device.type))
-    decoder = Decoder(EngineConfig.from_model(cfg.model, plan.engine_budget))
+    backend = on_all_ranks(world, lambda: resolve_backend(
+        cfg.model.engine, cfg.model.path, sequence_tokens(cfg)))
+    decoder = make_backend(EngineConfig.from_model(cfg.model, backend, plan.engine_budget))
 
     def claim_folder():
         run_folder_entries(out_dir, method)  # every rank: the folder is shared

@@ -130,7 +130,7 @@ class Method(abc.ABC):
 
     def next_decode(self) -> tuple:
         """(rows, members) of the decoding after an evaluation, whose engine the evaluation
-        may keep (:meth:`hpc.engine.decoder.Decoder.end_phase`): a step's, or none after the final
+        may keep (:meth:`hpc.engine.engine_backend.EngineBackend.end_phase`): a step's, or none after the final
         evaluation (the export decodes nothing)."""
         return (0, 1) if self.final_evaluation else self.step_decode()
 
@@ -173,6 +173,7 @@ def run_attrs(job: Job, method: Method) -> dict:
                 phases=json.dumps(phases), metrics=json.dumps(list(method.metrics) + list(LOOP_METRICS)),
                 heldout_accuracy=method.heldout_accuracy, preempted_before_first_step=False,
                 model_build=model_build(job.cfg.model.path), **job.plan.attrs(),
+                decode_backend=job.decoder.name, decode_backend_version=job.decoder.version(),
                 quantized_linears=quantized_linears(method.model), **method.attrs())
 
 
@@ -205,7 +206,7 @@ def resume_fields(state: dict, path: str) -> dict:
 def share_graph_check(world, decoder, store: RunStore,
                       failed: np.ndarray | None = None) -> bool:
     """Collective: when the decoding engine's self-check failed on any rank
-    (``decoder.graph_failure``, :class:`hpc.engine.decoder.Decoder`), CUDA graphs go off on
+    (``decoder.graph_failure``, :class:`hpc.engine.engine_backend.EngineBackend`), CUDA graphs go off on
     every rank, rank 0 prints one line and the run file gets the attribute
     ``cuda_graphs_disabled`` (the rank and the reason). ``failed``: each rank's flag (size,)
     when already gathered (the loop sends it with a step's token count), else gathered here.
@@ -354,7 +355,7 @@ def run_loop(job: Job, method: Method) -> dict:
         log_eval(store, -1, start_eval)
     stop_if_preempted(job, "resuming" if start_eval is None else "the start evaluation", store)
     total = method.total_steps
-    progress = progress_bar(job, total, method.name, initial=start)
+    progress = progress_bar(job, total, f"{method.name} [{job.decoder.name}]", initial=start)
     t0 = time.perf_counter() - elapsed0
     step, preempted, graphs_off = start, False, False
     world.take_bytes()  # start-up traffic (bootstrap, start evaluation) is not a step's
@@ -404,6 +405,7 @@ def run_loop(job: Job, method: Method) -> dict:
     progress.close()
     wall = time.perf_counter() - t0
     if preempted:
+        decoder.close()
         return preempted_exit(world, store, step, wall)
     method.final_evaluation = True  # its engine goes at its end: the export decodes nothing
     final = method.evaluate(sampled=True)
@@ -412,6 +414,7 @@ def run_loop(job: Job, method: Method) -> dict:
         share_graph_check(world, decoder, store)
     if world.is_root or method.collective_export:
         method.export(job.out_dir, step)
+    decoder.close()
     store.set_attrs(steps_done=step, wall_seconds=wall)
     record_device_peaks(job, store, "memory_job_peak")
     store.close("complete")

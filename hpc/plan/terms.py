@@ -169,7 +169,7 @@ def engine_budget(cfg, resident: int) -> int:
 
 def engine_slots(shape: ModelShape, cfg, rows: int, k: int, budget: int) -> int:
     """Slots of a phase that asks for ``rows`` rows
-    (:meth:`hpc.engine.decoder.Decoder.run_requests`): the
+    (:meth:`hpc.engine.engine_backend.EngineBackend.decode`): the
     rows bucketed, capped by ``model.engine_slots`` and by what fits ``budget``."""
     n_lora = shape.lora_parameters(cfg.lora.rank, cfg.lora.targets) if k else 0
     within = slots_within(budget, shape, engine_positions(cfg), k, dtype_bytes(cfg), n_lora,

@@ -148,6 +148,8 @@ def param(default, help: str, *, min=None, max=None, above=None, choices=None):
 # test holds the two equal): a tool that only reads a model folder's files knows them without
 # importing the toys.
 BUILT_IN_MODEL_NAMES = ("toy", "toy-chat")
+# model.engine: auto and the names of hpc.engine.backend.BACKENDS (a test holds them equal)
+DECODE_BACKENDS = ("auto", "engine", "hf")
 
 
 @dataclass
@@ -161,10 +163,12 @@ class ModelConfig:
     dtype: str = param("float32", "weights dtype", choices=["float32", "bfloat16", "float16"])
     device: str = param("auto", "auto: cuda:<local rank> where CUDA is present, else cpu",
                         choices=["auto", "cpu", "cuda"])
-    engine: str = param("engine", "generation path of ESSA fitness, F-GRPO rollouts and "
-                        "evaluation: 'engine' (static KV cache, continuous batching, members "
-                        "per row) or 'hf' (Hugging Face generate, the reference)",
-                        choices=["engine", "hf"])
+    engine: str = param("auto", "decoding backend of ESSA fitness, F-GRPO rollouts and "
+                        "evaluation (docs/engine.md): 'engine' (the package's: static KV "
+                        "cache, continuous batching, members per row; Qwen2, Qwen3, Llama and "
+                        "Mistral models), 'hf' (Hugging Face generate, the reference; any "
+                        "model) or 'auto': the first of those that runs the model",
+                        choices=list(DECODE_BACKENDS))
     cuda_graphs: bool = param(True, "engine on CUDA: replay each decode step from a CUDA "
                               "graph (one per batch/context bucket), each checked against the "
                               "eager step at capture; false runs it eagerly")

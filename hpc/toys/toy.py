@@ -153,7 +153,7 @@ def _encode(tokenizer, pairs) -> tuple[torch.Tensor, torch.Tensor]:
 def greedy_accuracy(model, tokenizer, pairs) -> float:
     """Fraction of ``(prompt, answer)`` pairs whose greedy completion equals the answer."""
     outs = generate(model, tokenizer, [p for p, _ in pairs], max_new_tokens=4, batch_size=256,
-                    path="hf")  # the path the cached toy was built with
+                    backend="hf")  # the path the cached toy was built with
     return sum(o.strip() == a for o, (_, a) in zip(outs, pairs)) / len(pairs)
 
 

@@ -12,12 +12,10 @@ import zlib
 import numpy as np
 import torch
 
-from essa.batched import member_completions
 from essa.population import owners, score_members
+from hpc.engine.backend import make_backend
+from hpc.engine.generate import generate, member_completions
 from hpc.models.adapter_space import SingularValueSpace
-from hpc.engine.config import EngineConfig
-from hpc.engine.decoder import Decoder
-from hpc.engine.generate import generate
 from hpc.models.loading import attach_lora, randomize_lora_b
 from hpc.toys.toy import tiny_model
 from hpc.runtime.timing import PhaseTimer
@@ -50,12 +48,15 @@ def build_case():
 
 
 def score(case, members, k: int) -> np.ndarray:
-    """Fitness (n,) float64 of ``members`` scored k per generation (score_members)."""
+    """Fitness (n,) float64 of ``members``: k per generation through ESSA's score_members on
+    the hf backend; k = 1: the mean reward of peft's own completions (:func:`completions`)."""
     model, tok, space, _, prompts, answers = case
+    if k == 1:
+        return np.array([np.mean(HashTask.rewards(texts, answers))
+                         for texts in completions(case, members, 1)])
     timer = PhaseTimer(["rebuild", "generate", "reward"])
-    reference = Decoder(EngineConfig(path="hf"))  # the reference path's batching, checked here
     return score_members(model, tok, space, members, HashTask(), prompts, answers, MAX_NEW,
-                         BATCH, timer, reference, k)
+                         BATCH, timer, make_backend("hf"), k)
 
 
 def completions(case, members, k: int) -> list:
@@ -66,11 +67,11 @@ def completions(case, members, k: int) -> list:
         out = []
         for x in members:
             space.apply(model, x)
-            out.append(generate(model, tok, prompts, MAX_NEW, batch_size=BATCH, path="hf"))
+            out.append(generate(model, tok, prompts, MAX_NEW, batch_size=BATCH, backend="hf"))
         return out
     return [texts for g in range(0, len(members), k)
             for texts in member_completions(model, tok, space.factors_batch(members[g:g + k]),
-                                            prompts, MAX_NEW, BATCH)]
+                                            prompts, MAX_NEW, BATCH, backend="hf")]
 
 
 def main(out_path: str, k: int = 2) -> None:

@@ -12,9 +12,9 @@ import sys
 import numpy as np
 import torch
 
-from essa.batched import member_completions
+from hpc.engine.generate import member_completions
 from hpc.models.adapter_space import SingularValueSpace
-from hpc.engine.decoder import Decoder
+from hpc.engine.engine_backend import EngineBackend
 from hpc.engine.generate import eos_ids
 from hpc.engine.scheduler import Request
 from hpc.models.loading import attach_lora, load_model, randomize_lora_b
@@ -49,8 +49,8 @@ def engine_member_texts(model, tok, factors: dict, prompts: list, k: int, rows: 
     """Each member's greedy texts (k lists), all members' rows interleaved in one engine run."""
     requests = [Request(tok(p)["input_ids"], MAX_NEW, m, i) for i, p in enumerate(prompts)
                 for m in range(k)]
-    out = tok.batch_decode(Decoder().run_requests(model, requests, eos_ids(model, tok), None,
-                                                  rows, factors=factors),
+    out = tok.batch_decode(EngineBackend().decode(model, requests, eos_ids(model, tok), None,
+                                                  rows, members=factors),
                            skip_special_tokens=True)
     return [[out[i * k + m] for i in range(len(prompts))] for m in range(k)]
 
@@ -62,7 +62,7 @@ def check_members(world) -> None:
                              world.size)[world.rank].tolist()
     for k in (1, 3, 8):
         factors = space.factors_batch(toy_members(space, k))
-        ref = member_completions(model, tok, factors, prompts, MAX_NEW, batch_size=16)
+        ref = member_completions(model, tok, factors, prompts, MAX_NEW, 16, backend="hf")
         got = engine_member_texts(model, tok, factors, prompts, k, rows=12)
         assert got == ref, f"rank {world.rank}, k = {k}: engine differs from HF generate"
 
@@ -80,7 +80,7 @@ def main(out_path: str, members: bool) -> None:
     model, tok = load_model(toy_model_path())
     task = arith_task(n_train=10, n_eval=24, digits=2, ops="+-", seed=5)
     cfg = EvalConfig(n_samples=4, temperature=1.5, batch_size=5)
-    result = evaluate(model, tok, task, task.eval, cfg, MAX_NEW, world, Decoder(), seed=9)
+    result = evaluate(model, tok, task, task.eval, cfg, MAX_NEW, world, EngineBackend(), seed=9)
     if world.is_root:
         with open(out_path, "w") as fh:
             json.dump({"accuracy": result.accuracy, "pass_at_k": result.pass_at_k.tolist(),

@@ -5,7 +5,7 @@
 
 * ``memory``: the start evaluation, then the first generation, as :func:`run_loop` runs them;
   the engine's slots, max_len, k, KV-cache bytes and :func:`engine_memory` at the end of the
-  evaluation (before :meth:`hpc.engine.decoder.Decoder.end_phase`), after it ({} once
+  evaluation (before :meth:`hpc.engine.engine_backend.EngineBackend.end_phase`), after it ({} once
   released) and after the generation.
 * ``perturb-<R>``: the whole job with every engine's decode steps "replayed" by
   :class:`CheckedStep` on any device (so the self-check runs on CPU), rank R's replay perturbed;

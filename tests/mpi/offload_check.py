@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from hpc.engine.decoder import Decoder
+from hpc.engine.engine_backend import EngineBackend
 from hpc.engine.generate import generate_tokens
 from hpc.models.loading import attach_lora
 from hpc.models.parallelize import TrainedWeights, decoding, shard_model
@@ -46,7 +46,7 @@ def run(case: str, offload: str) -> dict:
     weights = TrainedWeights(params, lr=1e-3, weight_decay=0.01)
     ids = torch.randint(3, 40, (4, 12), generator=torch.Generator().manual_seed(world.rank))
     out = {"tokens": []}
-    decoder = Decoder()
+    decoder = EngineBackend()
     for step in range(2):
         model.train()
         weights.zero_grad()

@@ -17,7 +17,7 @@ Two arithmetics:
 * **exact** (the CPU default): the delta uses the same ops in the same order and dtype as peft's
   vanilla LoRA path (matmul by A, matmul by B, times scaling, added to the base output). On CPU
   in fp32 every row then gets the same bits as one-at-a-time evaluation whenever the matmuls
-  have >= 12 rows per member (MKL's sgemm; see :mod:`essa.batched`).
+  have >= 12 rows per member (MKL's sgemm; see :mod:`hpc.engine.hf_backend`).
 * **fused** (the CUDA default): built for decoding, where a GPU at small batch waits on the host
   issuing kernels (measured: README, "Speed"), so host ops per layer are what costs. Factors
   are cast once to the base weight's dtype and ``scaling`` is folded into B'. Layers that read

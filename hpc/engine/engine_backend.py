@@ -1,4 +1,5 @@
-"""The owner of a job's decoding engine: :class:`Decoder`, created once by the job (from its
+"""The package's decoding engine as a backend (``model.engine=engine``):
+:class:`EngineBackend`, the engine's owner, created once by the job (from its
 :class:`hpc.engine.config.EngineConfig`) and passed to whoever decodes.
 
 It alone builds, reuses and releases the engine (one at a time: the old one's memory goes
@@ -7,7 +8,7 @@ turns them off for every later engine) and counts the completion tokens it decod
 this lives in a module: two decoders in one process (two jobs, a test beside a job) never see
 each other's engine, budget or graph state.
 
-**Memory.** An engine is sized within a byte budget (:meth:`Decoder.budget`: ``memory_gib``
+**Memory.** An engine is sized within a byte budget (:meth:`EngineBackend.budget`: ``memory_gib``
 when given, else on CUDA :func:`hpc.engine.memory.budget_left` of the device's memory with what
 is not free at the decoder's first look as resident (the first engine is built after the load,
 so that is what the load left), capped by the memory plan's ``planned_budget``, which the plan
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from hpc.engine.architectures import engine_refusal
+from hpc.engine.backend import DecodeBackend
 from hpc.engine.config import EngineConfig
 from hpc.engine.graphs import GraphedDecode
 from hpc.engine.memory import (CPU_ENGINE_MEMORY_GIB, GIB, budget_left, bucket, engine_bytes,
@@ -30,20 +33,20 @@ from hpc.engine.shape import ModelShape
 from hpc.runtime.errors import UserError
 
 
-class Decoder:
+class EngineBackend(DecodeBackend):
     """A job's decoding engine and everything about it that outlives one call."""
 
+    name = "engine"
+    package = "essa-hpc"
+
     def __init__(self, config: EngineConfig | None = None):
-        self.config = config or EngineConfig()
+        super().__init__(config)
         self.engine: DecodeEngine | None = None
-        self.graph_failure = ""  # why CUDA graphs are off ('' while they are on)
-        self._tokens = 0  # completion tokens decoded since the last take_generated_tokens
         self._derived: dict = {}  # str(device) -> the derived budget, fixed at the first look
 
-    @property
-    def path(self) -> str:
-        """``engine`` or ``hf`` (``model.engine``)."""
-        return self.config.path
+    @classmethod
+    def refuses(cls, config: dict, max_len: int) -> str:
+        return engine_refusal(config, max_len)
 
     def budget(self, device: torch.device) -> int:
         """The engine's budget in bytes on ``device`` (module docstring)."""
@@ -108,15 +111,13 @@ class Decoder:
             self.engine = DecodeEngine(model, want, length, k, ranks, replay)
         return self.engine
 
-    def run_requests(self, model, requests: list, eos: list, sampling, rows: int,
-                     factors: dict | None = None) -> list:
-        """Decode :class:`hpc.engine.scheduler.Request` s on ``model``, at most ``rows`` at
-        once (the phase's rows; fewer when the budget or ``config.slots`` holds fewer: the rest
-        wait for free slots): k members from ``factors`` ({module: (A (k, r, in), B (k, out,
-        r))}), else the model's own adapter (k = 1) or none. Returns each request's new tokens
-        (through its eos, if any)."""
-        if factors is not None:
-            k = next(iter(factors.values()))[0].shape[0]
+    def decode(self, model, requests: list, eos: list, sampling, rows: int,
+               members: dict | None = None) -> list:
+        """:meth:`hpc.engine.backend.DecodeBackend.decode`: at most ``rows`` at once (fewer when
+        the budget or ``config.slots`` holds fewer: the rest wait for free slots), k stacked
+        members from ``members``, else the model's own adapter (k = 1) or none."""
+        if members is not None:
+            k = next(iter(members.values()))[0].shape[0]
         else:
             k = 1 if adapter_ranks(model) else 0
         if not requests:  # a rank with no share of the problems
@@ -124,27 +125,12 @@ class Decoder:
         max_len = max(len(r.prompt) + r.max_new for r in requests)
         engine = self.engine_for(model, min(rows, len(requests)), max_len, k, most=rows)
         if k:
-            engine.set_members(factors)
+            engine.set_members(members)
         out = engine.run(requests, eos, sampling)
         if engine.graph_failure:
             self.disable_graphs(engine.graph_failure)
         self.count_tokens(out)
         return out
-
-    def count_tokens(self, completions: list) -> None:
-        """Add ``completions`` (token lists, either path) to the decoded-token count."""
-        self._tokens += sum(len(c) for c in completions)
-
-    def take_generated_tokens(self) -> int:
-        """Completion tokens decoded (both paths, eos included, repeated greedy samples
-        counted once) since the last call; resets the count."""
-        n, self._tokens = self._tokens, 0
-        return n
-
-    def disable_graphs(self, reason: str, *, replace: bool = False) -> None:
-        """CUDA graphs off for every engine built or reused from now on; the first reason is
-        kept unless ``replace`` (every rank then records the failing rank's reason)."""
-        self.graph_failure = reason if replace else (self.graph_failure or reason)
 
     def release(self, above: int = 0) -> bool:
         """Drop the engine (its KV cache, stacked members, buffers and CUDA graphs with their

@@ -1,0 +1,97 @@
+"""Decoding backends (hpc.engine.backend): one registry, no switch on a backend's name outside
+it, ``model.engine=auto`` resolved from the model's config.json, and a new backend added by one
+file and one registry line."""
+import json
+import os
+import re
+
+import pytest
+
+from conftest import REPO
+from hpc.engine import backend as registry
+from hpc.engine.backend import BACKENDS, make_backend, resolve_backend
+from hpc.engine.generate import generate_tokens
+from hpc.engine.hf_backend import HFBackend
+from hpc.runtime.config import DECODE_BACKENDS
+from hpc.runtime.errors import UserError
+from hpc.toys.toy import architecture_config, tiny_model
+
+PACKAGES = ("hpc", "essa", "fgrpo", "sft", "compare")
+# a comparison or membership test on a backend's name, or on the old path attribute
+SWITCH = re.compile(r"""(==|!=)\s*["'](engine|hf|vllm)["']|["'](engine|hf|vllm)["']\s*(==|!=)"""
+                    r"""|in \(["'](engine|hf)["']|\.path\s*==|model\.engine\s*==|\.engine\s*==""")
+
+
+def test_config_choices_are_the_registry():
+    assert DECODE_BACKENDS == ("auto",) + tuple(BACKENDS)
+
+
+def test_no_switch_on_a_backend_name_outside_the_registry():
+    found = []
+    for package in PACKAGES:
+        for folder, _, files in os.walk(os.path.join(REPO, package)):
+            for name in files:
+                path = os.path.join(folder, name)
+                if not name.endswith(".py") or path.endswith(os.path.join("engine", "backend.py")):
+                    continue
+                with open(path) as fh:
+                    found += [f"{os.path.relpath(path, REPO)}:{i}: {line.strip()}"
+                              for i, line in enumerate(fh, 1) if SWITCH.search(line)]
+    assert not found, "\n".join(found)
+
+
+def _folder(tmp_path, **config) -> str:
+    with open(tmp_path / "config.json", "w") as fh:
+        json.dump(config, fh)
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "mistral", "qwen3"])
+def test_auto_takes_the_engine_for_the_architectures_it_runs(tmp_path, arch):
+    config = architecture_config(arch, vocab_size=64).to_dict()
+    assert resolve_backend("auto", _folder(tmp_path, **config), 1024) == "engine"
+
+
+def test_auto_falls_back_and_a_named_backend_that_refuses_is_one_line(tmp_path):
+    gemma = _folder(tmp_path, model_type="gemma2")
+    assert resolve_backend("auto", gemma, 1024) == "hf"
+    assert resolve_backend("hf", gemma, 1024) == "hf"
+    with pytest.raises(UserError) as err:
+        resolve_backend("engine", gemma, 1024)
+    line = str(err.value)
+    assert line.startswith("model.engine=engine: ") and "gemma2" in line and "\n" not in line
+    # no config.json yet (a built-in model built at its first load): every built-in runs there
+    assert resolve_backend("auto", str(tmp_path / "absent"), 1024) == "engine"
+
+
+def test_a_mistral_whose_rows_outgrow_its_window_goes_to_hf(tmp_path):
+    mistral = _folder(tmp_path, **architecture_config("mistral", vocab_size=64).to_dict())
+    window = json.load(open(os.path.join(mistral, "config.json")))["sliding_window"]
+    assert resolve_backend("auto", mistral, window) == "engine"
+    assert resolve_backend("auto", mistral, window + 1) == "hf"
+
+
+class Recorder(HFBackend):
+    """A backend of this file: HF generate, recording every call's rows."""
+
+    name = "recorder"
+    calls: list = []
+
+    def decode(self, model, requests, eos, sampling, rows, members=None):
+        Recorder.calls.append((len(requests), rows, members is not None))
+        return super().decode(model, requests, eos, sampling, rows, members)
+
+
+def test_a_new_backend_is_one_file_and_one_registry_line(monkeypatch):
+    """Registered by one line, it is resolved, built and decodes a call, and auto prefers it
+    by its place in the registry."""
+    monkeypatch.setitem(BACKENDS, "recorder", "test_backends:Recorder")
+    monkeypatch.setattr(registry, "BACKENDS", {"recorder": BACKENDS["recorder"], **BACKENDS})
+    model, tok = tiny_model()
+    prompts = ["12+34=", "5+6="]
+    want = generate_tokens(model, tok, prompts, 6, backend="hf")
+    assert generate_tokens(model, tok, prompts, 6, backend="recorder", batch_size=1) == want
+    assert Recorder.calls == [(2, 1, False)]
+    assert isinstance(make_backend("recorder"), Recorder)
+    assert resolve_backend("auto", "absent", 64) == "recorder"
+    assert make_backend("recorder").version().startswith("transformers ")
