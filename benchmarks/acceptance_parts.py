@@ -37,7 +37,8 @@ from common import REPO
 from gpu_check import SHAPES, Budget, build, greedy
 from engine_speed import stored_bytes
 
-from hpc.engine.config import EngineConfig  # common.py: repo on sys.path
+from hpc.engine.backend import make_backend  # common.py: repo on sys.path
+from hpc.engine.config import EngineConfig
 from hpc.engine.engine_backend import EngineBackend
 from hpc.engine.generate import generate_tokens
 from hpc.engine.graphs import GraphedDecode
@@ -230,13 +231,14 @@ def _toy_engine_vs_hf(s: Setup, dtype: str) -> dict:
     model, tok = s.toy() if dtype == "float32" else load_model(s.toy_path, dtype, s.device)
     prompts = toy_prompts(s.toy_prompts)
     decoder = EngineBackend()  # as a job has it: CUDA graphs on CUDA
+    reference = make_backend("hf")
 
-    def run(path):
+    def run(backend):
         return generate_tokens(model, tok, prompts, TOY_NEW, batch_size=len(prompts),
-                               decoder=decoder, path=path)
+                               decoder=backend)
 
-    hf, hf_s = warm_then_time(lambda: run("hf"), s.device)
-    eng, eng_s = warm_then_time(lambda: run("engine"), s.device)
+    hf, hf_s = warm_then_time(lambda: run(reference), s.device)
+    eng, eng_s = warm_then_time(lambda: run(decoder), s.device)
     out = {"dtype": dtype, "prompts": len(prompts), "identical": eng == hf,
            **agreement(eng, hf), "hf_tokens_per_s": tokens_per_s(hf, hf_s),
            "engine_tokens_per_s": tokens_per_s(eng, eng_s), "engine_vs_hf": hf_s / eng_s,
@@ -512,3 +514,27 @@ def memory_plan(s: Setup, budget: PartBudget) -> dict:
 
     names = ("essa", "fgrpo")
     return finish(out, names, failures, "; ".join(_figures(out, c, text) for c in names))
+
+
+# --- part 7: every installed decoding backend on the same work
+
+def backends(s: Setup, budget: PartBudget) -> dict:
+    """``benchmarks/backends.py`` on the device: ESSA scoring (16 members x 256 prompts),
+    F-GRPO rollouts (32 x 8 at temperature 1) and evaluation (256 greedy) on every decoding
+    backend installed here, on the trained toy with a rank-8 LoRA: tokens/s, each backend's
+    ratio to the package's engine and its completions equal to the engine's, as figures (the
+    first GPU run says which backend is faster there)."""
+    import backends as bench  # this folder: benchmarks/
+
+    out = {}
+    size = [] if s.device.type == "cuda" else ["--members", "2", "--prompts", "16",
+                                              "--rollouts", "4"]
+    budget.run(out, "toy", lambda: bench.main(["--repeats", "2", "--model", s.toy_path] + size))
+
+    def text(r):
+        engine = r["backends"]["engine"]
+        return ", ".join(f"{name} {work} {rows[work]['tokens_per_s'] / engine[work]['tokens_per_s']:.2f}x"
+                         for name, rows in r["backends"].items() if name != "engine"
+                         for work in rows)
+
+    return finish(out, ("toy",), [], _figures(out, "toy", text))

@@ -18,6 +18,8 @@ random weights of Qwen2.5-1.5B's shape on CUDA or of a tiny Qwen2 on CPU):
   nccl_all_reduce   F-GRPO's gradient all-reduce: one rank in this process, then two ranks
                     on the one device (NCCL may refuse them: recorded, not failed)
   fsdp2_step        one FSDP2 training step in a one-rank group: fp32 equals unsharded
+  backends          benchmarks/backends.py: ESSA scoring, F-GRPO rollouts and evaluation on
+                    every decoding backend installed (engine, hf, vllm): tokens/s and ratios
 
 Each part gets its share of ``--minutes`` and what the parts before it left unspent; one whose
 time is spent, or whose dependency is missing (torchao, CUDA, a launcher), is skipped with the
@@ -44,8 +46,9 @@ from hpc.models.folders import check_model_folder  # noqa: E402 (torch-free)
 from hpc.runtime.cli import OneLineParser  # noqa: E402
 from hpc.runtime.errors import UserError, user_errors_exit  # noqa: E402
 
-PARTS = (("engine_vs_hf", 0.20), ("cuda_graphs", 0.15), ("quantized_decode", 0.20),
-         ("memory_plan", 0.20), ("nccl_all_reduce", 0.15), ("fsdp2_step", 0.10))
+PARTS = (("engine_vs_hf", 0.15), ("cuda_graphs", 0.15), ("quantized_decode", 0.15),
+         ("memory_plan", 0.20), ("nccl_all_reduce", 0.15), ("fsdp2_step", 0.10),
+         ("backends", 0.10))
 MIN_PART_S = 5.0  # a part given less than this is skipped
 RUNNING = ("the run ended during this part (killed at a time limit, or the process died): "
            "what it measured is lost, the parts before it are kept")

@@ -77,7 +77,8 @@ def _fgrpo_step(model, tok, task, world, device, prompts: int, num_generations: 
     rollouts = sample_rollouts(model, tok, task, [task.train.prompts[i] for i in mine],
                                [task.train.answers[i] for i in mine], f,
                                cfg.task.max_new_tokens, cfg.eval.batch_size, world.rank,
-                               PhaseTimer(PHASES), EngineBackend(EngineConfig.from_model(cfg.model)))
+                               PhaseTimer(PHASES),
+                               EngineBackend(EngineConfig.from_model(cfg.model, "engine")))
     adv = group_advantages(rollouts.rewards, f.advantage.scale_rewards, f.advantage.gamma)
     model.train()
     opt.zero_grad()

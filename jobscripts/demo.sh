@@ -10,6 +10,10 @@ PY=${PYTHON:-python}
 RANKS=${RANKS:-2}
 OUT=${OUT:-runs/demo}
 MPIRUN=(mpirun -n "$RANKS" --oversubscribe)
+# DEMO_OVERRIDES: config keys for every job, e.g. the demo on vLLM (docs/engine.md):
+#   PYTHON=.venv-vllm/bin/python OUT=runs/demo-vllm DEMO_OVERRIDES=model.engine=vllm \
+#     bash jobscripts/demo.sh
+read -r -a MORE <<< "${DEMO_OVERRIDES:-}"
 # Every stage runs the pinned kernels the toy model is built with (hpc/toys/pinned.py:
 # torch's baseline kernels, MKL's reproducible mode), so the kernels this CPU would choose
 # (AVX2, AVX-512) do not move the table (docs/toy.md); DEMO_NATIVE_KERNELS=1 runs them.
@@ -21,10 +25,10 @@ rm -rf "$OUT"
 echo "== toy model"
 $PY -m hpc.toys.toy
 echo "== LoRA SFT ($RANKS ranks)"
-"${MPIRUN[@]}" $PY -m sft configs/demo/sft.yaml "run.out=$OUT/sft"
+"${MPIRUN[@]}" $PY -m sft configs/demo/sft.yaml "run.out=$OUT/sft" "${MORE[@]}"
 echo "== ESSA ($RANKS ranks)"
-"${MPIRUN[@]}" $PY -m essa configs/demo/essa.yaml "lora.adapter=$OUT/sft/adapter" "run.out=$OUT/essa"
+"${MPIRUN[@]}" $PY -m essa configs/demo/essa.yaml "lora.adapter=$OUT/sft/adapter" "run.out=$OUT/essa" "${MORE[@]}"
 echo "== F-GRPO ($RANKS ranks)"
-"${MPIRUN[@]}" $PY -m fgrpo configs/demo/fgrpo.yaml "lora.adapter=$OUT/sft/adapter" "run.out=$OUT/fgrpo"
+"${MPIRUN[@]}" $PY -m fgrpo configs/demo/fgrpo.yaml "lora.adapter=$OUT/sft/adapter" "run.out=$OUT/fgrpo" "${MORE[@]}"
 echo "== held-out comparison (256 problems; pass@k from 8 samples at temperature 1)"
 $PY -m hpc.analysis.report compare "$OUT/sft/sft.h5" "$OUT/essa/essa.h5" "$OUT/fgrpo/fgrpo.h5"

@@ -35,6 +35,8 @@ SMOKE = {
                                "--repeats", "1", "--population", "4", "--generations", "2"],
                               False, ["minibatch 2 prompts, 2 members", "OUTSIDE GENERATION"]),
     "engine_cpu.py": (["--rows", "4", "--ks", "2"], False, ["  2   fixed", "  2  spread"]),
+    "backends.py": (["--repeats", "1", "--members", "2", "--prompts", "8", "--rollouts", "2"],
+                    False, ["  essa  engine", " fgrpo      hf", "  eval      hf"]),
     "training_memory.py": (["--models", "tiny", "--tokens", "64", "--chunk", "16"], False,
                            ["tiny", "ckpt on  chunk 16"]),
     "gpu_check.py": (["--model", "tiny", "--device", "cpu", "--ks", "1", "2", "--prompts", "2",

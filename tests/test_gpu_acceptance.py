@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 SCRIPT = os.path.join(REPO, "benchmarks", "gpu_acceptance.py")
 PARTS = ["engine_vs_hf", "cuda_graphs", "quantized_decode", "memory_plan", "nccl_all_reduce",
-         "fsdp2_step"]
+         "fsdp2_step", "backends"]
 
 
 def run(out, *args):
@@ -67,6 +67,8 @@ def test_cpu_mode_runs_every_part_a_cpu_can(tmp_path):
     assert two["rank0"]["max_abs_error"] <= 1e-6
     assert two["rank0"]["bytes_counted"] == two["rank0"]["bytes_expected"] > 0
 
+    ratios = parts["backends"]["toy"]["backends"]  # every installed backend, the same work
+    assert {"engine", "hf"} <= set(ratios) and set(ratios["hf"]) == {"essa", "fgrpo", "eval"}
     fsdp2 = parts["fsdp2_step"]
     assert fsdp2["float32"]["moved"] and fsdp2["float32"]["backend"] == "gloo"
     assert fsdp2["float32"]["relative_difference_to_unsharded_fp32"] <= 5e-5
