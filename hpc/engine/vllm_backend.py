@@ -59,6 +59,9 @@ from hpc.runtime.errors import UserError
 
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # in process: else the CPU platform picks "mp"
        "VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # leave the job's thread affinity alone
+# vLLM's log on every rank at each start and weight push is noise in a job's output; a user's
+# own VLLM_LOGGING_LEVEL wins
+QUIET = {"VLLM_LOGGING_LEVEL": "ERROR"}
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py: max_lora_rank
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # cpu_attn.py
 ADAPTER = "default"
@@ -223,6 +226,8 @@ class VLLMBackend(DecodeBackend):
         ``k`` LoRA slots of rank ``rank`` (k = 0: no LoRA)."""
         self.close()
         os.environ.update(ENV)
+        for key, value in QUIET.items():
+            os.environ.setdefault(key, value)
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         cfg = base.config.to_dict()
