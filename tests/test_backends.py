@@ -117,3 +117,29 @@ def test_a_new_backend_is_one_file_and_one_registry_line(monkeypatch):
     assert isinstance(make_backend("recorder"), Recorder)
     assert resolve_backend("auto", "absent", 64) == "recorder"
     assert make_backend("recorder").version().startswith("transformers ")
+
+
+def test_the_plan_charges_vllm_its_whole_budget_and_its_own_weights(tmp_path):
+    """Qwen2.5-7B at the cluster config on 16 ranks: with model.engine=vllm the ESSA scoring
+    phase holds vLLM's KV pool (the whole engine budget) and a second copy of the base weights
+    where the engine holds what its rows need."""
+    from essa.plan import plan as essa_plan
+    from hpc.engine.shape import QWEN25, ModelShape
+    from hpc.plan.registry import plan_job_class
+    from hpc.runtime.config import load_config
+
+    folder = _folder(tmp_path / "7b", **QWEN25["7B"], model_type="qwen2",
+                     architectures=["Qwen2ForCausalLM"])
+    plans = {}
+    for engine in ("engine", "vllm"):
+        cfg = load_config(plan_job_class(), os.path.join(REPO, "configs/cluster/math.yaml"),
+                          [f"model.path={folder}", f"model.engine={engine}"])
+        plans[engine] = essa_plan(ModelShape.from_folder(folder), cfg, ranks=16)
+    weights = 7_615_616_512 * 2  # bf16
+    parts = dict(plans["vllm"].phase("ESSA scoring").parts)
+    assert parts["vllm: its own copy of the base weights"] == weights
+    pool = next(b for label, b in parts.items() if label.endswith("the whole engine budget"))
+    assert pool == 32 * 2**30  # the 7B's engine budget on 80 GiB (tests/test_memory_plan.py)
+    engine = plans["engine"].phase("ESSA scoring").peak
+    assert plans["vllm"].phase("ESSA scoring").peak > engine + weights
+

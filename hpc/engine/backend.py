@@ -20,6 +20,11 @@ from typing import ClassVar
 from hpc.engine.config import EngineConfig
 from hpc.runtime.errors import UserError
 
+# The backends that hold, from their start, their whole memory budget as a KV pool and a copy
+# of the base weights of their own (vLLM): what the memory plan charges them
+# (hpc/plan/terms.py, which reads this without importing torch)
+OWN_WEIGHTS_AND_POOL = ("vllm",)
+
 # name -> "module:class"; the order is auto's preference (hf, the reference, runs every model)
 BACKENDS = {
     "engine": "hpc.engine.engine_backend:EngineBackend",

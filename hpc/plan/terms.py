@@ -16,7 +16,9 @@ most ``USABLE_SHARE`` of ``plan.gpu_memory_gib`` and every engine holds a row in
   budget (``model.engine_memory_gib``, or :func:`hpc.engine.memory.budget_left` of what
   everything resident leaves, :func:`engine_budget`); larger phases decode in waves. An engine
   is released before the next is built and an evaluation's at its end (unless the next phase
-  reuses it), so no two engines are alive at once;
+  reuses it), so no two engines are alive at once; ``model.engine=vllm`` holds instead its whole
+  budget as its KV pool and a copy of the base weights of its own, besides a step's transient
+  (``auto`` is planned as the package's engine);
 * the held-out evaluation (:func:`evaluation_phase`): ``eval.batch_size x eval.n_samples`` rows
   on top of what the method holds while it decodes;
 * what trackers cannot see on a GPU (:func:`unseen_parts`), the margin
@@ -35,6 +37,7 @@ import copy
 import os
 from dataclasses import dataclass
 
+from hpc.engine.backend import OWN_WEIGHTS_AND_POOL
 from hpc.engine.memory import (GIB, bucket, budget_left, engine_memory, rounded_length,
                                slots_within)
 from hpc.engine.shape import ModelShape
@@ -184,6 +187,11 @@ def engine_parts(shape: ModelShape, cfg, what: str, rows: int, k: int, budget: i
     n_lora = shape.lora_parameters(cfg.lora.rank, cfg.lora.targets) if k else 0
     parts = engine_memory(shape, max(1, slots), engine_positions(cfg), k, dtype_bytes(cfg), n_lora,
                           LORA_BYTES_PER_PARAM, prompt_tokens=cfg.plan.max_prompt_tokens)
+    if cfg.model.engine in OWN_WEIGHTS_AND_POOL:  # named: auto is planned as the engine
+        return [(f"{cfg.model.engine}: {what}: its KV pool, the whole engine budget", budget),
+                (f"{cfg.model.engine}: its own copy of the base weights", weight_bytes(shape, cfg)),
+                ("its prefill or decode-step temporaries",
+                 parts["step_peak"] + dequantized_linear_bytes(shape, cfg))]
     if slots < 1:
         label = (f"engine: {what}: NO ROW FITS its budget of {gib(budget)} "
                  f"(model.engine_memory_gib); one row")
