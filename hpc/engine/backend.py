@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 import json
 import os
+from abc import ABC, abstractmethod
 from typing import ClassVar
 
 from hpc.engine.config import EngineConfig
@@ -33,7 +34,7 @@ BACKENDS = {
 }
 
 
-class DecodeBackend:
+class DecodeBackend(ABC):
     """What decodes a job's completions (a job holds one, ``Job.decoder``).
 
     Subclasses set :attr:`name` and implement :meth:`decode`; the phase methods default to
@@ -66,6 +67,7 @@ class DecodeBackend:
         up to ``max_len`` tokens; else one line saying why and which backend does."""
         return ""
 
+    @abstractmethod
     def decode(self, model, requests: list, eos: list, sampling, rows: int,
                members: dict | None = None) -> list:
         """Each :class:`hpc.engine.scheduler.Request`'s new token ids, in request order, through
@@ -78,7 +80,6 @@ class DecodeBackend:
         r))}: member m's delta ``scaling * B'_m A'_m x`` (the layer's own scaling) in place of
         the adapter's on the rows of ``request.member == m``; None: ``model`` as it is now (its
         peft adapter, if any, with its current weights)."""
-        raise NotImplementedError
 
     def release(self, above: int = 0) -> bool:
         """Drop what is held between calls (for the engine: an engine of more than ``above``

@@ -175,7 +175,7 @@ class VLLMBackend(DecodeBackend):
     quantize_modes = ("none",)
 
     def __init__(self, config: EngineConfig | None = None):
-        super().__init__(config or EngineConfig())
+        super().__init__(config)
         self.llm = None
         self.shape_key = None  # (id(model), max_len, rows, lora rank, k) the LLM was built for
         self.next_id = 1  # next LoRA id: never reused, so vLLM never serves a stale adapter
@@ -375,9 +375,9 @@ class VLLMBackend(DecodeBackend):
         lid, self.next_id = self.next_id, self.next_id + 1
         return LoRARequest(f"hpc-{lid}", lid, folder)
 
-    def _policy_request(self, model):
-        """The LoRARequest of the model's own adapter as it is now (rewritten on change)."""
-        factors, leaves = _adapter(model)
+    def _policy_request(self, model, factors: dict, leaves: list):
+        """The LoRARequest of the model's own adapter (:func:`_adapter`'s ``factors`` and
+        ``leaves``) as it is now, rewritten when a leaf changed."""
         now = _fingerprint(leaves)
         if self.policy is None or now != self.policy[0]:
             self.check_members(factors, model)
@@ -400,7 +400,7 @@ class VLLMBackend(DecodeBackend):
             a0 = next(iter(members.values()))[0]
             k, rank = a0.shape[0], a0.shape[1]
         else:
-            factors, _ = _adapter(model)
+            factors, leaves = _adapter(model)
             k = 1 if factors else 0
             rank = next(iter(factors.values()))[0].shape[1] if factors else 0
         max_len = max((len(r.prompt) + r.max_new for r in requests), default=1)
@@ -415,7 +415,7 @@ class VLLMBackend(DecodeBackend):
             slots = [self._write(members, m, scaling, f"member{m}") for m in range(k)]
             loras = [slots[r.member] for r in requests]
         elif k:
-            loras = self._policy_request(model)
+            loras = self._policy_request(model, factors, leaves)
         params = [SamplingParams(temperature=0.0, max_tokens=r.max_new, stop_token_ids=eos,
                                  detokenize=False, extra_args=None if sampling is None else {
                                      KEY: (sampling.seed, sampling.temperature, sampling.top_p,

@@ -113,7 +113,7 @@ def live_policy(model, backend, ids: list, eos: list, push: bool) -> dict:
     cls = type(backend)
     pushing = cls._policy_request
     if not push:
-        cls._policy_request = lambda self, model: self.policy[1]
+        cls._policy_request = lambda self, *adapter: self.policy[1]
     try:
         got = backend.decode(model, reqs, eos, None, ROWS)
     finally:
