@@ -9,8 +9,8 @@ communicating or waiting, the straggler spread across ranks, the best held-out a
 the wall-clock seconds to a target accuracy; writes the same table as CSV and draws PNG plots.
 Both work on files of jobs still running (rows not yet complete are skipped).
 
-``hpc-report reproduce ROOT [--plots DIR] [--json OUT.json]`` summarises the papers'
-reproduction experiment (jobscripts/reproduce.sh).
+``hpc-report reproduce ROOT [--plots DIR] [--json OUT.json] [--checkpoint final|paper]``
+summarises the papers' reproduction experiment (jobscripts/reproduce.sh).
 """
 # Nothing here knows a method: each run file names its phases with their kind (``phases``, see
 # hpc.job.loop.PHASE_KINDS) and the held-out column its accuracy curve follows
@@ -459,6 +459,7 @@ def main(argv=None):
     rep_parser.add_argument("root", help="the experiment's folder (OUT of reproduce.sh)")
     rep_parser.add_argument("--plots", metavar="DIR", help="write " + ", ".join(reproduce.PLOTS))
     rep_parser.add_argument("--json", metavar="OUT.json", help="write every figure as JSON")
+    reproduce.add_arguments(rep_parser)  # --checkpoint
     args = parser.parse_args(argv)
     if args.command == "reproduce":
         reproduce.main(args)

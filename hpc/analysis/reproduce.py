@@ -26,6 +26,19 @@ over seeds, the band from the lowest to the highest seed; the SFT start dashed),
 each method against training seconds and generated tokens, interpolated onto one grid; mean
 and min-max band over seeds). Spreads are sample standard deviations (ddof = 1).
 
+``--checkpoint`` picks the evaluation each run of the gamma and family groups is reported at:
+``final`` (the default) its final evaluation; ``paper`` the F-GRPO paper's choice, per seed
+pair (the plain run at gamma = 0 and the focal run of the same algorithm and seed at
+gamma > 0): the plain run's evaluation with the highest pass@1, then the focal run's with the
+highest pass@1 among those at no more compute than that one (generated tokens; steps where a
+run file lacks them); ties go to the earliest. A run's evaluations are its full ones, those
+with pass@k: the final one (group ``eval``) and any periodic ones that hold it (a row of
+group ``eval`` before the last, or a ``pass_at_k`` column of group ``heldout``). A run whose
+periodic evaluations hold greedy accuracy alone (the held-out rows ``eval.every`` writes),
+or that has none, is reported at its final evaluation, and the summary says so: the rule in
+one line, and per arm the chosen step and tokens (mean over seeds) and how each seed's was
+chosen.
+
 The JSON (``--json``) holds every table's values per seed (each family arm with its
 ``fgrpo.optim.num_iterations``) and ``provenance``: the command, and the commits, toy builds
 (``model_build``) and machines its run files record, so that a page quoting it
@@ -33,12 +46,15 @@ The JSON (``--json``) holds every table's values per seed (each family arm with 
 """
 from __future__ import annotations
 
+import collections
+import copy
 import glob
 import json
 import os
 import shlex
 import sys
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -56,6 +72,57 @@ CURVES = {"wall": ("train_s", "training seconds (wall less evaluations)",
                    "accuracy_vs_train_time.png"),
           "tokens": ("generated_tokens", "generated completion tokens (all ranks)",
                      "accuracy_vs_tokens.png")}
+CHECKPOINTS = ("final", "paper")  # --checkpoint: which evaluation of each run is reported
+PAPER_RULE = ("checkpoint: the F-GRPO paper's choice per seed pair (plain: gamma = 0; focal: the "
+              "same algorithm and seed at gamma > 0): the plain run's evaluation with the highest "
+              "pass@1, then the focal run's with the highest pass@1 at no more compute than that "
+              "one (generated tokens; steps where a run file lacks them); ties: the earliest")
+
+
+@dataclass(frozen=True, eq=False)
+class Evaluation:
+    """One full evaluation of a run (pass@k over samples): what the paper's rule picks from."""
+    step: int
+    tokens: int | None  # generated completion tokens at that step; None: not in the run file
+    passk: np.ndarray   # k = 1..n
+    accuracy: float     # greedy
+    final: bool
+
+
+def evaluations(f: RunFile) -> tuple:
+    """([Evaluation] in step order, note): a run's full evaluations, the final one and any
+    periodic ones that hold pass@k (one a step: the ``eval`` row where two share it), and why
+    it has no periodic one ('' where it has)."""
+    m = f.group("metrics")
+    tokens_at = dict(zip(m["step"].tolist(), np.asarray(m["generated_tokens"], float).tolist())) \
+        if "generated_tokens" in m else {}
+
+    def tokens(step, value=None):
+        value = tokens_at.get(step) if value is None else float(value)
+        return int(round(value)) if value is not None and np.isfinite(value) else None
+
+    found = {}
+    h = f.group("heldout")
+    if "pass_at_k" in h:
+        n = len(h["step"])
+        acc = h.get(f.attrs.get("heldout_accuracy", "accuracy"), np.full(n, np.nan))
+        for i, step in enumerate(h["step"].tolist()):
+            passk = np.atleast_1d(np.asarray(h["pass_at_k"][i], dtype=np.float64))
+            if passk.size and np.isfinite(passk[0]):  # NaN: a row written without pass@k
+                own = h["generated_tokens"][i] if "generated_tokens" in h else None
+                found[step] = Evaluation(step, tokens(step, own), passk, float(acc[i]), False)
+    ev = f.group("eval")
+    rows = np.flatnonzero(ev["step"] >= 0)
+    for i in rows:
+        step = int(ev["step"][i])
+        found[step] = Evaluation(step, tokens(step), np.asarray(ev["pass_at_k"][i], np.float64),
+                                 float(ev["accuracy"][i]), bool(i == rows[-1]))
+    evals = [found[s] for s in sorted(found)]
+    # the loop evaluates held-out at the last step at any eval.every: that row is no periodic one
+    greedy = bool(evals) and bool(np.any(h.get("step", np.zeros(0)) < evals[-1].step))
+    note = "" if len(evals) > 1 else "no periodic evaluations" if not greedy \
+        else "periodic evaluations without pass@k (greedy accuracy alone)"
+    return evals, note
 
 
 class Run:
@@ -85,6 +152,8 @@ class Run:
         self.start_passk = ev["pass_at_k"][start[0]] if start.size else None
         self.start_accuracy = float(ev["accuracy"][start[0]]) if start.size else float("nan")
         self.passk, self.accuracy = ev["pass_at_k"][end[-1]], float(ev["accuracy"][end[-1]])
+        self.evaluations, self.no_periodic = evaluations(f)  # what --checkpoint paper picks from
+        self.checkpoint = None  # how --checkpoint paper chose the reported one (choose_paper)
         m = f.group("metrics")
         self.steps = int(m["step"][-1])
         self.train_s, self.tokens = float(m["train_s"][-1]), int(m["generated_tokens"][-1])
@@ -104,6 +173,85 @@ def find_runs(root: str) -> dict:
     if not any(runs.values()):
         raise UserError(f"{root} holds no run files under {', '.join(GROUPS)}/*/")
     return runs
+
+
+def _best(evals: list) -> Evaluation:
+    """The evaluation with the highest pass@1; of equal ones the earliest (``evals`` are in
+    step order, and ``max`` keeps the first of equal keys)."""
+    return max(evals, key=lambda e: e.passk[0])
+
+
+def _compute(e: Evaluation, measure: str) -> float:
+    return e.tokens if measure == "tokens" else e.step
+
+
+def _measure(*runs) -> str:
+    """What compute is compared in: generated tokens where every evaluation of ``runs`` has
+    them in its run file, else steps."""
+    return "tokens" if all(e.tokens is not None for r in runs for e in r.evaluations) \
+        else "steps"
+
+
+def _at(run: Run, e: Evaluation, how: str, measure: str) -> Run:
+    """A copy of ``run`` reported at evaluation ``e``; ``checkpoint`` says which and why."""
+    chosen = copy.copy(run)
+    chosen.passk, chosen.accuracy, chosen.steps = e.passk, e.accuracy, e.step
+    chosen.tokens = e.tokens if e.tokens is not None else float("nan")
+    chosen.checkpoint = {"step": e.step, "tokens": e.tokens, "pass@1": float(e.passk[0]),
+                         "final": e.final, "measure": measure, "how": how}
+    return chosen
+
+
+def choose_paper(runs: list) -> list:
+    """``runs`` as ``--checkpoint paper`` reports them (:data:`PAPER_RULE`), in their order:
+    each plain run (gamma = 0) at its evaluation with the highest pass@1, each focal run at its
+    highest pass@1 among the evaluations at no more compute than the chosen one of the plain
+    run of its algorithm and seed. Runs with no periodic evaluation stay at their final one;
+    a focal run with no evaluation within that compute at its first; one without a plain run
+    at its final one; ``checkpoint['how']`` says which of these it was."""
+    plain = {(r.algorithm, r.seed): (r, _best(r.evaluations)) for r in runs if r.gamma == 0.0}
+    out = []
+    for r in runs:
+        final = r.evaluations[-1]
+        if r.gamma == 0.0:
+            e = plain[(r.algorithm, r.seed)][1]
+            out.append(_at(r, e, f"final: {r.no_periodic}" if r.no_periodic else
+                           "highest pass@1", _measure(r)))
+            continue
+        if (r.algorithm, r.seed) not in plain:
+            out.append(_at(r, final, "final: no plain run of its seed", _measure(r)))
+            continue
+        p, pe = plain[(r.algorithm, r.seed)]
+        measure = _measure(p, r)
+        limit = _compute(pe, measure)
+        within = [e for e in r.evaluations if _compute(e, measure) <= limit]
+        if r.no_periodic:
+            above = "" if within else f", above the plain one's {measure}"
+            out.append(_at(r, final, f"final: {r.no_periodic}{above}", measure))
+        elif within:
+            out.append(_at(r, _best(within), f"highest pass@1 at <= the plain one's {measure}",
+                           measure))
+        else:
+            out.append(_at(r, r.evaluations[0], f"first: none at <= the plain one's {measure}",
+                           measure))
+    return out
+
+
+def checkpoint_summary(arms: list) -> tuple:
+    """(text, {key: record}) of the checkpoints ``--checkpoint paper`` chose, ``arms`` a list
+    of (name, key, runs chosen by :func:`choose_paper`): per arm the mean step and tokens over
+    seeds and how many seeds were chosen how; per seed in the record."""
+    rows, record = [], {}
+    for name, key, rs in arms:
+        hows = collections.Counter(r.checkpoint["how"] for r in rs)
+        rows.append([name, len(rs), f"{np.mean([r.steps for r in rs]):.1f}",
+                     f"{np.mean([r.tokens for r in rs]) / 1e3:.1f}k",
+                     "; ".join(f"{n} {how}" for how, n in hows.items())])
+        record[key] = {"seeds": [r.seed for r in rs]} | {
+            field: [r.checkpoint[field] for r in rs]
+            for field in ("step", "tokens", "pass@1", "final", "measure", "how")}
+    return ("chosen checkpoints (mean over seeds; how each seed's was chosen)\n" +
+            _table(["arm", "seeds", "step", "tokens", "chosen"], rows)), record
 
 
 def start_evaluations(runs: list) -> list:
@@ -139,8 +287,9 @@ def _table(head: list, rows: list) -> str:
     return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(r, widths)) for r in [head] + rows)
 
 
-def gamma_summary(runs: list) -> tuple:
-    """(text, record) of the gamma sweep: pass@k per gamma over seeds, paired tests."""
+def gamma_summary(runs: list, at: str = "final evaluation") -> tuple:
+    """(text, record) of the gamma sweep: pass@k per gamma over seeds, paired tests; ``at``
+    names the evaluation the runs are reported at."""
     gammas = sorted({r.gamma for r in runs})
     n = min(len(r.passk) for r in runs)
     ks = [k for k in SHOWN_K if k <= n]
@@ -171,7 +320,7 @@ def gamma_summary(runs: list) -> tuple:
                               f"{100 * diff.mean():+.1f}", _p(p)])
                 record["gammas"][f"{g:g}"][f"paired_pass@{k}"] = {
                     "mean_difference": float(diff.mean()), "p_value": float(p)}
-    text = ("F-GRPO against gamma (final evaluation, pass@k from "
+    text = (f"F-GRPO against gamma ({at}, pass@k from "
             f"{n} samples a problem; mean ± std over seeds, %)\n" + _table(head, rows))
     if tests:
         text += ("\n\npaired t-test over seeds (same seed: same batches and sampling keys)\n" +
@@ -235,8 +384,15 @@ def family_arms(runs: list) -> list:
                           key=lambda r: r.seed)) for a, g in keys]
 
 
-def family_summary(runs: list) -> tuple:
-    """(text, record) of the paper's pairs: pass@k per arm with 95% CIs, paired tests."""
+def arm_name(algorithm: str, gamma: float) -> str:
+    """A family arm's name in the tables: GRPO, F-GRPO (γ=1), ..."""
+    return ("" if gamma == 0.0 else "F-") + ALGORITHMS[algorithm] + \
+        ("" if gamma == 0.0 else f" (γ={gamma:g})")
+
+
+def family_summary(runs: list, at: str = "final evaluation") -> tuple:
+    """(text, record) of the paper's pairs: pass@k per arm with 95% CIs, paired tests; ``at``
+    names the evaluation the runs are reported at."""
     n = min(len(r.passk) for r in runs)
     ks = [k for k in SHOWN_K if k <= n]
     head = ["arm", "seeds", "steps", "tokens", "greedy"] + [f"pass@{k}" for k in ks]
@@ -255,7 +411,7 @@ def family_summary(runs: list) -> tuple:
     start = {r.seed: r for r in starts}
     gains = []
     for a, g, rs in arms:
-        name = ("" if g == 0.0 else "F-") + ALGORITHMS[a] + ("" if g == 0.0 else f" (γ={g:g})")
+        name = arm_name(a, g)
         rows.append([name, len(rs), f"{np.mean([r.steps for r in rs]):.0f}",
                      f"{np.mean([r.tokens for r in rs]) / 1e3:.1f}k",
                      _ci_text([r.accuracy for r in rs])] +
@@ -290,7 +446,7 @@ def family_summary(runs: list) -> tuple:
                           f"{mean:+.1f} ± {half:.1f}", _p(p)])
             arm[f"paired_pass@{k}"] = {"mean_difference": float(mean / 100),
                                        "ci95": float(half / 100), "p_value": float(p)}
-    text = ("The F-GRPO paper's pairs at equal generated tokens (final evaluation, pass@k "
+    text = (f"The F-GRPO paper's pairs at equal generated tokens ({at}, pass@k "
             f"from {n} samples a problem; mean ± 95% CI over seeds, %)\n" + _table(head, rows))
     if gains:
         text += ("\n\neach arm minus its SFT start (the same seed's start evaluation; ± 95% CI, "
@@ -303,19 +459,43 @@ def family_summary(runs: list) -> tuple:
     return text, record
 
 
-def summarize(root: str) -> tuple:
-    """(text, record) of every group present under ``root``."""
+def summarize(root: str, checkpoint: str = "final") -> tuple:
+    """(text, record, runs) of every group present under ``root``; ``checkpoint`` (one of
+    :data:`CHECKPOINTS`) picks the evaluation the gamma and family groups' runs are reported
+    at, and ``runs`` holds them at it."""
+    if checkpoint not in CHECKPOINTS:
+        raise UserError(f"--checkpoint is one of {', '.join(CHECKPOINTS)} (got {checkpoint!r})")
     runs = find_runs(root)
     parts, record = [], {}
+    paper = checkpoint == "paper"
+    at = "the paper's checkpoints" if paper else "final evaluation"
+    if paper:
+        parts.append(PAPER_RULE)
+        record["checkpoint"] = {"rule": "paper", "text": PAPER_RULE}
+        runs = dict(runs, **{g: choose_paper(runs[g]) for g in ("gamma", "family")})
     if runs["gamma"]:
-        text, record["gamma"] = gamma_summary(runs["gamma"])
+        text, record["gamma"] = gamma_summary(runs["gamma"], at)
+        if paper:
+            gammas = sorted({r.gamma for r in runs["gamma"]})
+            chosen, by = checkpoint_summary([
+                (f"gamma {g:g}", f"{g:g}", sorted((r for r in runs["gamma"] if r.gamma == g),
+                                                  key=lambda r: r.seed)) for g in gammas])
+            text += "\n\n" + chosen
+            for key, value in by.items():
+                record["gamma"]["gammas"][key]["checkpoint"] = value
         parts.append(text)
     for group in ("wall", "tokens"):
         if runs[group]:
             text, record[group] = method_summary(runs[group], group)
             parts.append(text)
     if runs["family"]:
-        text, record["family"] = family_summary(runs["family"])
+        text, record["family"] = family_summary(runs["family"], at)
+        if paper:
+            chosen, by = checkpoint_summary([(arm_name(a, g), f"{a}-g{g:g}", rs)
+                                             for a, g, rs in family_arms(runs["family"])])
+            text += "\n\n" + chosen
+            for key, value in by.items():
+                record["family"]["arms"][key]["checkpoint"] = value
         parts.append(text)
     return "\n\n".join(parts), record, runs
 
@@ -425,9 +605,18 @@ def _save(fig, plt, out_dir: str, name: str) -> str:
     return path
 
 
+def add_arguments(parser) -> None:
+    """The options of ``hpc-report reproduce`` that this module defines."""
+    parser.add_argument("--checkpoint", choices=CHECKPOINTS, default="final",
+                        help="the evaluation each run of the gamma and family groups is "
+                        "reported at: final (default), or paper: per seed pair the plain "
+                        "run's best pass@1, then the focal run's best at no more compute "
+                        "(generated tokens) than that one")
+
+
 def main(args) -> None:
     """``hpc-report reproduce``: print the summary, write its JSON and plots if asked."""
-    text, record, runs = summarize(args.root)
+    text, record, runs = summarize(args.root, getattr(args, "checkpoint", "final"))
     print(text)
     if args.json:
         with open(args.json, "w") as f:
