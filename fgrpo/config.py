@@ -20,28 +20,60 @@ LOSS_TYPES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
               "seq-mean-token-sum-norm")
 
 # fgrpo.algorithm: the keys (below fgrpo) each preset sets, unless the config file or command
-# line sets them; plain data: a value is the key's value, or {"of": "section.key",
-# "divided_by": n, "at_least": m} for max(m, that key's value // n). grpo leaves the keys'
-# defaults (clip surrogate, token-mean, clip 0.2 / 0.28). dapo: DAPO (arXiv 2503.14476) as verl's
-# recipe runs it: clip-higher 0.2 / 0.28, token-mean, dynamic sampling (filter_groups,
-# max_num_gen_batches=10: 9 refills) and the soft overlong punishment over the last fifth of the
-# length limit (4096 of 20480 there), penalty factor 1. cispo: MiniMax-M1's CISPO (arXiv
-# 2506.13585), token-mean, the importance weight clipped to [0, 5] (TRL's loss_type="cispo" with
-# epsilon_high=5.0).
-PRESETS = {
-    "grpo": {"loss.surrogate": "clip", "sampling.dynamic_sampling": False,
-             "reward.overlong_buffer": 0, "loss.overlong_filter": False},
-    "dapo": {"loss.surrogate": "clip", "loss.aggregation": "token-mean",
-             "loss.clip.epsilon": 0.2, "loss.clip.epsilon_high": 0.28,
-             "sampling.dynamic_sampling": True, "sampling.max_refills": 9,
-             "reward.overlong_buffer": {"of": "task.max_new_tokens", "divided_by": 5,
-                                        "at_least": 1},
-             "reward.overlong_penalty": 1.0, "loss.overlong_filter": False},
-    "cispo": {"loss.surrogate": "cispo", "loss.aggregation": "token-mean",
-              "loss.cispo.epsilon_low": 1.0, "loss.cispo.epsilon_high": 4.0,
-              "sampling.dynamic_sampling": False, "reward.overlong_buffer": 0,
-              "loss.overlong_filter": False},
+# line sets them, each with its source: (key, value, source). A value is the key's value, or
+# {"of": "section.key", "divided_by": n, "at_least": m} for max(m, that key's value // n).
+# The F-GRPO paper (arXiv 2602.06717 v2, Tables 5 and 7) states per algorithm the clip range
+# and gamma (chosen by in-domain pass@1 on Qwen2.5-7B); it is silent about DAPO's dynamic
+# sampling and overlong shaping, which are DAPO's own (arXiv 2503.14476) as verl's recipe runs
+# them: max_num_gen_batches=10 (9 refills), the soft overlong punishment over the last fifth of
+# the length limit (4096 of 20480 there), penalty factor 1.
+#
+# CISPO's bound: the paper gives eps_low 1.0, eps_high 5.0. Two conventions exist: MiniMax-M1's
+# (arXiv 2506.13585, also SkyRL and slime) clips the importance weight to
+# [1 - eps_low, 1 + eps_high], so (1.0, 5.0) is [0, 6]; TRL's loss_type="cispo" clips it to
+# [., epsilon_high] with no lower bound, so 5.0 there is [0, 5]. The paper's eps_low 1.0 has a
+# meaning only in the first (1 - 1.0 = 0: no lower bound, as MiniMax-M1 runs it), so the preset
+# reads the paper's pair in that convention, which is this package's (fgrpo.loss.cispo.*):
+# [0, 6]. TRL's epsilon_high=5.0 is fgrpo.loss.cispo.epsilon_high=4.0 here.
+PAPER = "F-GRPO paper, Tables 5 and 7"
+DAPO = "DAPO's own (arXiv 2503.14476, verl's recipe); the F-GRPO paper is silent"
+PRESET_TABLE = {
+    "grpo": (("loss.surrogate", "clip", PAPER), ("loss.clip.epsilon", 0.2, PAPER),
+             ("loss.clip.epsilon_high", 0.2, PAPER), ("advantage.gamma", 0.5, PAPER),
+             ("sampling.dynamic_sampling", False, PAPER), ("reward.overlong_buffer", 0, PAPER),
+             ("loss.overlong_filter", False, PAPER)),
+    "dapo": (("loss.surrogate", "clip", PAPER), ("loss.aggregation", "token-mean", DAPO),
+             ("loss.clip.epsilon", 0.2, PAPER), ("loss.clip.epsilon_high", 0.28, PAPER),
+             ("advantage.gamma", 0.5, PAPER), ("sampling.dynamic_sampling", True, DAPO),
+             ("sampling.max_refills", 9, DAPO),
+             ("reward.overlong_buffer", {"of": "task.max_new_tokens", "divided_by": 5,
+                                         "at_least": 1}, DAPO),
+             ("reward.overlong_penalty", 1.0, DAPO), ("loss.overlong_filter", False, DAPO)),
+    "cispo": (("loss.surrogate", "cispo", PAPER),
+              ("loss.aggregation", "token-mean", "MiniMax-M1 (arXiv 2506.13585)"),
+              ("loss.cispo.epsilon_low", 1.0, PAPER),
+              ("loss.cispo.epsilon_high", 5.0, PAPER + ": [0, 6], MiniMax-M1's convention"),
+              ("advantage.gamma", 1.0, PAPER), ("sampling.dynamic_sampling", False, PAPER),
+              ("reward.overlong_buffer", 0, PAPER), ("loss.overlong_filter", False, PAPER)),
 }
+PRESETS = {name: {key: value for key, value, _ in rows} for name, rows in PRESET_TABLE.items()}
+
+# What each preset set before it took the F-GRPO paper's values (run files and configs of
+# earlier versions): a config that leaves one of these keys to the preset gets a note line.
+EARLIER_PRESETS = {"grpo": {"loss.clip.epsilon_high": 0.28, "advantage.gamma": 1.0},
+                   "dapo": {"advantage.gamma": 1.0},
+                   "cispo": {"loss.cispo.epsilon_high": 4.0, "advantage.gamma": 1.0}}
+
+
+def preset_text(name: str) -> str:
+    """One preset's values with their sources, for ``fgrpo --help``."""
+    by_source: dict[str, list[str]] = {}
+    for key, value, source in PRESET_TABLE[name]:
+        shown = (f"max({value['at_least']}, {value['of']} // {value['divided_by']})"
+                 if isinstance(value, dict) else value)
+        by_source.setdefault(source, []).append(f"{key}={shown}")
+    return f"{name}: " + "; ".join(f"{', '.join(keys)} [{source}]"
+                                   for source, keys in by_source.items())
 
 
 @dataclass
@@ -84,8 +116,9 @@ class RewardConfig:
 class AdvantageConfig:
     """Group advantages of the shaped rewards, scaled by the focal weight (1 - p)^gamma."""
 
-    gamma: float = param(1.0, "focal exponent: advantages scaled by (1 - p)^gamma; 0 = plain "
-                         "GRPO", min=0.0, max=100.0)
+    gamma: float = param(0.5, "focal exponent: advantages scaled by (1 - p)^gamma; 0 = plain "
+                         "GRPO (each fgrpo.algorithm sets its paper value: 0.5 grpo and dapo, "
+                         "1.0 cispo)", min=0.0, max=100.0)
     scale_rewards: str = param("group", "advantage std scaling (TRL scale_rewards); none = "
                                "Dr. GRPO", choices=["group", "batch", "none"])
     epsilon: float = param(1e-4, "added to the reward std in the advantage denominator (TRL's "
@@ -125,11 +158,26 @@ LossConfig.__module__ = __name__
 class OptimConfig:
     """The gradient steps: AdamW, clipping, passes over a step's rollouts, micro-batches."""
 
-    learning_rate: float = param(2e-3, "AdamW learning rate", min=0.0, max=10.0)
-    weight_decay: float = param(0.0, "AdamW weight decay", min=0.0, max=10.0)
-    max_grad_norm: float = param(1.0, "gradient clipping (0 = off)", min=0.0, max=1e6)
-    num_iterations: int = param(1, "mu: optimizer passes over the same rollouts", min=1,
-                                max=1000)
+    learning_rate: float = param(2e-3, "AdamW learning rate (after the warm-up)", min=0.0,
+                                 max=10.0)
+    warmup_steps: int = param(0, "linear learning-rate warm-up over this many steps: step i "
+                              "(from 0) trains at learning_rate * min(1, i / warmup_steps), "
+                              "so step 0 at 0, as verl's optim.lr_warmup_steps (transformers' "
+                              "constant schedule with warm-up); 0 = off", min=0, max=1_000_000)
+    weight_decay: float = param(0.0, "AdamW weight decay (decoupled, torch.optim.AdamW)",
+                                min=0.0, max=10.0)
+    max_grad_norm: float = param(1.0, "gradient clipping of each update (0 = off)", min=0.0,
+                                 max=1e6)
+    num_iterations: int = param(1, "PPO epochs (TRL num_iterations, verl ppo_epochs): passes "
+                                "over the same rollouts, each of fgrpo.batch_prompts / "
+                                "mini_batch_prompts optimizer updates", min=1, max=1000)
+    mini_batch_prompts: int = param(0, "prompts (with their G completions, over all ranks) "
+                                    "per optimizer update (verl ppo_mini_batch_size): a step's "
+                                    "batch gives fgrpo.batch_prompts / this updates a pass, "
+                                    "the clip acting between them; group i of the batch "
+                                    "goes to update i mod that count (the same on any number "
+                                    "of ranks); 0 = fgrpo.batch_prompts: one update a pass",
+                                    min=0, max=1_000_000)
     micro_batch: int = param(64, "sequences per forward/backward (gradient accumulation)",
                              min=1, max=65536)
 
@@ -178,11 +226,10 @@ RENAMED = {
 class FGRPOConfig:
     command: typing.ClassVar[str] = "fgrpo"  # the console command of the method
     RENAMED: typing.ClassVar[dict] = RENAMED
-    algorithm: str = param("grpo", "preset of the loss and sampling keys (each still "
-                           "overridable; the resolved values are in the run file's config): "
-                           "grpo; dapo: dynamic sampling, overlong shaping, token-mean, clip "
-                           "0.2/0.28; cispo: loss.surrogate=cispo, token-mean. "
-                           "fgrpo.advantage.gamma=0 gives the plain algorithm, gamma > 0 its "
+    algorithm: str = param("grpo", "preset of the loss, sampling and gamma keys (each still "
+                           "overridable; the resolved values are in the run file's config). "
+                           + " | ".join(preset_text(name) for name in PRESET_TABLE) +
+                           ". fgrpo.advantage.gamma=0 gives the plain algorithm, gamma > 0 its "
                            "focal (F-) variant", choices=list(PRESETS))
     steps: int = param(50, "optimizer steps (each on a fresh batch of prompts)",
                        min=1, max=1_000_000)
@@ -203,15 +250,22 @@ class FGRPOConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
-    def resolve(self, job, given: frozenset) -> None:
+    def resolve(self, job, given: frozenset, notes: list | None = None) -> None:
         """Set the keys of ``algorithm``'s preset (:data:`PRESETS`) that the config file and
-        command line left unset (``given``); a share of another key is read from ``job``."""
+        command line left unset (``given``); a share of another key is read from ``job``. A
+        key whose preset value changed (:data:`EARLIER_PRESETS`) adds one line to ``notes``."""
         for key, value in PRESETS[self.algorithm].items():
             if key in given:
                 continue
             if isinstance(value, dict):
                 value = max(value["at_least"], get_key(job, value["of"]) // value["divided_by"])
             set_key(self, key, value)
+        changed = {k: v for k, v in EARLIER_PRESETS[self.algorithm].items() if k not in given}
+        if changed and notes is not None:
+            notes.append(f"note: fgrpo.algorithm={self.algorithm} now sets the F-GRPO paper's "
+                         + ", ".join(f"fgrpo.{k}={PRESETS[self.algorithm][k]}" for k in changed)
+                         + " (earlier versions: " + ", ".join(f"{v}" for v in changed.values())
+                         + "); set the keys to keep the earlier values")
 
 
 @dataclass
@@ -226,9 +280,24 @@ class FGRPOJobConfig(JobConfig):
                             f"prompts do not split evenly over {world.size} ranks; "
                             f"fgrpo.parallel.strategy=fsdp2 runs every forward on all ranks "
                             f"together, so each needs the same number of rows")
+        updates = self.fgrpo.batch_prompts // (self.fgrpo.optim.mini_batch_prompts
+                                               or self.fgrpo.batch_prompts)
+        share = self.fgrpo.batch_prompts // world.size
+        if self.fgrpo.parallel.strategy == "fsdp2" and share % updates:
+            raise UserError(f"config key 'fgrpo.optim.mini_batch_prompts': each of the "
+                            f"{world.size} ranks holds {share} prompts, which do not split "
+                            f"into the {updates} updates of a pass evenly; "
+                            f"fgrpo.parallel.strategy=fsdp2 needs the same rows on every rank "
+                            f"in each update (batch_prompts / ranks a multiple of "
+                            f"batch_prompts / mini_batch_prompts)")
 
     def validate(self):
         f = self.fgrpo
+        mini = f.optim.mini_batch_prompts
+        if mini and (mini > f.batch_prompts or f.batch_prompts % mini):
+            raise UserError(f"config key 'fgrpo.optim.mini_batch_prompts': {mini} prompts do not "
+                            f"divide fgrpo.batch_prompts={f.batch_prompts} into whole "
+                            f"optimizer updates (0 = one update of the whole batch)")
         for name in surrogate_sections():
             section = getattr(f.loss, name)
             if hasattr(section, "check"):

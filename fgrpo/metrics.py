@@ -20,14 +20,14 @@ SUMMED = ("reward", "successes", "completions", "truncated", "penalty", "focal_w
 METRICS = ("reward_mean", "success_rate", "focal_weight_mean", "focal_weight_min",
            "focal_weight_max", "zero_spread_groups", "kl", "clip_fraction", "ratio_mean",
            "entropy", "completion_length", "truncated_share", "overlong_penalty", "loss",
-           "skipped_steps", "trained_groups") + SAMPLING_STATS
+           "skipped_steps", "trained_groups", "updates", "clipped_tokens") + SAMPLING_STATS
 
 
 def local_sums(batch, adv, gradient_sums: dict, success_threshold: float = 1.0) -> dict:
     """This rank's {name: float} of :data:`SUMMED`: its rollouts (a
     :class:`fgrpo.sampling.StepRollouts`), the trained groups' advantages
     (:class:`fgrpo.advantages.Advantages`) and the sums of
-    :func:`fgrpo.gradients.accumulate_gradients` (over its last pass). A success is a reward
+    :func:`fgrpo.step.train_on_rollouts` (over its last epoch). A success is a reward
     >= ``success_threshold`` (the p of the focal weight counts the same)."""
     first = batch.first
     return dict(gradient_sums, reward=first.rewards.sum().item(),
@@ -38,10 +38,14 @@ def local_sums(batch, adv, gradient_sums: dict, success_threshold: float = 1.0) 
                 completion_tokens=first.completion_lengths.float().sum().item())
 
 
-def step_metrics(world, sums: dict, focal_weight, skipped: int, sampling: dict) -> dict:
+def step_metrics(world, sums: dict, focal_weight, skipped: int, sampling: dict,
+                 updates: int = 1) -> dict:
     """{name: float} of :data:`METRICS` over every rank (one Allgather, tag ``metrics``).
     ``focal_weight``: this rank's (n,) group weights (n may be 0 under dynamic sampling);
-    ``skipped``: steps skipped so far; ``sampling``: the step's sampling statistics."""
+    ``skipped``: steps skipped so far; ``sampling``: the step's sampling statistics;
+    ``updates``: the optimizer updates the step took (PPO epochs x mini-batches).
+    ``clipped_tokens`` counts the tokens where the clip acted in the last epoch (all ranks),
+    ``clip_fraction`` their share; ``loss`` is the mean over the last epoch's updates."""
     w = focal_weight.tolist()
     extremes = [min(w, default=np.inf), max(w, default=-np.inf)]
     table = world.allgather(np.array([sums[k] for k in SUMMED] + extremes), tag="metrics")
@@ -59,4 +63,5 @@ def step_metrics(world, sums: dict, focal_weight, skipped: int, sampling: dict) 
             "truncated_share": total["truncated"] / total["completions"],
             "overlong_penalty": total["penalty"] / total["completions"],
             "loss": total["loss"] / world.size, "skipped_steps": skipped,
-            "trained_groups": groups, **sampling}
+            "trained_groups": groups, "updates": updates,
+            "clipped_tokens": round(total["clip_fraction"]), **sampling}

@@ -48,6 +48,9 @@ class StepRollouts:
     train: Rollouts
     first: Rollouts
     stats: dict
+    order: torch.Tensor | None = None  # (groups of train,) int64: each kept group's place in
+    # the step's kept groups over all ranks, in (round, prompt) order (the PPO mini-batches,
+    # :func:`fgrpo.step.mini_batches`); None: this rank's groups from 0
 
 
 def round_prompts(seed: int, step: int, round_: int, n_train: int, n: int) -> np.ndarray:
@@ -67,7 +70,7 @@ def sample_step(model, tok, task, cfg, world, step: int, timer, decoder) -> Step
     :class:`hpc.engine.engine_backend.EngineBackend`); collective when dynamic sampling is on."""
     f, seed = cfg.fgrpo, cfg.run.seed
     target = min(f.batch_prompts, len(task.train))
-    kept, first, have, filtered, drawn, rounds = [], None, 0, 0, 0, 0
+    kept, order, first, have, filtered, drawn, rounds = [], [], None, 0, 0, 0, 0
     for r in range(1 + (f.sampling.max_refills if f.sampling.dynamic_sampling else 0)):
         batch = round_prompts(seed, step, r, len(task.train), f.batch_prompts)
         share = my_slice(len(batch), world)
@@ -81,6 +84,7 @@ def sample_step(model, tok, task, cfg, world, step: int, timer, decoder) -> Step
         rounds, drawn = rounds + 1, drawn + len(batch)
         if not f.sampling.dynamic_sampling:
             kept.append(rollouts)
+            order.append(np.arange(share.start, share.stop))
             have = target
             break
         r_ = rollouts.rewards
@@ -88,6 +92,7 @@ def sample_step(model, tok, task, cfg, world, step: int, timer, decoder) -> Step
                                    split_evenly(len(batch), world.size), tag="sampling")
         take = keep_informative(uniform, target - have)
         filtered += int(uniform.sum())
+        order.append((have + np.cumsum(take) - 1)[share][take[share]])
         have += int(take.sum())
         kept.append(rollouts.groups(torch.from_numpy(take[share].copy())))
         if have >= target:
@@ -96,4 +101,5 @@ def sample_step(model, tok, task, cfg, world, step: int, timer, decoder) -> Step
              "filtered_share": filtered / drawn,
              "extra_rollouts": (drawn - target) * f.sampling.num_generations,
              "shortfall_groups": target - have}
-    return StepRollouts(cat_rollouts(kept, tok.pad_token_id), first, stats)
+    return StepRollouts(cat_rollouts(kept, tok.pad_token_id), first, stats,
+                        torch.from_numpy(np.concatenate(order).astype(np.int64)))

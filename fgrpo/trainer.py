@@ -1,4 +1,5 @@
-"""The F-GRPO step, top to bottom: rollout, reward, focal advantages, loss, all-reduce, step.
+"""The F-GRPO step, top to bottom: rollout, reward, then :func:`fgrpo.step.train_on_rollouts`
+(focal advantages, PPO epochs of mini-batch updates: loss, all-reduce, AdamW).
 
 Data parallel: every rank draws the same global batch of prompts from the shared seed and keeps
 its contiguous share, samples G completions per prompt (DAPO's dynamic sampling refills the
@@ -15,12 +16,12 @@ fine-tuning: a ``save_pretrained`` folder).
 """
 from __future__ import annotations
 
-from fgrpo.advantages import batch_moments, group_advantages, std_from_moments
 from fgrpo.config import FGRPOJobConfig
-from fgrpo.gradients import accumulate_gradients
 from fgrpo.metrics import METRICS, local_sums, step_metrics
-from fgrpo.policy import TrainedPolicy, frozen_logprobs, reference_model
+from fgrpo.policy import TrainedPolicy
 from fgrpo.sampling import sample_step
+from fgrpo.step import train_on_rollouts
+from hpc.gradient_method import step_seed
 from hpc.data.tasks import load_task
 from hpc.job.lifecycle import finish, on_all_ranks, start_job
 from hpc.job.loop import run_loop
@@ -62,47 +63,15 @@ class FGRPO(TrainedPolicy):
                                 self.job.decoder)
         if not self.keep_engine:  # the plan needs its room for the training
             self.job.decoder.release()
-        rollouts = batch.train
-        # 2. focal-weighted advantages of the shaped rewards, p from the task's rewards
-        batch_std = None
-        if f.advantage.scale_rewards == "batch":  # moments summed over ranks
-            batch_std = std_from_moments(world.allgather(
-                batch_moments(rollouts.shaped_rewards).numpy(), tag="metrics"))
-        adv = group_advantages(rollouts.shaped_rewards, f.advantage.scale_rewards,
-                               f.advantage.gamma, eps=f.advantage.epsilon, batch_std=batch_std,
-                               success_threshold=f.reward.success_threshold,
-                               task_rewards=rollouts.rewards)
-        # 3. the frozen log-probs: the sampling policy's (mu > 1 passes), the reference's (KL)
-        with timer.phase("forward_backward"):
-            def frozen(model):
-                return frozen_logprobs(model, rollouts, f.optim.micro_batch,
-                                       cfg.model.logprob_chunk)
-            old_logp = frozen(self.model) if f.optim.num_iterations > 1 else None
-            ref_logp = None
-            if f.loss.beta > 0:
-                with reference_model(self.model, self.ref_model) as ref:
-                    ref_logp = frozen(ref)
-        # 4. mu optimizer passes: loss and backward, all-reduce, AdamW (a NaN/inf step skipped)
-        self.train_mode(i)
-        row_adv = adv.advantages.reshape(-1).to(self.job.device)
-        for _ in range(f.optim.num_iterations):
-            self.weights.zero_grad()
-            with timer.phase("forward_backward"):
-                sums = accumulate_gradients(self.model, rollouts, row_adv, cfg, world,
-                                            cfg.task.max_new_tokens, old_logp, ref_logp)
-                self.weights.ensure_gradients()  # no rows here: zeros to all-reduce
-            with timer.phase("waiting"):
-                world.arrive("gradient all-reduce", cfg.run.collective_timeout_s)
-            with timer.phase("allreduce"):  # FSDP2 reduce-scattered during the backward
-                self.weights.reduce_gradients(world)
-            with timer.phase("optimizer"):
-                finite = self.weights.step(f.optim.max_grad_norm)
-            if not finite:
-                self.skipped += 1
-                break
-        self.weights.free_gradients()
-        return step_metrics(world, local_sums(batch, adv, sums, f.reward.success_threshold),
-                            adv.focal_weight, self.skipped, batch.stats)
+        # 2-4. advantages, frozen log-probs, PPO epochs of mini-batch updates (fgrpo.step)
+        update = train_on_rollouts(self.model, self.weights, batch, cfg, world, i,
+                                   step_seed(cfg.run.seed, i, world.rank), timer=timer,
+                                   ref_model=self.ref_model)
+        self.skipped += not update.finite
+        return step_metrics(world, local_sums(batch, update.advantages, update.sums,
+                                              f.reward.success_threshold),
+                            update.advantages.focal_weight, self.skipped, batch.stats,
+                            update.updates)
 
 
 @user_errors_exit

@@ -112,7 +112,7 @@ def test_presets_resolve_and_given_keys_win():
         ("clip", "token-mean", 0.2, 0.28, True, 9, 4)
     f = load_config(FGRPOJobConfig, None, ["fgrpo.algorithm=cispo"]).fgrpo
     assert (f.loss.surrogate, f.loss.cispo.epsilon_low, f.loss.cispo.epsilon_high,
-            f.sampling.dynamic_sampling) == ("cispo", 1.0, 4.0, False)
+            f.sampling.dynamic_sampling) == ("cispo", 1.0, 5.0, False)
     cfg = load_config(FGRPOJobConfig, None, ["fgrpo.algorithm=dapo",
                                              "fgrpo.sampling.max_refills=2",
                                              "fgrpo.reward.overlong_buffer=0",
@@ -126,6 +126,41 @@ def test_presets_resolve_and_given_keys_win():
     default = load_config(FGRPOJobConfig, None, []).fgrpo
     assert (default.algorithm, default.loss.surrogate, default.sampling.dynamic_sampling) == \
         ("grpo", "clip", False)
+
+
+def test_presets_hold_the_f_grpo_papers_values():
+    """Tables 5 and 7 of the F-GRPO paper: GRPO clip 0.2 / 0.2, DAPO 0.2 / 0.28, CISPO's
+    weight bound (1.0, 5.0) in MiniMax-M1's convention ([0, 6]); gamma 0.5, 0.5, 1.0."""
+    from fgrpo.config import FGRPOJobConfig, PRESET_TABLE
+    from fgrpo.surrogates import from_config
+    from hpc.runtime.config import load_config
+    resolved = {a: load_config(FGRPOJobConfig, None, [f"fgrpo.algorithm={a}"]).fgrpo
+                for a in ("grpo", "dapo", "cispo")}
+    clip = {a: (f.loss.clip.epsilon, f.loss.clip.epsilon_high) for a, f in resolved.items()}
+    assert clip["grpo"] == (0.2, 0.2) and clip["dapo"] == (0.2, 0.28)
+    assert {a: f.advantage.gamma for a, f in resolved.items()} == \
+        {"grpo": 0.5, "dapo": 0.5, "cispo": 1.0}
+    cispo = from_config(resolved["cispo"].loss)
+    weight = cispo(torch.ones(3, 1), torch.tensor([[0.0], [3.0], [9.0]]), torch.ones(3, 1))[0]
+    assert weight.flatten().tolist() == [-0.0, -3.0, -6.0]  # -sg(w) * A * logp: w in [0, 6]
+    for name, rows in PRESET_TABLE.items():  # every value names its source
+        assert all(source for _, _, source in rows), name
+        gamma_source = dict((k, s) for k, _, s in rows)["advantage.gamma"]
+        assert "F-GRPO paper" in gamma_source
+
+
+def test_a_config_leaving_a_changed_preset_key_gets_one_note_line():
+    from fgrpo.config import FGRPOJobConfig
+    from hpc.runtime.config import load_config
+    notes = []
+    load_config(FGRPOJobConfig, None, ["fgrpo.advantage.gamma=1.0"], notes=notes)
+    assert len(notes) == 1 and "\n" not in notes[0]
+    assert "fgrpo.loss.clip.epsilon_high=0.2" in notes[0] and "0.28" in notes[0]
+    assert "gamma" not in notes[0]  # given: not the preset's
+    notes = []
+    load_config(FGRPOJobConfig, None, ["fgrpo.algorithm=dapo", "fgrpo.advantage.gamma=1.0"],
+                notes=notes)
+    assert notes == []
 
 
 @pytest.mark.parametrize("overrides, words", [
@@ -154,9 +189,16 @@ def test_help_lists_the_new_keys_with_ranges():
     for line in ("fgrpo.algorithm = 'grpo'  (one of grpo, dapo, cispo)",
                  "fgrpo.loss.surrogate = 'clip'  (one of cispo, clip)",
                  "fgrpo.loss.cispo.epsilon_low = 1.0  (>= 0.0 <= 1.0)",
-                 "fgrpo.loss.cispo.epsilon_high = 4.0  (>= 0.0 <= 1000.0)",
+                 "fgrpo.loss.cispo.epsilon_high = 5.0  (>= 0.0 <= 1000.0)",
+                 "fgrpo.advantage.gamma = 0.5  (>= 0.0 <= 100.0)",
+                 "fgrpo.optim.mini_batch_prompts = 0", "fgrpo.optim.warmup_steps = 0",
                  "fgrpo.sampling.max_refills = 9  (>= 0 <= 1000)",
                  "fgrpo.reward.overlong_buffer = 0  (>= 0 <= 32768)",
                  "fgrpo.reward.overlong_penalty = 1.0  (>= 0.0 <= 1000.0)",
                  "fgrpo.sampling.dynamic_sampling = False", "fgrpo.loss.overlong_filter = False"):
         assert line in text, line
+    flat = " ".join(text.split())  # the presets' values with their sources
+    for words in ("loss.clip.epsilon_high=0.2, advantage.gamma=0.5",
+                  "[F-GRPO paper, Tables 5 and 7]", "loss.cispo.epsilon_high=5.0",
+                  "the F-GRPO paper is silent"):
+        assert words in flat, words

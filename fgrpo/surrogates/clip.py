@@ -21,7 +21,8 @@ class Clip:
 
     epsilon: float = param(0.2, "lower clip of the importance ratio: 1 - this", min=0.0,
                            max=10.0)
-    epsilon_high: float = param(0.28, "upper clip: 1 + this (clip-higher as in DAPO)",
+    epsilon_high: float = param(0.2, "upper clip: 1 + this (0.2: GRPO in the F-GRPO paper; "
+                                "fgrpo.algorithm=dapo sets DAPO's clip-higher 0.28)",
                                 min=0.0, max=10.0)
     ratio_c: float = param(0.0, "dual-clip PPO (verl clip_ratio_c, 3 there): the loss of a "
                            "negative-advantage token A < 0 is capped at -ratio_c * A; 0 = off "

@@ -182,6 +182,11 @@ class TrainedWeights:
                         p.detach().float().clone().requires_grad_(True) for p in self.params]
         self.opt = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay)
 
+    def set_learning_rate(self, lr: float) -> None:
+        """The learning rate of AdamW's next steps (a schedule's value for the step)."""
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+
     def zero_grad(self) -> None:
         self.opt.zero_grad(set_to_none=False)
         for p, m in zip(self.params, self.masters):

@@ -222,7 +222,8 @@ class LoraConfig:
 @dataclass
 class TaskConfig:
     name: str = param("arith", "task", choices=["arith", "wordprob", "gsm8k", "math", "aime",
-                                                "amc"])
+                                                "amc", "deepscaler", "minerva",
+                                                "olympiadbench"])
     prompt_format: str = param("plain", "plain: the task's text template; chat: the model's "
                                "chat template; presets: qwen25-math-cot (chat + Qwen2.5-Math "
                                "system prompt), gsm8k-plain, math-plain",
@@ -251,6 +252,10 @@ class EvalConfig:
     temperature: float = param(1.0, "sampling temperature for pass@k", min=0.0, max=100.0)
     top_p: float = param(1.0, "nucleus sampling for pass@k", min=0.0, max=1.0)
     batch_size: int = param(64, "prompts per decoding batch", min=1, max=4096)
+    sample_chunk: int = param(0, "pass@k: samples per prompt decoded at a time; each chunk is "
+                              "graded and only its per-problem success counts kept, so long "
+                              "completions of all n_samples are never held at once (0 = all "
+                              "n_samples at once)", min=0, max=1024)
 
 
 @dataclass
@@ -549,10 +554,10 @@ def _file_keys(prefix: str, values: dict):
 def load_config(job_cls, path: str | None = None, overrides: list[str] = (),
                 notes: list | None = None):
     """Build ``job_cls`` from defaults, then the YAML file at ``path``, then ``overrides``;
-    then each section with a ``resolve(job, given)`` method resolves what depends on other keys
-    (``given``: the keys below that section the file or command line set, dotted, e.g. a
-    preset fills only the others), and the job's ``validate()`` checks the keys together. A
-    renamed key is read at its new place and a line saying so appended to ``notes`` (the job
+    then each section with a ``resolve(job, given, notes)`` method resolves what depends on
+    other keys (``given``: the keys below that section the file or command line set, dotted,
+    e.g. a preset fills only the others; it may add a line to ``notes``), and the job's
+    ``validate()`` checks the keys together. A renamed key is read at its new place and a line saying so appended to ``notes`` (the job
     prints them on rank 0).
 
     Raises UserError for a missing or malformed file and for any invalid key or value.
@@ -573,7 +578,7 @@ def load_config(job_cls, path: str | None = None, overrides: list[str] = (),
         section = getattr(cfg, f.name)
         if hasattr(section, "resolve"):
             section.resolve(cfg, frozenset(key.split(".", 1)[1] for key in given
-                                           if key.startswith(f"{f.name}.")))
+                                           if key.startswith(f"{f.name}.")), notes)
     if hasattr(cfg, "validate"):
         cfg.validate()
     return cfg
