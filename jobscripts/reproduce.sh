@@ -6,7 +6,8 @@
 #   tokens/  ESSA and F-GRPO x seeds with the same generated-token budget
 #            (run.max_generated_tokens) (ESSA, arXiv 2507.04453: time to accuracy)
 #   family/  the F-GRPO paper's three pairs: GRPO vs F-GRPO, DAPO vs F-DAPO, CISPO vs F-CISPO
-#            (fgrpo.algorithm x gamma 0 / FAMILY_GAMMA) x seeds, every run stopped by the same
+#            (fgrpo.algorithm's preset, the paper's clip ranges and gamma, x gamma 0 / the
+#            preset's gamma) x seeds, every run stopped by the same
 #            generated-token budget (equal work: dynamic sampling's extra rollouts count);
 #            final pass@k for k = 1..FAMILY_SAMPLES, paired by seed
 # then `hpc-report reproduce` prints the tables and tests (summary.txt), writes summary.json
@@ -21,13 +22,15 @@
 #   ESSA_EVERY=10 FGRPO_EVERY=30  held-out evaluations along the wall/ runs (steps)
 #   ESSA_EVERY_T=4 FGRPO_EVERY_T=40  ... along the tokens/ runs
 #   PARTS="gamma wall tokens family"  the groups to run
-#   FAMILY_TOKENS=60000  tokens a run (family/)   FAMILY_GAMMA=1   FAMILY_EVAL=128
+#   FAMILY_TOKENS=60000  tokens a run (family/)   FAMILY_EVAL=128
+#   FAMILY_GAMMA=preset  the focal arms' gamma: the preset's (the paper's 0.5, 0.5, 1.0) or a number
 #   FAMILY_SAMPLES=32  samples a problem for the family's pass@k
 #   FAMILY_BATCH=32  prompts a step (family/)   FAMILY_ALGORITHMS="grpo dapo cispo"
 #   FAMILY_LR=0.001  fgrpo.optim.learning_rate of every family arm
-#   FAMILY_ITERATIONS=2  fgrpo.optim.num_iterations of every family arm: equal passes over each batch
-#                        (at 1 CISPO's gradient is GRPO's: its importance weight acts from the
-#                        second pass on)
+#   FAMILY_ITERATIONS=1  fgrpo.optim.num_iterations (PPO epochs) of every family arm
+#   FAMILY_MINI_BATCH=8  fgrpo.optim.mini_batch_prompts: 4 updates a batch of 32, as the paper's
+#                        256 / 64 (the later updates are off-policy, where the clip ranges and
+#                        CISPO's weight act; with one update a batch CISPO's gradient is GRPO's)
 #   RANKS=2
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,11 +42,12 @@ read -r -a seeds <<<"${SEEDS:-0 1 2}"
 read -r -a gammas <<<"${GAMMAS:-0 0.5 1 2}"
 read -r -a parts <<<"${PARTS:-gamma wall tokens family}"
 has() { [[ " ${parts[*]} " == *" $1 "* ]]; }
-FAMILY_TOKENS=${FAMILY_TOKENS:-60000} FAMILY_GAMMA=${FAMILY_GAMMA:-1}
+FAMILY_TOKENS=${FAMILY_TOKENS:-60000} FAMILY_GAMMA=${FAMILY_GAMMA:-preset}
 FAMILY_EVAL=${FAMILY_EVAL:-128} FAMILY_SAMPLES=${FAMILY_SAMPLES:-32}
 FAMILY_BATCH=${FAMILY_BATCH:-32}
 read -r -a algorithms <<<"${FAMILY_ALGORITHMS:-grpo dapo cispo}"
-FAMILY_ITERATIONS=${FAMILY_ITERATIONS:-2} FAMILY_LR=${FAMILY_LR:-0.001}
+FAMILY_ITERATIONS=${FAMILY_ITERATIONS:-1} FAMILY_LR=${FAMILY_LR:-0.001}
+FAMILY_MINI_BATCH=${FAMILY_MINI_BATCH:-8}
 STEPS=${STEPS:-150} SAMPLES=${SAMPLES:-256} N_EVAL=${N_EVAL:-128}
 METHOD_EVAL=${METHOD_EVAL:-256} TRAIN_S=${TRAIN_S:-60} TOKENS=${TOKENS:-400000}
 ESSA_EVERY=${ESSA_EVERY:-10} FGRPO_EVERY=${FGRPO_EVERY:-30}
@@ -98,13 +102,20 @@ done
 for algo in "${algorithms[@]}"; do
   has family || break
   mkdir -p "$OUT/family"
-  for gamma in 0 "$FAMILY_GAMMA"; do
+  # the preset's keys given explicitly: they win over the demo config's gamma and clip-higher
+  read -r -a preset <<<"$($PY -c "from fgrpo.config import PRESETS
+print(' '.join(f'fgrpo.{k}={v}' for k, v in PRESETS['$algo'].items() if not isinstance(v, dict)))")"
+  focal=$FAMILY_GAMMA
+  [[ $focal == preset ]] && focal=$($PY -c "from fgrpo.config import PRESETS
+print(PRESETS['$algo']['advantage.gamma'])")
+  for gamma in 0 "$focal"; do
     for seed in "${seeds[@]}"; do
       run=$OUT/family/$algo-g$gamma-s$seed
       stage "$algo gamma $gamma seed $seed: $FAMILY_TOKENS tokens, pass@k from $FAMILY_SAMPLES samples"
       "${MPIRUN[@]}" $PY -m fgrpo configs/demo/fgrpo.yaml "lora.adapter=$adapter" \
-        "fgrpo.algorithm=$algo" "fgrpo.advantage.gamma=$gamma" fgrpo.steps=100000 \
+        "fgrpo.algorithm=$algo" "${preset[@]}" "fgrpo.advantage.gamma=$gamma" fgrpo.steps=100000 \
         "fgrpo.batch_prompts=$FAMILY_BATCH" "fgrpo.optim.num_iterations=$FAMILY_ITERATIONS" \
+        "fgrpo.optim.mini_batch_prompts=$FAMILY_MINI_BATCH" \
         "fgrpo.optim.learning_rate=$FAMILY_LR" \
         "run.max_generated_tokens=$FAMILY_TOKENS" "run.seed=$seed" "task.n_eval=$FAMILY_EVAL" \
         "eval.every=0" "eval.n_samples=$FAMILY_SAMPLES" "run.out=$run" "${QUIET[@]}" \

@@ -53,11 +53,16 @@ def test_miniature_experiment_writes_runs_summary_and_plots(tmp_path):
     assert made["command"].startswith("hpc-report reproduce ")
     assert [build.split()[0] for build in made["toy_build"]] == [TOY_VERSION]
     assert made["commit"] and made["machine"]
-    # FAMILY_ITERATIONS: every arm the same passes over its batches
-    assert {arm["num_iterations"][0] for arm in summary["family"]["arms"].values()} == {2}
-    assert sorted(summary["family"]["arms"]) == ["grpo-g0", "grpo-g1"]
-    run = RunFile(str(out / "family" / "grpo-g1-s0" / "fgrpo.h5"))
-    assert "algorithm: grpo" in run.attrs["config"] and "num_iterations: 2" in run.attrs["config"]
+    # FAMILY_ITERATIONS and FAMILY_MINI_BATCH: every arm the same epochs and updates a batch;
+    # the focal arm at the preset's gamma (the paper's 0.5 for GRPO) and clip 0.2 / 0.2, over
+    # the demo config's gamma 1 and clip-higher
+    assert {arm["num_iterations"][0] for arm in summary["family"]["arms"].values()} == {1}
+    assert sorted(summary["family"]["arms"]) == ["grpo-g0", "grpo-g0.5"]
+    run = RunFile(str(out / "family" / "grpo-g0.5-s0" / "fgrpo.h5"))
+    for line in ("algorithm: grpo", "num_iterations: 1", "mini_batch_prompts: 8",
+                 "epsilon_high: 0.2\n", "gamma: 0.5"):
+        assert line in run.attrs["config"], line
+    assert run.group("metrics")["updates"].tolist()[0] == 4
     assert run.group("metrics")["generated_tokens"][-1] >= 300
     assert summary["gamma"]["k"] == [1, 2, 4, 8]
     assert sorted(summary["gamma"]["gammas"]) == ["0", "1"]
