@@ -38,9 +38,10 @@ The variants' timed calls are interleaved (best of two each, after a warm-up cal
 report gives tokens/s, members/s, the ratio to pure generation (target >= 0.8), the speedup
 over peft one at a time, the time to rebuild the k members' factors, the peak memory and the
 host ops per decoding step of each variant (:func:`host_ops_per_step`). Then
-one F-GRPO step (fgrpo defaults: 32 prompts x G = 8 sampled completions, token-mean clipped
-loss, micro-batches of 64 rows, AdamW on the LoRA; rewards are a hash of the tokens) timed by
-phase: generation, reward, forward_backward, optimizer (one rank: no all-reduce). A
+one F-GRPO step (32 prompts x G = 8 sampled completions, micro-batches of 64 rows, AdamW on the
+LoRA, the grpo preset otherwise; rewards are a hash of the tokens) timed by phase: generation,
+reward, then the trainer's own update :func:`fgrpo.step.train_on_rollouts`: forward_backward,
+optimizer (one rank: no all-reduce). A
 measurement that would overrun the --minutes budget is skipped; OUTDIR/gpu_check.json is
 rewritten after every measurement, so a killed run still leaves its figures.
 """
@@ -77,7 +78,9 @@ LENGTHS = {"tiny": (16, 16)}  # (prompt tokens, new tokens); real shapes: 64, 64
 LORA_RANK, LORA_ALPHA, SEED = 8, 16.0, 0
 VARIANTS = ("lora_fused", "lora_exact", "base")
 REPEATS = 2  # timed calls per variant and k (best kept), after one warm-up call
-FGRPO = dict(prompts=32, G=8, micro_batch=64, lr=2e-3, epsilon=0.2, epsilon_high=0.28)
+# The F-GRPO step's keys (fgrpo defaults otherwise); the rollouts are random prompts.
+FGRPO_KEYS = ["fgrpo.batch_prompts=32", "fgrpo.sampling.num_generations=8",
+              "fgrpo.optim.micro_batch=64", "fgrpo.optim.learning_rate=2e-3"]
 
 
 class Budget:
@@ -294,34 +297,35 @@ def members_section(model, space, device, ks, n_prompts, lengths, budget, save) 
 
 def fgrpo_step(model, device, lengths, decoder: EngineBackend | None = None) -> dict:
     """Seconds per phase of one F-GRPO step on one rank (see the module docstring); with a
-    ``decoder`` the rollouts are sampled by its engine instead of HF generate."""
+    ``decoder`` the rollouts are sampled by its engine instead of HF generate. The update is
+    the trainer's own :func:`fgrpo.step.train_on_rollouts` under the ``fgrpo`` section of
+    :data:`FGRPO_KEYS` (the package's defaults otherwise: the grpo preset)."""
     from transformers import GenerationConfig
 
-    from fgrpo.advantages import group_advantages
-    from fgrpo.loss import policy_loss
-    from fgrpo.surrogates.clip import Clip
-    from hpc.models.logprobs import sequence_logprobs
+    from fgrpo.config import FGRPOJobConfig
+    from fgrpo.rollout import Rollouts
+    from fgrpo.sampling import StepRollouts
+    from fgrpo.step import train_on_rollouts
+    from hpc.models.parallelize import TrainedWeights
+    from hpc.runtime.config import load_config
+    from hpc.runtime.timing import PhaseTimer
+    from hpc.runtime.world import get_world
 
     prompt_len, new_tokens = lengths
-    n, G = FGRPO["prompts"], FGRPO["G"]
+    cfg = load_config(FGRPOJobConfig, None, FGRPO_KEYS + [f"task.max_new_tokens={new_tokens}"])
+    f = cfg.fgrpo
+    n, G = f.batch_prompts, f.sampling.num_generations
     gen = torch.Generator().manual_seed(SEED + 1)
     prompts = torch.randint(1, model.config.vocab_size, (n, prompt_len), generator=gen)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=FGRPO["lr"], weight_decay=0.0)
-    cfg = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                           do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                           num_return_sequences=G, pad_token_id=0, eos_token_id=None)
+    weights = TrainedWeights([p for p in model.parameters() if p.requires_grad],
+                             f.optim.learning_rate, f.optim.weight_decay)
+    gen_cfg = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                               do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                               num_return_sequences=G, pad_token_id=0, eos_token_id=None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    phases = dict.fromkeys(["generation", "reward", "forward_backward", "optimizer"], 0.0)
-
-    def phase(name, fn):
-        _sync(device)
-        start = time.perf_counter()
-        out = fn()
-        _sync(device)
-        phases[name] += time.perf_counter() - start
-        return out
+    timer = PhaseTimer(["generation", "reward", "forward_backward", "waiting", "allreduce",
+                        "optimizer"], sync=lambda: _sync(device))
 
     def rollout():
         model.eval()
@@ -334,34 +338,25 @@ def fgrpo_step(model, device, lengths, decoder: EngineBackend | None = None) -> 
         with torch.inference_mode():
             out = model.generate(input_ids=prompts.to(device),
                                  attention_mask=torch.ones_like(prompts, device=device),
-                                 generation_config=cfg)
+                                 generation_config=gen_cfg)
         return out.clone()  # (n*G, prompt + new), prompt-major; usable by autograd
 
-    ids = phase("generation", rollout)
-    rewards = phase("reward", lambda: torch.tensor(
-        [float(hash(tuple(r)) % 2) for r in ids[:, prompt_len:].tolist()]).reshape(n, G))
-    adv = group_advantages(rewards, "group", 1.0).advantages.reshape(-1).to(device)
+    with timer.phase("generation"):
+        ids = rollout()
+    with timer.phase("reward"):
+        rewards = torch.tensor([float(hash(tuple(r)) % 2) for r in ids[:, prompt_len:].tolist()]
+                               ).reshape(n, G)
     cmask = torch.zeros(ids.shape, device=device)
     cmask[:, prompt_len:] = 1.0
-    valid = float(cmask[:, 1:].sum())
-
-    def forward_backward():
-        model.train()
-        opt.zero_grad()
-        for s in range(0, ids.shape[0], FGRPO["micro_batch"]):
-            rows = slice(s, s + FGRPO["micro_batch"])
-            logp, _ = sequence_logprobs(model, ids[rows], torch.ones_like(ids[rows]))
-            loss, _ = policy_loss(logp, logp.detach(), adv[rows], cmask[rows, 1:],
-                                  "token-mean", Clip(FGRPO["epsilon"], FGRPO["epsilon_high"]),
-                                  normalizer=valid)
-            loss.backward()
-
-    phase("forward_backward", forward_backward)
-    phase("optimizer", opt.step)
-    opt.zero_grad(set_to_none=True)
+    rollouts = Rollouts(ids, torch.ones_like(ids), cmask, rewards, torch.zeros_like(rewards),
+                        torch.full((n * G,), new_tokens), torch.ones(n * G, dtype=torch.bool))
     model.eval()
+    train_on_rollouts(model, weights, StepRollouts(rollouts, rollouts, {}), cfg, get_world(),
+                      step=0, seed=SEED, timer=timer)
+    model.eval()
+    phases = timer.seconds
     total = sum(phases.values())
-    return {"rows": n * G, "phases_s": phases, "total_s": total,
+    return {"rows": n * G, "fgrpo_keys": FGRPO_KEYS, "phases_s": phases, "total_s": total,
             "shares": {p: s / total for p, s in phases.items()}, "peak_mib": _peak_mib(device)}
 
 

@@ -109,6 +109,12 @@ def test_benchmark_runs_at_smoke_size(script, tmp_path):
         assert [r["k"] for r in result["members"]] == [1, 2]
         assert all(r["lora_fused"]["members_per_s"] > 0 for r in result["members"])
         assert result["fgrpo_step"]["rows"] == 256
+        # the step is the trainer's own update, not a copy of it
+        assert result["fgrpo_step"]["phases_s"]["forward_backward"] > 0
+        source = open(os.path.join(BENCHMARKS, "gpu_check.py")).read()
+        assert "train_on_rollouts(" in source
+        assert not any(name in source for name in ("policy_loss", "accumulate_gradients",
+                                                   "torch.optim.AdamW", "sequence_logprobs"))
         int8 = result["int8"]
         assert int8["int8"]["weight_bytes"] < int8["model dtype"]["weight_bytes"]
         assert all(r["engine"]["tokens_per_s"] > 0 for r in int8["int8"]["engine"])
