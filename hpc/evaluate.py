@@ -2,7 +2,13 @@
 
 Each rank answers its contiguous share of the problems; sample j of problem i is drawn with the
 key (run seed, i, j) (:mod:`hpc.models.sampling`), so pass@k does not depend on the number of
-ranks. Per-problem results cross the network once (Allgatherv, tag ``eval``). Also the ``hpc-eval`` command (``python -m hpc.evaluate``).
+ranks. The samples are decoded ``eval.sample_chunk`` per prompt at a time (0: all
+``eval.n_samples`` at once; ``eval.batch_size`` prompts decode together); each chunk is graded
+at once and only the per-problem counts of correct samples and reward sums are kept, so pass@k
+at n = 1024 samples of long completions holds one chunk's completions at a time, and gives the
+same numbers for any chunk size (sample j keeps its key in whichever chunk it falls).
+Per-problem results cross the network once (Allgatherv, tag ``eval``). Also the ``hpc-eval``
+command (``python -m hpc.evaluate``).
 """
 from __future__ import annotations
 
@@ -41,6 +47,20 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
+def pass_at_k_table(n: int) -> np.ndarray:
+    """pass@k of one problem for every c = 0..n correct of ``n`` samples and k = 1..n: float64
+    (n + 1, n), row c, column k - 1. The same stable product as :func:`pass_at_k`, built for
+    all c at once: row c is row c - 1 times (1 - k / (n - c + 1)), a factor that is exactly 0
+    at k = n - c + 1, so pass@k = 1 wherever n - c < k."""
+    n = _count("n", n)
+    if n < 1:
+        raise ValueError(f"pass@k needs n >= 1 samples, got n={n}")
+    k = np.arange(1, n + 1, dtype=np.float64)
+    factors = 1.0 - k[None, :] / np.arange(n, 0, -1, dtype=np.float64)[:, None]
+    misses = np.vstack([np.ones((1, n)), np.cumprod(factors, axis=0)])
+    return np.where(np.arange(n + 1)[:, None] > n - k[None, :], 1.0, 1.0 - misses)
+
+
 def pass_at_k_curve(correct_counts: np.ndarray, n: int) -> np.ndarray:
     """Mean pass@k over problems for k = 1..n: float64 (n,). ``correct_counts``: integers
     (problems,), each in 0..n; anything else (floats such as 2.5 or 2.0, bools) is a
@@ -49,8 +69,35 @@ def pass_at_k_curve(correct_counts: np.ndarray, n: int) -> np.ndarray:
     if counts.dtype.kind not in "iu":
         raise ValueError(f"pass@k needs integer correct counts, got dtype {counts.dtype}")
     n = _count("n", n)
-    return np.array([np.mean([pass_at_k(n, c, k) for c in counts.tolist()])
-                     for k in range(1, n + 1)])
+    if counts.size and not (counts.min() >= 0 and counts.max() <= n):
+        bad = int(counts[(counts < 0) | (counts > n)][0])
+        raise ValueError(f"pass@k needs 0 <= c <= n correct samples, got c={bad}, n={n}")
+    return pass_at_k_table(n)[counts.astype(np.int64)].mean(axis=0)
+
+
+def sampled_counts(model, tokenizer, task, split, eval_cfg: EvalConfig, max_new_tokens: int,
+                   decoder, seed: int, first_index: int) -> tuple:
+    """(correct samples int32 (problems,), reward sums float64 (problems,)) of
+    ``eval_cfg.n_samples`` samples of each problem of ``split`` (the first is problem
+    ``first_index`` of the whole split: the sampling key), ``eval_cfg.sample_chunk`` samples
+    of every problem per decoding call (module docstring)."""
+    from hpc.engine.generate import generate
+
+    n = eval_cfg.n_samples
+    chunk = min(eval_cfg.sample_chunk or n, n)
+    correct, sums = np.zeros(len(split), np.int32), np.zeros(len(split), np.float64)
+    for first in range(0, n, chunk):
+        m = min(chunk, n - first)
+        samples = generate(model, tokenizer, split.prompts, max_new_tokens, do_sample=True,
+                           temperature=eval_cfg.temperature, top_p=eval_cfg.top_p,
+                           num_return_sequences=m, batch_size=eval_cfg.batch_size, seed=seed,
+                           first_index=first_index, first_sample=first, decoder=decoder)
+        answers = [a for a in split.answers for _ in range(m)]
+        rewards = np.array(task.rewards(samples, answers), dtype=np.float64).reshape(-1, m)
+        correct += (rewards >= 1.0).sum(axis=1).astype(np.int32)
+        sums += rewards.sum(axis=1)
+        del samples, answers, rewards  # one chunk's completions at a time
+    return correct, sums
 
 
 def evaluate(model, tokenizer, task, split, eval_cfg: EvalConfig, max_new_tokens: int,
@@ -74,14 +121,10 @@ def evaluate(model, tokenizer, task, split, eval_cfg: EvalConfig, max_new_tokens
     n = eval_cfg.n_samples
     curve, avg = np.full(n, np.nan), float("nan")
     if sampled:
-        samples = generate(model, tokenizer, mine.prompts, max_new_tokens, do_sample=True,
-                           temperature=eval_cfg.temperature, top_p=eval_cfg.top_p,
-                           num_return_sequences=n, batch_size=eval_cfg.batch_size,
-                           seed=seed, first_index=lo, decoder=decoder)
-        answers = [a for a in mine.answers for _ in range(n)]
-        rewards = np.array(task.rewards(samples, answers), dtype=np.float64).reshape(-1, n)
-        c = world.allgatherv((rewards >= 1.0).sum(axis=1).astype(np.int32), counts, tag="eval")
-        reward_sums = world.allgatherv(rewards.sum(axis=1), counts, tag="eval")
+        mine_c, mine_sums = sampled_counts(model, tokenizer, task, mine, eval_cfg,
+                                           max_new_tokens, decoder, seed, lo)
+        c = world.allgatherv(mine_c, counts, tag="eval")
+        reward_sums = world.allgatherv(mine_sums, counts, tag="eval")
         curve = pass_at_k_curve(c, n)
         avg = float(reward_sums.sum() / (len(split) * n))
     decoder.end_phase(*next_decode)

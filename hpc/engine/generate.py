@@ -3,8 +3,8 @@
 (``backend=``), else a fresh one of the package's engine.
 
 Sampling on every backend is keyed (:mod:`hpc.models.sampling`): prompt ``first_index + i``'s
-sample ``j`` depends only on (seed, first_index + i, j), not on the batch or the number of
-ranks.
+sample ``first_sample + j`` depends only on (seed, first_index + i, first_sample + j), not on
+the batch, the number of ranks or how the samples are split between calls.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def _sampling(do_sample, temperature, top_p, seed) -> Sampling | None:
 
 def generate_tokens(model, tokenizer, prompts: list[str], max_new_tokens: int, *,
                     do_sample=False, temperature=1.0, top_p=1.0, num_return_sequences=1,
-                    batch_size=64, seed=None, first_index=0,
+                    batch_size=64, seed=None, first_index=0, first_sample=0,
                     decoder: DecodeBackend | None = None,
                     backend: str | None = None) -> list[list[int]]:
     """Like :func:`generate`, but return each completion's token ids, up to and including the
@@ -48,7 +48,8 @@ def generate_tokens(model, tokenizer, prompts: list[str], max_new_tokens: int, *
     decoder = make_backend(backend) if backend else decoder or make_backend()
     sampling = _sampling(do_sample, temperature, top_p, seed)
     n_rows = 1 if sampling is None else num_return_sequences  # greedy samples are all alike
-    keys = [(first_index + i, j) for i in range(len(prompts)) for j in range(n_rows)]
+    keys = [(first_index + i, first_sample + j) for i in range(len(prompts))
+            for j in range(n_rows)]
     was_training = model.training
     model.eval()
     try:
@@ -65,7 +66,7 @@ def generate_tokens(model, tokenizer, prompts: list[str], max_new_tokens: int, *
 
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, *, do_sample=False,
              temperature=1.0, top_p=1.0, num_return_sequences=1, batch_size=64,
-             seed=None, first_index=0, decoder: DecodeBackend | None = None,
+             seed=None, first_index=0, first_sample=0, decoder: DecodeBackend | None = None,
              backend: str | None = None) -> list[str]:
     """Complete every prompt; return ``len(prompts) * num_return_sequences`` strings.
 
@@ -74,7 +75,8 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, *, do_sa
     ``temperature`` and ``top_p`` (the model's own top_k, repetition penalty and so on are
     switched off); ``do_sample`` with ``temperature == 0`` means greedy, and greedy decoding
     with ``n > 1`` decodes once and repeats the completion ``n`` times. Samples are keyed by
-    (``seed``, ``first_index`` + prompt position, sample index) (module docstring); without
+    (``seed``, ``first_index`` + prompt position, ``first_sample`` + sample index) (module
+    docstring: samples 8..15 of one call equal samples 8..15 of a call for 16); without
     ``seed`` one is drawn from the global torch RNG. ``batch_size`` counts prompts decoding at
     once (each expands to ``n`` rows). ``decoder``: the job's backend; ``backend``: a
     registered backend's name, decoding through a fresh one (default: the decoder, else a
@@ -85,7 +87,8 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, *, do_sa
     ids = generate_tokens(model, tokenizer, prompts, max_new_tokens, do_sample=do_sample,
                           temperature=temperature, top_p=top_p,
                           num_return_sequences=num_return_sequences, batch_size=batch_size,
-                          seed=seed, first_index=first_index, decoder=decoder,
+                          seed=seed, first_index=first_index, first_sample=first_sample,
+                          decoder=decoder,
                           backend=backend)
     return tokenizer.batch_decode(ids, skip_special_tokens=True)
 
