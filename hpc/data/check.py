@@ -9,7 +9,10 @@ grader cannot read (``The answer is \\boxed{<gold>}.`` must score 1 against its 
 SFT solutions the grader marks wrong, and, when ``model.path`` is a folder with a
 ``tokenizer.json``, the prompt lengths in tokens against ``plan.max_prompt_tokens`` (what the
 memory plan assumed) and the solution lengths against ``task.max_new_tokens``. The task is
-``task.name`` (a file task: gsm8k, math, aime, amc). Exit code 2 when a row is rejected, a gold
+``task.name`` (a file task: gsm8k, math, aime, amc, deepscaler, minerva, olympiadbench). A
+task's preset may filter the rows ``prepare`` writes (deepscaler: duplicates, and prompts over
+``--max-prompt-tokens``, 1024 unless given, as :func:`hpc.data.prepare.prompt_lengths` counts
+them); it prints what each filter removed. Exit code 2 when a row is rejected, a gold
 is unreadable or a prompt is too long; 0 otherwise.
 """
 from __future__ import annotations
@@ -134,14 +137,20 @@ def main(argv=None):
              "the local cache) as the task's jsonl files, then check them",
         description="Write SOURCE (a .parquet/.jsonl/.json file, a folder of them, or a Hugging "
                     "Face Hub dataset id found in the local cache) as FOLDER/<split>.jsonl in "
-                    "the fields task.name reads (gsm8k, math, aime, amc), then check each file "
-                    "as hpc-data check does. Nothing is downloaded.")
+                    "the fields task.name reads (gsm8k, math, aime, amc, deepscaler, minerva, "
+                    "olympiadbench), filtered by the task's preset (deepscaler: duplicate "
+                    "questions and prompts over --max-prompt-tokens), then check each file as "
+                    "hpc-data check does. Nothing is downloaded.")
     prepare.add_argument("source", metavar="SOURCE")
     prepare.add_argument("folder", metavar="FOLDER")
     prepare.add_argument("items", nargs="*", metavar="CONFIG.yaml | section.key=value",
                          help=CONFIG_HELP)
     prepare.add_argument("--subset", help="the subfolder of a source that holds several "
                                           "(GSM8K: main or socratic)")
+    prepare.add_argument("--max-prompt-tokens", type=int, metavar="N",
+                         help="drop the rows whose prompt, as task.prompt_format renders it, is "
+                              "longer than N tokens of model.path's tokenizer (default: the "
+                              "preset's, 1024 for deepscaler, else no limit; 0: no limit)")
     args = parser.parse_args(argv)
     config_path = next((i for i in args.items if "=" not in i), None)
     cfg = load_config(JobConfig, config_path, [i for i in args.items if "=" in i])
@@ -152,10 +161,15 @@ def main(argv=None):
     else:
         from hpc.data.prepare import prepare as write_task_files
 
+        if args.max_prompt_tokens is not None and args.max_prompt_tokens < 0:
+            raise UserError(f"hpc-data prepare: --max-prompt-tokens {args.max_prompt_tokens}: "
+                            f"give a number of tokens, or 0 for no limit")
         files = []
-        for path, rows, sources in write_task_files(args.source, args.folder, task,
-                                                    args.subset):
+        for path, rows, sources, notes in write_task_files(
+                args.source, args.folder, task, args.subset, cfg, args.max_prompt_tokens):
             print(f"wrote {path}: {rows} rows from {', '.join(sources)}", flush=True)
+            for line in notes:
+                print(f"  {line}", flush=True)
             files.append(path)
     problems = 0
     for path in files:

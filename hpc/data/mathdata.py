@@ -1,5 +1,5 @@
-"""File tasks (``gsm8k``, ``math``, ``aime``, ``amc``): jsonl rows to prompts, gold answers and
-SFT solutions.
+"""File tasks (``gsm8k``, ``math``, ``aime``, ``amc``, and the short-answer sets ``deepscaler``,
+``minerva``, ``olympiadbench``): jsonl rows to prompts, gold answers and SFT solutions.
 
 Row formats (one JSON object per line; blank lines are skipped):
 
@@ -10,6 +10,13 @@ Row formats (one JSON object per line; blank lines are skipped):
   which then is the gold answer.
 * aime, amc: ``question`` or ``problem``; ``answer`` (a number); optional ``solution``. The SFT
   solution is that text (if any) followed by ``The answer is \\boxed{<answer>}.``
+* deepscaler, minerva, olympiadbench (:data:`SHORT_ANSWER_TASKS`): ``question`` or
+  ``problem``; the gold is the short ``answer`` (LaTeX or a number) where the row has one, else
+  the final answer of the worked ``solution`` as for math (also where ``answer`` holds a worked
+  solution: ``\\boxed{}`` or ``The answer is:`` in it), so MATH-500, AIME and AMC files read as
+  these tasks too (a training job on DeepScaleR evaluates on any of them). The SFT solution is
+  ``solution`` (if any) followed by ``The answer is \\boxed{<answer>}.``; graded by
+  math-verify.
 
 Every row is checked at load, and a bad one ends the job with one line naming the file and
 line (UserError): the question must be a string; numeric golds (gsm8k's ``####`` line, aime
@@ -215,9 +222,31 @@ def _competition(row: dict, path: str, number: int):
     return question, MATH_TEMPLATE, gold, solution
 
 
-_ROW_READERS = {"gsm8k": _gsm8k, "math": _math, "aime": _competition, "amc": _competition}
+def _short_answer(row: dict, path: str, number: int):
+    """A row of a short-answer set (module docstring): its ``answer``, else as :func:`_math`."""
+    answer = row.get("answer")
+    if answer in (None, "") or (isinstance(answer, str) and (
+            _ANSWER_SUFFIX in answer or last_boxed(answer))):  # a worked solution (PRM800K's)
+        return _math(row, path, number)
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise UserError(f"{path} line {number}: the 'answer' must be a string or a number, got "
+                        f"{type(answer).__name__}")
+    text = answer.strip() if isinstance(answer, str) else _number_text(answer)  # '3.83e35' kept
+    gold = _math_gold(text, path, number)
+    worked = str(row.get("solution") or "").strip()
+    final = f"The answer is \\boxed{{{gold}}}."
+    solution = f" {worked}\n{final}" if worked else f" {final}"
+    question = _text(row, ("question", "problem"), path, number)
+    return question, MATH_TEMPLATE, gold, solution
+
+
+SHORT_ANSWER_TASKS = ("deepscaler", "minerva", "olympiadbench")
+_ROW_READERS = {"gsm8k": _gsm8k, "math": _math, "aime": _competition, "amc": _competition,
+                **dict.fromkeys(SHORT_ANSWER_TASKS, _short_answer)}
 _REWARDS = {"gsm8k": numeric_reward, "math": math_reward, "aime": numeric_reward,
-            "amc": numeric_reward}
+            "amc": numeric_reward, **dict.fromkeys(SHORT_ANSWER_TASKS, math_reward)}
+# The plain prompt of each file task (hpc-data prepare counts prompt tokens with it).
+TEMPLATES = {name: GSM8K_TEMPLATE if name == "gsm8k" else MATH_TEMPLATE for name in _ROW_READERS}
 
 
 def _split(name: str, path: str, n: int, rng: random.Random | None = None) -> Split:

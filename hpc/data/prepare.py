@@ -19,7 +19,26 @@ Each row becomes the fields the task reads, matched case-insensitively:
   ``\\boxed{}``); where the row also has a short ``answer`` (MATH-500), the solution is
   written with ``The answer is: <answer>`` after it, so that ``answer`` is the gold; a row with
   only ``answer`` holds the worked solution there (PRM800K's files);
-* aime, amc: ``problem`` or ``question``, ``answer`` (a number), ``solution`` where present.
+* aime, amc: ``problem`` or ``question``, ``answer`` (a number), ``solution`` where present;
+* deepscaler, minerva, olympiadbench (short-answer sets, graded by math-verify): ``problem`` or
+  ``question``; the gold from ``answer`` or ``final_answer`` (a list, as OlympiadBench ships
+  it, is joined with ``", "``; the ``$`` delimiters of an answer are dropped); ``solution`` (a list
+  joined by blank lines) where present, and the gold's source where no answer is. The field
+  names are those of agentica-org/DeepScaleR-Preview-Dataset (``problem``, ``answer``,
+  ``solution``), math-ai/minervamath (``question``, ``answer``; other copies ship ``problem``
+  and a ``\\boxed{}`` ``solution``) and math-ai/olympiadbench or Hothan/OlympiadBench
+  (``question``, ``final_answer``); since not every copy on the Hub names them alike, each
+  variant above is accepted.
+
+A task's preset (:data:`PRESETS`) then filters each split, printing what each filter removed:
+
+* ``deepscaler`` drops duplicates, a row whose question equals an earlier one's once every run
+  of whitespace is one space and the ends are stripped (the first is kept, whatever its answer),
+  then rows whose prompt is longer than 1024 tokens (``--max-prompt-tokens``; 0: no limit). A
+  prompt is counted as a job of the same config feeds it to the model: ``task.prompt_format``
+  rendered (the chat template of ``model.path`` with its system prompt, or the text template)
+  and tokenized by ``model.path``'s tokenizer with its special tokens
+  (:func:`prompt_lengths`).
 """
 from __future__ import annotations
 
@@ -27,8 +46,9 @@ import json
 import math
 import os
 import re
+from dataclasses import dataclass
 
-from hpc.data.mathdata import read_jsonl
+from hpc.data.mathdata import SHORT_ANSWER_TASKS, TEMPLATES, read_jsonl
 from hpc.models.hub import local_or_cached
 from hpc.runtime.atomic import write_bytes
 from hpc.runtime.errors import UserError
@@ -36,6 +56,18 @@ from hpc.runtime.errors import UserError
 SUFFIXES = (".parquet", ".jsonl", ".json")
 SPLITS = ("train", "test", "validation", "valid", "dev")
 _WORD = re.compile(r"[-_.]")
+_DOLLAR = re.compile(r"(?<!\\)\$")  # a math delimiter, not an escaped \$
+
+
+@dataclass(frozen=True)
+class Preset:
+    """What ``hpc-data prepare`` does to a task's rows after converting them."""
+
+    dedup: bool = False  # drop repeated questions (whitespace collapsed), keeping the first
+    max_prompt_tokens: int = 0  # drop longer prompts (0: no limit; --max-prompt-tokens)
+
+
+PRESETS = {"deepscaler": Preset(dedup=True, max_prompt_tokens=1024)}  # others: Preset()
 
 
 def _value(value):
@@ -43,8 +75,8 @@ def _value(value):
     if hasattr(value, "item") and not isinstance(value, (str, bytes)):
         try:
             value = value.item()
-        except (ValueError, AttributeError):  # an array: left for the field check to name
-            return value
+        except (ValueError, AttributeError):  # an array: a list (OlympiadBench's final_answer)
+            return value.tolist() if hasattr(value, "tolist") else value
     if isinstance(value, float) and math.isnan(value):
         return None
     return value
@@ -90,6 +122,8 @@ def _pick(row: dict, names: tuple, where: str):
 def task_row(task: str, row: dict, where: str) -> dict:
     """``row`` (keys lower-cased) as the fields task ``task`` reads (see the module)."""
     question = _pick(row, ("question", "problem"), where)
+    if task in SHORT_ANSWER_TASKS:
+        return _short_answer_row(question, row, where)
     if task == "gsm8k":
         return {"question": question, "answer": _pick(row, ("answer",), where)}
     if task == "math":
@@ -102,6 +136,30 @@ def task_row(task: str, row: dict, where: str) -> dict:
     out = {"question": question, "answer": _pick(row, ("answer",), where)}
     if row.get("solution") not in (None, ""):
         out["solution"] = row["solution"]
+    return out
+
+
+def _answer_text(value):
+    """A short answer: a list's items joined with ', ', ``$`` delimiters dropped (``$3$, $5$``
+    is ``3, 5``); numbers as they are."""
+    if isinstance(value, (list, tuple)):
+        value = ", ".join(str(_answer_text(v)) for v in value)
+    return _DOLLAR.sub("", value).strip() if isinstance(value, str) else value
+
+
+def _short_answer_row(question, row: dict, where: str) -> dict:
+    """A deepscaler, minerva or olympiadbench row (module docstring)."""
+    _pick(row, ("answer", "final_answer", "solution"), where)  # one of them, else UserError
+    out = {"question": question}
+    gold = next((_answer_text(row[n]) for n in ("answer", "final_answer")
+                 if row.get(n) not in (None, "", [])), "")
+    if gold not in (None, ""):
+        out["answer"] = gold
+    solution = row.get("solution")
+    if isinstance(solution, (list, tuple)):
+        solution = "\n\n".join(str(s) for s in solution)
+    if solution not in (None, ""):
+        out["solution"] = solution
     return out
 
 
@@ -141,9 +199,77 @@ def data_files(root: str, subset: str | None) -> dict:
     return splits
 
 
-def prepare(source: str, out_dir: str, task: str, subset: str | None = None) -> list:
+def prompt_lengths(questions: list, task: str, cfg) -> tuple:
+    """(tokens of each question's prompt, how they were counted) as a job of config ``cfg``
+    feeds the prompt to the model: ``cfg.task.prompt_format`` rendered (chat formats: the chat
+    template of ``cfg.model.path`` with the format's system prompt or ``task.system_prompt``;
+    text formats: the format's or task ``task``'s template) and tokenized by the tokenizer of
+    ``cfg.model.path`` with its special tokens, as the decoder gets it. UserError (one line)
+    when that tokenizer cannot be read."""
+    from hpc.data.prompts import PROMPT_FORMATS, chat_messages  # torch: only when counting
+    from hpc.models.chat import chat_tokenizer
+    from hpc.models.loading import load_tokenizer, model_folder
+
+    name = cfg.task.prompt_format
+    fmt = PROMPT_FORMATS[name]
+    how = f"task.prompt_format={name}, model.path={cfg.model.path}'s tokenizer"
+    try:
+        path = local_or_cached(cfg.model.path, "config key 'model.path'").path
+        if fmt.chat:
+            tokenizer = chat_tokenizer(path, name)
+            system = cfg.task.system_prompt or fmt.system
+            texts = [tokenizer.apply_chat_template(chat_messages(str(q), system),
+                                                   tokenize=False, add_generation_prompt=True)
+                     for q in questions]
+        else:
+            tokenizer = load_tokenizer(model_folder(path))
+            texts = [(fmt.template or TEMPLATES[task]).format(question=q) for q in questions]
+    except UserError as err:
+        raise UserError(f"hpc-data prepare: the prompt-length filter counts tokens with "
+                        f"model.path's tokenizer ({err}); name the job's model (model.path= or "
+                        f"its config) or give --max-prompt-tokens 0") from None
+    return [len(ids) for ids in tokenizer(texts)["input_ids"]] if texts else [], how
+
+
+def drop_duplicates(rows: list) -> list:
+    """``rows`` without those whose question repeats an earlier one's once whitespace runs are
+    one space and the ends stripped (the first of each kept)."""
+    seen, kept = set(), []
+    for row in rows:
+        key = " ".join(str(row["question"]).split())
+        if key not in seen:
+            seen.add(key)
+            kept.append(row)
+    return kept
+
+
+def filter_rows(rows: list, task: str, cfg, max_prompt_tokens: int | None) -> tuple:
+    """(rows kept, report lines): task ``task``'s preset applied to one split's ``rows``;
+    ``max_prompt_tokens``: None for the preset's, 0 for no limit; a limit needs the job config
+    ``cfg`` (:func:`prompt_lengths`)."""
+    preset = PRESETS.get(task, Preset())
+    limit = preset.max_prompt_tokens if max_prompt_tokens is None else max_prompt_tokens
+    lines = []
+    if preset.dedup:
+        kept = drop_duplicates(rows)
+        lines.append(f"duplicates removed: {len(rows) - len(kept)} of {len(rows)} rows (the same "
+                     f"question once whitespace is collapsed; the first kept)")
+        rows = kept
+    if limit:
+        lengths, how = prompt_lengths([r["question"] for r in rows], task, cfg)
+        kept = [r for r, n in zip(rows, lengths) if n <= limit]
+        lines.append(f"prompts over {limit} tokens removed: {len(rows) - len(kept)} of "
+                     f"{len(rows)} rows ({how})")
+        rows = kept
+    return rows, lines
+
+
+def prepare(source: str, out_dir: str, task: str, subset: str | None = None, cfg=None,
+            max_prompt_tokens: int | None = None) -> list:
     """Write ``<out_dir>/<split>.jsonl`` for task ``task`` from ``source`` (a file, a folder or
-    a Hub dataset id in the local cache); returns ``[(file written, rows, files read)]``."""
+    a Hub dataset id in the local cache), each split filtered by the task's preset
+    (:func:`filter_rows`; ``cfg``: the job config whose model and prompt format count prompt
+    tokens); returns ``[(file written, rows, files read, filter report lines)]``."""
     path = local_or_cached(source, "hpc-data prepare", repo_type="dataset").path
     if os.path.isfile(path):
         splits = {split_of(os.path.basename(path)): [path]}
@@ -158,10 +284,12 @@ def prepare(source: str, out_dir: str, task: str, subset: str | None = None) -> 
             rows += [task_row(task, row, f"{file} row {i}")
                      for i, row in enumerate(read_rows(file), 1)]
         converted[split] = (rows, files)
+    filtered = {split: filter_rows(rows, task, cfg, max_prompt_tokens) + (files,)
+                for split, (rows, files) in converted.items()}
     written = []
-    for split, (rows, files) in sorted(converted.items()):
+    for split, (rows, lines, files) in sorted(filtered.items()):
         target = os.path.join(out_dir, f"{split}.jsonl")
         write_bytes(target, "".join(json.dumps(r, ensure_ascii=False) + "\n"
                                     for r in rows).encode("utf-8"))
-        written.append((target, len(rows), files))
+        written.append((target, len(rows), files, lines))
     return written

@@ -1,7 +1,8 @@
 """Tasks: prompts, gold answers, SFT solutions, a prompt template and a reward function.
 
-``arith`` is generated (no files, the demo task); ``gsm8k``, ``math``, ``aime`` and ``amc`` read
-jsonl files (:mod:`hpc.data.mathdata`). Rewards live in :mod:`hpc.data.rewards`, the
+``arith`` and ``wordprob`` are generated (no files; arith is the demo task); ``gsm8k``,
+``math``, ``aime``, ``amc`` and the short-answer sets ``deepscaler``, ``minerva`` and
+``olympiadbench`` read jsonl files (:mod:`hpc.data.mathdata`, written by ``hpc-data prepare``). Rewards live in :mod:`hpc.data.rewards`, the
 :class:`Split` and :class:`Task` containers in :mod:`hpc.data.split`.
 """
 from __future__ import annotations
