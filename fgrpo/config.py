@@ -280,16 +280,6 @@ class FGRPOJobConfig(JobConfig):
                             f"prompts do not split evenly over {world.size} ranks; "
                             f"fgrpo.parallel.strategy=fsdp2 runs every forward on all ranks "
                             f"together, so each needs the same number of rows")
-        updates = self.fgrpo.batch_prompts // (self.fgrpo.optim.mini_batch_prompts
-                                               or self.fgrpo.batch_prompts)
-        share = self.fgrpo.batch_prompts // world.size
-        if self.fgrpo.parallel.strategy == "fsdp2" and share % updates:
-            raise UserError(f"config key 'fgrpo.optim.mini_batch_prompts': each of the "
-                            f"{world.size} ranks holds {share} prompts, which do not split "
-                            f"into the {updates} updates of a pass evenly; "
-                            f"fgrpo.parallel.strategy=fsdp2 needs the same rows on every rank "
-                            f"in each update (batch_prompts / ranks a multiple of "
-                            f"batch_prompts / mini_batch_prompts)")
 
     def validate(self):
         f = self.fgrpo
@@ -306,10 +296,6 @@ class FGRPOJobConfig(JobConfig):
             raise UserError(f"config key 'fgrpo.reward.overlong_buffer': "
                             f"{f.reward.overlong_buffer} tokens exceed the length limit "
                             f"task.max_new_tokens={self.task.max_new_tokens}")
-        if f.sampling.dynamic_sampling and f.parallel.strategy == "fsdp2":
-            raise UserError("config key 'fgrpo.sampling.dynamic_sampling': the informative "
-                            "groups a rank keeps differ in number; fgrpo.parallel.strategy="
-                            "fsdp2 needs the same rows on every rank (use strategy=ddp)")
         if f.space == "sv" and f.full_finetune:
             raise UserError("config key 'fgrpo.space': sv trains offsets to a LoRA adapter's "
                             "singular values; it cannot be combined with fgrpo.full_finetune")

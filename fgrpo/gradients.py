@@ -7,6 +7,7 @@ gradient of the whole step's batch (the step that applies it:
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from fgrpo.loss import policy_loss, step_counts, step_normalizer
@@ -18,9 +19,13 @@ GRADIENT_SUMS = ("loss", "tokens", "kl", "clip_fraction", "ratio", "entropy")
 
 
 def accumulate_gradients(model, rollouts, advantages: torch.Tensor, cfg, world,
-                         max_new_tokens: int, old_logp=None, ref_logp=None) -> dict:
+                         max_new_tokens: int, old_logp=None, ref_logp=None,
+                         lockstep: bool = False) -> dict:
     """Forward/backward over ``rollouts`` in micro-batches; gradients are left ready for a MEAN
-    all-reduce (see :func:`fgrpo.loss.step_normalizer`). ``advantages``: (n*G,).
+    all-reduce (see :func:`fgrpo.loss.step_normalizer`). ``advantages``: (n*G,). ``lockstep``
+    (FSDP2, whose every forward and backward is collective): a rank with fewer micro-batches
+    than another runs :func:`idle_backward` for each one it lacks (a rank may hold fewer rows
+    of an update: dynamic sampling's kept groups, PPO mini-batches).
 
     Returns {name: float} of :data:`GRADIENT_SUMS`: the loss summed over micro-batches, the
     valid tokens, and kl, clip_fraction, ratio (mean importance ratio) and entropy summed over
@@ -31,7 +36,10 @@ def accumulate_gradients(model, rollouts, advantages: torch.Tensor, cfg, world,
     counts = world.allgather(step_counts(rollouts.completion_mask[:, 1:]), tag="metrics")
     normalizer = step_normalizer(f.loss.aggregation, counts, world.size)
     sums = dict.fromkeys(GRADIENT_SUMS, 0.0)
-    for start in range(0, rows, f.optim.micro_batch):
+    starts = range(0, rows, f.optim.micro_batch)
+    for _ in range(most_micro_batches(world, len(starts)) - len(starts) if lockstep else 0):
+        idle_backward(model, cfg)
+    for start in starts:
         stop = min(start + f.optim.micro_batch, rows)
         old = None if old_logp is None else old_logp[start:stop]
         ref = None if ref_logp is None else ref_logp[start:stop]
@@ -67,3 +75,18 @@ def micro_batch_backward(model, rows, advantages, old_logp, ref_logp, cfg, max_n
     loss.backward()
     return dict(stats, loss=float(loss.detach()), entropy=masked_mean(entropy, cm[:, 1:]))
 
+
+
+def most_micro_batches(world, mine: int) -> int:
+    """The most micro-batches any rank runs (an Allgather, tag ``metrics``)."""
+    return int(world.allgather(np.array([mine]), tag="metrics").max())
+
+
+def idle_backward(model, cfg) -> None:
+    """A forward and backward of one two-token row that no loss term counts (completion mask 0,
+    attention 1): under FSDP2 it joins the other ranks' all-gathers and reduce-scatters of a
+    micro-batch this rank has no rows for, adding zero to every gradient."""
+    device = next(model.parameters()).device
+    ids = torch.zeros((1, 2), dtype=torch.long, device=device)
+    logp, _ = sequence_logprobs(model, ids, torch.ones_like(ids), cfg.model.logprob_chunk)
+    (logp.sum() * 0.0).backward()

@@ -51,12 +51,19 @@ def build_model(cfg, device):
 
 
 @torch.no_grad()
-def frozen_logprobs(model, rollouts, micro_batch: int, chunk: int) -> torch.Tensor:
+def frozen_logprobs(model, rollouts, micro_batch: int, chunk: int,
+                    most: int | None = None) -> torch.Tensor:
     """Log-probs of all rollouts without gradient: (rows, T-1) float32; ``chunk``: positions
-    per LM-head chunk (model.logprob_chunk, 0 = full logits)."""
+    per LM-head chunk (model.logprob_chunk, 0 = full logits). ``most`` (FSDP2: every forward
+    is collective): the most micro-batches any rank runs; this rank runs a two-token forward
+    for each it lacks."""
     ids = rollouts.input_ids
+    starts = range(0, ids.shape[0], micro_batch)
+    for _ in range((most or 0) - len(starts)):
+        idle = torch.zeros((1, 2), dtype=torch.long, device=ids.device)
+        sequence_logprobs(model, idle, torch.ones_like(idle), chunk)
     parts = [sequence_logprobs(model, *rollouts.rows(s, s + micro_batch)[:2], chunk)[0]
-             for s in range(0, ids.shape[0], micro_batch)]
+             for s in starts]
     return torch.cat(parts) if parts else ids.new_zeros((0, ids.shape[1] - 1), dtype=torch.float32)
 
 

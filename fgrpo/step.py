@@ -11,7 +11,8 @@ what :class:`fgrpo.trainer.FGRPO` runs after its rollouts and ``benchmarks/gpu_c
    optimizer updates: loss and backward over the update's groups in micro-batches, the gradient
    all-reduce, AdamW. Group i of the step's kept groups (``StepRollouts.order``, the same on
    any number of ranks) goes to update i mod U, so an update's groups do not depend on the rank
-   count, and under FSDP2 every rank holds the same number of rows of each update. The loss of
+   count; under FSDP2 a rank with fewer rows of an update (or of dynamic sampling's kept
+   groups) runs idle forwards to keep the collectives in step. The loss of
    an update is normalised over that update's groups on all ranks (:mod:`fgrpo.loss`). With
    U = 1 (``mini_batch_prompts`` 0 or ``batch_prompts``) and one epoch the ratio is 1 and the
    step is the single update of earlier versions, bit for bit.
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fgrpo.advantages import Advantages, batch_moments, group_advantages, std_from_moments
-from fgrpo.gradients import GRADIENT_SUMS, accumulate_gradients
+from fgrpo.gradients import GRADIENT_SUMS, accumulate_gradients, most_micro_batches
 from fgrpo.policy import frozen_logprobs, reference_model
 
 
@@ -98,9 +99,12 @@ def train_on_rollouts(model, weights, batch, cfg, world, step: int, seed: int, *
                            task_rewards=rollouts.rewards)
     # 2. the frozen log-probs: the sampling policy's (off-policy updates), the reference's (KL)
     U = updates_per_epoch(f)
+    lockstep = weights.sharded  # FSDP2: every rank runs as many forwards as the busiest
     with timer.phase("forward_backward"):
         def frozen(m):
-            return frozen_logprobs(m, rollouts, f.optim.micro_batch, cfg.model.logprob_chunk)
+            rows, mb = rollouts.input_ids.shape[0], f.optim.micro_batch
+            most = most_micro_batches(world, -(-rows // mb)) if lockstep else None
+            return frozen_logprobs(m, rollouts, mb, cfg.model.logprob_chunk, most)
         old_logp = frozen(model) if f.optim.num_iterations > 1 or U > 1 else None
         ref_logp = None
         if f.loss.beta > 0:
@@ -126,7 +130,7 @@ def train_on_rollouts(model, weights, batch, cfg, world, step: int, seed: int, *
             weights.zero_grad()
             with timer.phase("forward_backward"):
                 got = accumulate_gradients(model, part, part_adv, cfg, world,
-                                           cfg.task.max_new_tokens, old, ref)
+                                           cfg.task.max_new_tokens, old, ref, lockstep)
                 weights.ensure_gradients()  # no rows here: zeros to all-reduce
             with timer.phase("waiting"):
                 world.arrive("gradient all-reduce", cfg.run.collective_timeout_s)

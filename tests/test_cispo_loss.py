@@ -168,8 +168,6 @@ def test_a_config_leaving_a_changed_preset_key_gets_one_note_line():
      ["fgrpo.loss.clip.ratio_c", "0.5", "> 1"]),
     (["fgrpo.reward.overlong_buffer=9", "task.max_new_tokens=8"],
      ["fgrpo.reward.overlong_buffer", "8"]),
-    (["fgrpo.algorithm=dapo", "fgrpo.parallel.strategy=fsdp2"],
-     ["fgrpo.sampling.dynamic_sampling", "fsdp2"]),
 ])
 def test_bad_algorithm_combinations(overrides, words):
     from fgrpo.config import FGRPOJobConfig

@@ -233,3 +233,28 @@ def test_offload_moves_the_state_while_decoding_and_changes_nothing(tmp_path):
                 assert all(torch.equal(a, b) for a, b in zip(moved[key], kept[key])), key
             assert moved["before"] == kept["before"]  # every storage came back whole
     assert results[("ddp-full-bf16", "none")]["held"][0]["master copies"] > 0
+
+
+@pytest.mark.mpi
+@pytest.mark.toy
+def test_fsdp2_runs_dapo_and_mini_batches_with_uneven_rows_as_ddp(tmp_path):
+    """F-DAPO under FSDP2 (the paper's full fine-tuning of DAPO): dynamic sampling keeps a
+    different number of groups on each of 3 ranks, and 3 mini-batch updates of 2 prompts leave
+    every rank without rows in one of them; the idle forwards keep FSDP2's collectives in step,
+    and the run follows DDP's within test_fsdp2_equals_ddp_step_by_step's tolerances."""
+    extra = ["fgrpo.algorithm=dapo", "fgrpo.sampling.max_refills=2",
+             "fgrpo.optim.mini_batch_prompts=2", "fgrpo.optim.num_iterations=1"]
+    outs = {}
+    for parallelism in ("ddp", "fsdp2"):
+        outs[parallelism] = out = tmp_path / parallelism
+        proc = run_mpi(3, fgrpo_args(out, f"fgrpo.parallel.strategy={parallelism}", *extra),
+                       timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    ddp, fsdp = (RunFile(str(outs[p] / "fgrpo.h5")).group("metrics") for p in ("ddp", "fsdp2"))
+    assert ddp["updates"].tolist() == fsdp["updates"].tolist() == [3] * STEPS
+    for key in ("reward_mean", "trained_groups", "sampling_rounds", "ratio_mean", "entropy"):
+        np.testing.assert_allclose(fsdp[key], ddp[key], rtol=1e-5, atol=1e-9, err_msg=key)
+    for step in range(1, STEPS + 1):
+        a = masters_at(outs["ddp"], step, 3, tmp_path)
+        b = masters_at(outs["fsdp2"], step, 3, tmp_path)
+        assert max(relative(y, x) for x, y in zip(a, b)) < 5e-5, step
