@@ -383,6 +383,12 @@ def run_loop(job: Job, method: Method) -> dict:
             store.write_row("heldout", step, flush=False, wall_s=time.perf_counter() - t0,
                             train_s=metrics["train_s"], generated_tokens=tokens, **row)
             reached = method.target_reached(row)
+        every = cfg.eval.sampled_every
+        if every and step % every == 0 and step != total and not last:  # the end's: below
+            begin = time.perf_counter()
+            with timer.phase("eval"):
+                log_eval(store, step, method.evaluate(sampled=True))
+            overhead += time.perf_counter() - begin
         stop, preempted = should_stop(world, job.signals, out_of_budget(
             cfg.run, time.perf_counter() - t0, time.perf_counter() - t0 - overhead))
         stop = stop or reached or 0 < cfg.run.max_generated_tokens <= tokens

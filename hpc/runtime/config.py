@@ -247,6 +247,11 @@ class EvalConfig:
     every: int = param(10, "held-out evaluation every this many steps/generations (0 = end "
                        "only); the last step is always evaluated, also when a budget ends the run",
                        min=0, max=1_000_000)
+    sampled_every: int = param(0, "also a sampled evaluation (pass@k from n_samples, group "
+                               "eval of the run file, as at the start and the end) every this "
+                               "many steps/generations: the checkpoints hpc-report reproduce "
+                               "--checkpoint paper chooses from (0 = start and end only)",
+                               min=0, max=1_000_000)
     n_samples: int = param(8, "sampled completions per prompt for pass@k (k = 1..n)",
                            min=1, max=1024)
     temperature: float = param(1.0, "sampling temperature for pass@k", min=0.0, max=100.0)
