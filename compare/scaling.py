@@ -319,8 +319,10 @@ class LinearCosts:
 
 
 METHOD_KEYS = {"essa": ("population", "minibatch"),
-               "fgrpo": ("batch_prompts", "sampling.num_generations", "optim.num_iterations")}
-KEY_DEFAULTS = {"fgrpo": {"optim.num_iterations": 1}}  # what run files older than the key had
+               "fgrpo": ("batch_prompts", "sampling.num_generations", "optim.num_iterations",
+                         "optim.mini_batch_prompts")}
+# what run files older than a key had
+KEY_DEFAULTS = {"fgrpo": {"optim.num_iterations": 1, "optim.mini_batch_prompts": 0}}
 METHOD_NAMES = {"essa": "ESSA", "fgrpo": "F-GRPO"}
 ACCURACY_TOLERANCE = 1e-9  # an accuracy within this of the target reaches it
 
@@ -347,7 +349,9 @@ class Measured(LinearCosts):
         self.essa_cfg = _shared_section(self.runs["essa"], "essa")
         self.grpo_cfg = _shared_section(self.runs["fgrpo"], "fgrpo")
         e, f = self.essa_cfg, self.grpo_cfg
-        iters = f["optim.num_iterations"]
+        # optimizer updates a step: PPO epochs x mini-batches (each an all-reduce and AdamW)
+        iters = f["optim.num_iterations"] * (f["batch_prompts"]
+                                             // (f["optim.mini_batch_prompts"] or f["batch_prompts"]))
         completions_g = f["batch_prompts"] * f["sampling.num_generations"]
         essa = [(step_timings(r), phase_kinds(r)) for r in self.runs["essa"]]
         grpo = [(step_timings(r), phase_kinds(r)) for r in self.runs["fgrpo"]]
@@ -364,13 +368,14 @@ class Measured(LinearCosts):
         self.optimizer_s = float(np.mean([_rank_sum(t, _of_kind(k, "update"), mean=True)
                                           for t, k in grpo])) / iters
         self.grad_bytes = float(np.mean([_grad_bytes(r) for r in self.runs["fgrpo"]])) / iters
+        self.updates = iters
 
     def workload_defaults(self) -> dict:
         e, f = self.essa_cfg, self.grpo_cfg
         return {"population": e["population"], "minibatch": e["minibatch"],
                 "grpo_batch": f["batch_prompts"],
                 "grpo_generations": f["sampling.num_generations"],
-                "grpo_minibatch": max(1, f["batch_prompts"] // f["optim.num_iterations"]),
+                "grpo_minibatch": max(1, f["batch_prompts"] // self.updates),
                 "essa_update_s": self.essa_update_s, "grpo_rounds": self.grpo_rounds}
 
     def steps_to_target(self, target: float | None = None) -> tuple:
