@@ -57,6 +57,7 @@ def test_miniature_experiment_writes_runs_summary_and_plots(tmp_path):
     # the focal arm at the preset's gamma (the paper's 0.5 for GRPO) and clip 0.2 / 0.2, over
     # the demo config's gamma 1 and clip-higher
     assert {arm["num_iterations"][0] for arm in summary["family"]["arms"].values()} == {1}
+    assert {arm["updates"][0] for arm in summary["family"]["arms"].values()} == {4}
     assert sorted(summary["family"]["arms"]) == ["grpo-g0", "grpo-g0.5"]
     run = RunFile(str(out / "family" / "grpo-g0.5-s0" / "fgrpo.h5"))
     for line in ("algorithm: grpo", "num_iterations: 1", "mini_batch_prompts: 8",
@@ -78,7 +79,7 @@ def test_miniature_experiment_writes_runs_summary_and_plots(tmp_path):
 def _run(seed, accuracy, passk, method="fgrpo", gamma=0.0):
     return SimpleNamespace(seed=seed, gamma=gamma, method=method, accuracy=accuracy,
                            passk=np.asarray(passk), start_passk=None, start_accuracy=0.5,
-                           steps=10, train_s=5.0, tokens=1000, num_iterations=1)
+                           steps=10, train_s=5.0, tokens=1000, num_iterations=1, updates=1)
 
 
 def test_gamma_table_pairs_seeds_and_tests_each_gamma_against_zero():

@@ -149,12 +149,23 @@ def demo_gains(page: str) -> str:
 
 
 def passes(folder: str, summary: str, arm: dict) -> int:
-    """``fgrpo.optim.num_iterations`` of a family arm: recorded with its runs, or in the sidecar."""
-    recorded = arm.get("num_iterations") or \
+    """Optimizer updates a batch of a family arm (PPO epochs x mini-batches): recorded with its
+    runs, else its ``fgrpo.optim.num_iterations`` (one update a pass: recorded, or in the
+    sidecar)."""
+    recorded = arm.get("updates") or arm.get("num_iterations") or \
         [provenance(f"{folder}/{summary}")["num_iterations"][summary][arm["algorithm"]]]
     if len(set(recorded)) != 1:
-        raise ValueError(f"{folder}/{summary}: {arm['algorithm']}'s seeds ran other passes")
+        raise ValueError(f"{folder}/{summary}: {arm['algorithm']}'s seeds ran other updates")
     return recorded[0]
+
+
+def pair(record: dict, algo: str) -> tuple:
+    """(plain arm, focal arm) of ``algo`` in a family record: gamma 0 and its one gamma > 0."""
+    arms = [a for a in record["arms"].values() if a["algorithm"] == algo]
+    focal = [a for a in arms if a["gamma"] > 0]
+    if len(focal) != 1:
+        raise ValueError(f"{algo}: {len(focal)} focal arms in the family record, not 1")
+    return next(a for a in arms if a["gamma"] == 0), focal[0]
 
 
 HEADROOM = 90.0  # %: the pairs table's k is the largest at which the SFT start is below this
@@ -181,8 +192,7 @@ def family_facts(record: dict) -> dict:
                       zip(metrics, (record["start"]["pass_at_k"][m[5:]] for m in metrics))},
             "up": {m: sum(arm["over_start"][m]["mean_difference"] > 0 for arm in arms)
                    for m in metrics},
-            "pairs": {algo: record["arms"][f"{algo}-g1"][f"paired_pass@{k}"]
-                      for algo in ALGORITHMS}}
+            "pairs": {algo: pair(record, algo)[1][f"paired_pass@{k}"] for algo in ALGORITHMS}}
 
 
 def points(d: dict) -> str:
@@ -199,17 +209,17 @@ def family_pairs(page: str) -> str:
     k = facts["k"]
     rows = []
     for algo, name in ALGORITHMS.items():
-        plain, focal = record["arms"][f"{algo}-g0"], record["arms"][f"{algo}-g1"]
+        plain, focal = pair(record, algo)
         over = [f"{points(plain['over_start'][m])} -> {points(focal['over_start'][m])}"
                 for m in facts["start"]]
         paired, paper = facts["pairs"][algo], PAPER_PASS256[algo]
         rows.append(f"| {name} -> F-{name} | {paper[0]} -> {paper[1]} | {over[0]} | {over[1]} | "
-                    f"{points(paired)} (p = {paired['p_value']:.2f}) | "
+                    f"{points(paired)} (p = {paired['p_value']:.2f}) | {focal['gamma']:g} | "
                     f"{passes(FAMILY, 'summary.json', plain)} |")
     head = (f"| pair | paper: Qwen2.5-7B, math pass@256, plain -> focal | toy: pass@1 over the "
             f"SFT start, plain -> focal | toy: pass@{k} over the SFT start, plain -> focal | "
-            f"toy: focal - plain, pass@{k} | passes a batch (`fgrpo.optim.num_iterations`) |\n"
-            "|---|---|---|---|---|---|\n")
+            f"toy: focal - plain, pass@{k} | focal gamma | optimizer updates a batch |\n"
+            "|---|---|---|---|---|---|---|\n")
     return (head + "\n".join(rows) + f"\n\nToy: points over the SFT start (pass@1 "
             f"{facts['start']['pass@1']:.1f}%, pass@{k} {facts['start'][f'pass@{k}']:.1f}%), "
             f"mean ± 95% interval over {'/'.join(map(str, facts['seeds']))} seeds, every run "
@@ -243,9 +253,9 @@ def family_table(page: str, summary: str) -> str:
     record = json.loads(read(f"{FAMILY}/{summary}"))["family"]
     counts = {arm["algorithm"]: passes(FAMILY, summary, arm) for arm in record["arms"].values()}
     text = printed(f"{FAMILY}/{summary.replace('.json', '.txt')}")
-    return ("\n".join("    " + line if line else "" for line in text) + "\n\nPasses a batch "
-            "(`fgrpo.optim.num_iterations`): " + ", ".join(f"{ALGORITHMS[a]} {n}" for a, n in
-                                                     counts.items()) +
+    return ("\n".join("    " + line if line else "" for line in text) + "\n\nOptimizer "
+            "updates a batch (PPO epochs x mini-batches): " + ", ".join(
+                f"{ALGORITHMS[a]} {n}" for a, n in counts.items()) +
             ".\n\n" + caption(page, f"{FAMILY}/{summary}"))
 
 

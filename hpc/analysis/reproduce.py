@@ -141,6 +141,10 @@ class Run:
         self.algorithm = grpo.get("algorithm", "grpo") if grpo else None
         self.num_iterations = int(grpo.get("optim", {}).get("num_iterations", 1)) if grpo \
             else None
+        # optimizer updates a batch: PPO epochs x mini-batches (earlier run files: one a pass)
+        batch = int(grpo.get("batch_prompts", 1)) if grpo else 1
+        mini = int(grpo.get("optim", {}).get("mini_batch_prompts", 0)) if grpo else 0
+        self.updates = self.num_iterations * (batch // (mini or batch)) if grpo else None
         # what the results file's provenance names (hpc.runtime.runstore's attributes)
         self.commit = f.attrs.get("git_commit", "") or "unrecorded"
         self.toy_build = f.attrs.get("model_build", "unrecorded") or None  # '': not a toy
@@ -419,6 +423,7 @@ def family_summary(runs: list, at: str = "final evaluation") -> tuple:
         arm = record["arms"][f"{a}-g{g:g}"] = {
             "algorithm": a, "gamma": g, "seeds": [r.seed for r in rs],
             "num_iterations": [r.num_iterations for r in rs],
+            "updates": [r.updates for r in rs],
             "steps": [r.steps for r in rs], "tokens": [r.tokens for r in rs],
             "greedy": [r.accuracy for r in rs],
             "pass_at_k": {str(k): [float(r.passk[k - 1]) for r in rs] for k in ks}}
