@@ -11,7 +11,12 @@ from hpc.runtime.config import JobConfig, param
 @dataclass
 class SFTConfig:
     command: typing.ClassVar[str] = "hpc-sft"  # the console command of the method
-    steps: int = param(40, "optimizer steps", min=1, max=1_000_000)
+    steps: int = param(40, "optimizer steps (unless sft.epochs is set)", min=1, max=1_000_000)
+    epochs: int = param(0, "train whole epochs of the training set (of task.sft_split's part "
+                        "when set) instead of sft.steps, which it then replaces: ceil(problems "
+                        "/ sft.batch_size) steps an epoch, each problem once an epoch, the last "
+                        "batch filled up from the epoch's first (0 = sft.steps)",
+                        min=0, max=100_000)
     batch_size: int = param(32, "global batch (prompts per step, split over ranks)",
                             min=1, max=1_000_000)
     lr: float = param(3e-3, "AdamW learning rate", min=0.0, max=10.0)

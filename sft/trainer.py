@@ -43,7 +43,7 @@ class SFT(GradientMethod):
     def __init__(self, job):
         super().__init__(job)
         cfg, world = job.cfg, job.world
-        self.task = on_all_ranks(world, lambda: load_task(cfg.task, cfg.model.path))
+        self.task = on_all_ranks(world, lambda: load_task(cfg.task, cfg.model.path, "sft"))
         if len(self.task.train) < cfg.sft.batch_size:
             raise UserError(f"the training set has {len(self.task.train)} problems, fewer than "
                             f"sft.batch_size={cfg.sft.batch_size}")
@@ -59,11 +59,17 @@ class SFT(GradientMethod):
         self.weights = TrainedWeights([p for p in self.model.parameters() if p.requires_grad],
                                       cfg.sft.lr, cfg.sft.weight_decay)
         self.data_rng = np.random.default_rng(cfg.run.seed)  # one batch drawn per step
-        self.total_steps = cfg.sft.steps
+        self.steps_per_epoch = -(-len(self.task.train) // cfg.sft.batch_size)
+        self.total_steps = (cfg.sft.epochs * self.steps_per_epoch if cfg.sft.epochs
+                            else cfg.sft.steps)
 
     def step(self, i: int) -> dict:
         cfg, world, train, timer = self.job.cfg, self.job.world, self.task.train, self.timer
-        batch = self.data_rng.choice(len(train), size=cfg.sft.batch_size, replace=False)
+        if cfg.sft.epochs:
+            batch = epoch_batch(len(train), cfg.sft.batch_size, i, self.steps_per_epoch,
+                                cfg.run.seed)
+        else:
+            batch = self.data_rng.choice(len(train), size=cfg.sft.batch_size, replace=False)
         mine = batch[my_slice(len(batch), world)]
         self.train_mode(i)
         with timer.phase("forward_backward"):
@@ -102,6 +108,16 @@ class SFT(GradientMethod):
             raise bad_field("checkpoint", "data_rng", f"is not a {outer['bit_generator']} state "
                             f"of the data generator ({err})") from None
         super().load_state_dict(state)
+
+
+def epoch_batch(n: int, batch_size: int, step: int, steps_per_epoch: int, seed: int):
+    """Step ``step``'s batch when SFT runs by epochs: batch ``step % steps_per_epoch`` of the
+    epoch's permutation of ``n`` problems, drawn from ``seed`` and the epoch alone (so a resumed
+    run draws the same batches); the last batch of an epoch is filled up from the permutation's
+    start."""
+    epoch, k = divmod(step, steps_per_epoch)
+    order = np.random.default_rng([seed, epoch]).permutation(n)
+    return np.concatenate([order, order[:batch_size]])[k * batch_size:(k + 1) * batch_size]
 
 
 def completion_loss(model, input_ids, attention_mask, labels, chunk: int):

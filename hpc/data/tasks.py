@@ -68,14 +68,40 @@ def wordprob_task(n_train: int, n_eval: int, seed: int = 0) -> Task:
                 reward_fn=math_reward)
 
 
-def load_task(cfg, model_path: str = "") -> Task:
+def sft_split_indices(n: int, sft_split: float, seed: int) -> tuple[list, list]:
+    """``(sft, rest)``: the indices of ``n`` training problems that ``task.sft_split`` holds
+    apart for SFT and the others, disjoint, each in ascending order. The held-apart ones are
+    the first of a permutation drawn from ``seed`` alone (the same on every rank and any rank
+    count); a value below 1 is a fraction of ``n`` (rounded), else a whole count. 0: no
+    split, both are every index. UserError for a count that is not whole or that leaves
+    either part empty."""
+    if sft_split == 0:
+        return list(range(n)), list(range(n))
+    if sft_split >= 1 and sft_split != int(sft_split):
+        raise UserError(f"config key 'task.sft_split': {sft_split:g} is neither a whole count "
+                        f"nor a fraction below 1")
+    count = round(sft_split * n) if sft_split < 1 else int(sft_split)
+    if not 0 < count < n:
+        raise UserError(f"config key 'task.sft_split': {sft_split:g} holds apart {count} of the "
+                        f"{n} training problems; both SFT and the rest need at least one")
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    return sorted(order[:count]), sorted(order[count:])
+
+
+def load_task(cfg, model_path: str = "", part: str = "rest") -> Task:
     """Build the task described by a :class:`hpc.runtime.config.TaskConfig` with its prompts in
     ``cfg.prompt_format`` (chat formats read the tokenizer of ``model_path``, the job's
-    ``model.path``). UserError if unusable."""
+    ``model.path``). With ``task.sft_split`` set, ``part`` picks its training problems:
+    ``"sft"`` the held-apart ones (hpc-sft), ``"rest"`` the others (essa, fgrpo). UserError if
+    unusable."""
     if cfg.name == "arith":
         task = arith_task(cfg.n_train, cfg.n_eval, cfg.digits, cfg.ops, cfg.seed)
     elif cfg.name == "wordprob":
         task = wordprob_task(cfg.n_train, cfg.n_eval, cfg.seed)
     else:
         task = load_file_task(cfg)
+    if cfg.sft_split:
+        sft, rest = sft_split_indices(len(task.train), cfg.sft_split, cfg.seed)
+        task.train = task.train.subset(sft if part == "sft" else rest)
     return apply_prompt_format(task, cfg, model_path)

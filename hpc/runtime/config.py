@@ -239,6 +239,11 @@ class TaskConfig:
     digits: int = param(2, "arith: digits per operand", min=1, max=9)
     ops: str = param("+", "arith: operators to draw from, e.g. '+-*'")
     seed: int = param(0, "data seed (arith generation, shuffling)", min=0, max=2**32 - 1)
+    sft_split: float = param(0.0, "a warm start's own data: this many training prompts (a "
+                             "whole count, or a fraction of them if below 1) are held apart, "
+                             "drawn with task.seed: hpc-sft trains only on them, essa and "
+                             "fgrpo only on the rest (0 = off: every method trains on all)",
+                             min=0.0, max=10_000_000.0)
     max_new_tokens: int = param(8, "generated tokens per completion", min=1, max=32768)
 
 
