@@ -1,8 +1,13 @@
 """Scaling model: predicted step time, time to target and the ESSA/GRPO ratio at 16-128 GPUs.
 
 ``hpc-scaling --paper`` runs the model on the ESSA paper's large setting (Qwen2.5-32B, LoRA
-rank 16, ESSA population 128 x minibatch 256, GRPO global batch 512 / mini-batch 64, H100s)
-and prints the paper's figures beside the prediction. ``hpc-scaling --runs FILE [FILE ...]``
+rank 16, ESSA population 128 x minibatch 256 in bf16, GRPO global batch 512 / mini-batch 64
+prompts, H100s) and prints the paper's figures beside the prediction. Its GRPO is the one the
+paper ran (``--grpo lora-fsdp``, the default there): LoRA rank 16 on an FSDP-sharded frozen
+base in verl, a rollout engine fed the new weights each step, and ``--grpo-fixed-s`` seconds a
+step that do not shrink with GPUs; ``--paper`` prints the fixed cost the paper's own 16- and
+128-GPU times imply and the prediction with it. ``--grpo full`` is full-parameter GRPO sharded
+over all GPUs, ``--grpo replica`` LoRA GRPO on a whole replica per GPU, generating in-process. ``hpc-scaling --runs FILE [FILE ...]``
 takes the steps to a held-out accuracy target from measured ESSA and F-GRPO runs (any number of
 seeds each; the median per method) and, unless ``--gpu-check`` is given, the per-completion
 costs too, instead of a roofline of the described model. ``--gpu-check JSON`` takes the costs
@@ -138,6 +143,54 @@ class Sharding:
 
 
 @dataclass(frozen=True)
+class LoraFsdp:
+    """LoRA GRPO as the ESSA paper ran it in verl (``--grpo lora-fsdp``): the frozen bf16 base
+    sharded over all GPUs (FSDP), the LoRA adapter trained. Per micro-batch the base's shards
+    are all-gathered for the forward and again for the backward (resharded after the
+    forward); per optimizer update the LoRA-sized fp32 gradients are all-reduced; per step the
+    rollout engine (a whole bf16 model on each GPU) is fed the new weights: with ``sync``
+    "model" the LoRA folded into the base, all-gathered from the shards and copied into the
+    engine, with "adapter" only the adapter."""
+
+    params: float                 # parameters of the base
+    lora_params: float            # trainable LoRA parameters
+    micro_batch: int = 8          # sequences per forward/backward
+    weight_bytes: float = 2.0     # bf16 base, gathered
+    grad_bytes: float = 4.0       # fp32 LoRA gradients
+    sync: str = "model"           # "model" | "adapter": what the rollout engine is fed
+    hbm: float = 3.35e12          # bytes/s of the copy into the engine
+
+    def micro_batches(self, seqs: int) -> int:
+        return max(1, math.ceil(seqs / self.micro_batch))
+
+    @property
+    def gather_bytes(self) -> float:
+        """Bytes of one all-gather of the base (all ranks' shards together)."""
+        return self.weight_bytes * self.params
+
+    @property
+    def lora_grad_bytes(self) -> float:
+        """Bytes all-reduced per optimizer update."""
+        return self.grad_bytes * self.lora_params
+
+    @property
+    def sync_bytes(self) -> float:
+        """Bytes the rollout engine is fed each step (bf16)."""
+        return self.weight_bytes * (self.params if self.sync == "model" else self.lora_params)
+
+    def step(self, n: int, w: "Workload", net: Network) -> dict:
+        """Seconds of each communication term of one GRPO step on ``n`` GPUs."""
+        updates = math.ceil(w.grpo_batch / w.grpo_minibatch)
+        seqs = math.ceil(w.grpo_minibatch / n) * w.grpo_generations  # a GPU's, per update
+        micro = updates * self.micro_batches(seqs)
+        gather = net.shard_collective(self.gather_bytes, n)
+        return {"gather_forward": micro * gather, "gather_backward": micro * gather,
+                "allreduce": updates * net.allreduce(self.lora_grad_bytes, n),
+                "weight_sync": net.shard_collective(self.sync_bytes, n) +
+                2 * self.sync_bytes / self.hbm}
+
+
+@dataclass(frozen=True)
 class Model:
     params: float      # parameters
     layers: int
@@ -159,8 +212,10 @@ class Model:
 
     @property
     def search_dim(self) -> int:
-        """ESSA's dimension: the rank singular values of each of the 7 adapters per layer."""
-        return self.layers * 7 * self.lora_rank
+        """ESSA's dimension as the paper counts it: the rank singular values of the A and the
+        B factor of each of the 4 attention adapters (q, k, v, o) per layer (8,192 for
+        Qwen2.5-32B at rank 16)."""
+        return self.layers * 4 * 2 * self.lora_rank
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -182,6 +237,16 @@ class Workload:
     grpo_steps: int        # GRPO steps to target (input)
     essa_update_s: float   # CMA-ES tell, seconds a generation
     grpo_rounds: float = 1.0  # GRPO rollout rounds a step (dynamic sampling's refills)
+    grpo_fixed_s: float = 0.0  # GRPO seconds a step that do not shrink with GPUs
+
+
+GRPO_MODES = {
+    "lora-fsdp": "GRPO as the paper ran it (verl): LoRA on an FSDP-sharded frozen base, a "
+                 "rollout engine fed the new weights each step (--grpo lora-fsdp)",
+    "replica": "GRPO trains LoRA on its whole replica and generates in-process, no weight sync "
+               "to an inference engine (--grpo replica)",
+    "full": "GRPO trains every weight, sharded over all GPUs (--grpo full)",
+}
 
 
 class Roofline:
@@ -191,8 +256,9 @@ class Roofline:
     def __init__(self, model: Model, gpu: GPU, prompt: int, completion: int, max_new: int,
                  full: bool, decode_mfu: float = 0.5, train_mfu: float = 0.4,
                  mem_util: float = 0.9, gen_tps: float | None = None, gen_batch: int = 64,
-                 train_tps: float | None = None, decoding: dict | None = None):
-        self.model, self.gpu, self.full = model, gpu, full
+                 train_tps: float | None = None, decoding: dict | None = None,
+                 grpo: str = "replica"):
+        self.model, self.gpu, self.full, self.grpo = model, gpu, full, grpo
         # {"essa" | "grpo": compare.plan_terms.Decoding}: the memory plan's weight bytes
         # and concurrency of that method's decoding (else this model's own bf16 KV arithmetic)
         self.decoding = decoding or {}
@@ -271,9 +337,10 @@ class Roofline:
         return [
             f"model: {m.params / 1e9:.1f}B parameters, {m.layers} layers, hidden {m.hidden}, "
             f"LoRA rank {m.lora_rank} on q,k,v,o,gate,up,down = {m.lora_params / 1e6:.0f}M "
-            f"parameters; ESSA searches {m.search_dim} singular values",
-            "each GPU holds a whole bf16 replica (no tensor or pipeline parallelism) for both "
-            "methods, and generation runs in-process (no weight sync to an inference engine)",
+            f"parameters; ESSA searches {m.search_dim} singular values (the paper's count: "
+            f"{m.layers} layers x 4 attention matrices x 2 factors x rank {m.lora_rank})",
+            "each GPU decodes from a whole bf16 replica (no tensor or pipeline parallelism) for "
+            "both methods; " + GRPO_MODES[self.grpo],
             gen + f"; at most {self.max_batch} concurrent sequences (KV cache of "
             f"{self.prompt}+{self.max_new} tokens in what the weights leave of "
             f"{self.mem_util:.0%} of {self.gpu.memory / 1e9:.0f} GB); "
@@ -670,21 +737,24 @@ def grpo_step(n: int, w: Workload, cost, net: Network, sharding: Sharding | None
               ) -> dict:
     """Seconds per GRPO step by phase on ``n`` GPUs: data parallel over prompts (a group of G
     never spans GPUs); batch / mini-batch optimizer updates, each after one all-reduce, or with
-    ``sharding`` the sharded model's gathers and reduce-scatters (:class:`Sharding`) and an
-    optimizer step on 1/n of the state. Dynamic sampling decodes ``grpo_rounds`` rounds of the
+    ``sharding`` the sharded model's gathers and reduce-scatters (:class:`Sharding`), or the
+    frozen base's gathers, the LoRA all-reduce and the weight sync (:class:`LoraFsdp`), and an
+    optimizer step on 1/n of the state; plus ``w.grpo_fixed_s`` a step whatever n. Dynamic sampling decodes ``grpo_rounds`` rounds of the
     batch and trains on one batch of groups."""
     seqs = math.ceil(w.grpo_batch / n) * w.grpo_generations
     updates = math.ceil(w.grpo_batch / w.grpo_minibatch)
     phases = {"generate": w.grpo_rounds * cost.grpo_generate(seqs),
               "forward_backward": cost.train(seqs)}
+    fixed = {"fixed": w.grpo_fixed_s} if w.grpo_fixed_s else {}
     if sharding is None:
         return dict(phases, allreduce=updates * net.allreduce(cost.grad_bytes, n),
-                    optimizer=updates * cost.optimizer_s)
-    return dict(phases, **sharding.step(n, w, net), optimizer=updates * cost.optimizer_s / n)
+                    optimizer=updates * cost.optimizer_s, **fixed)
+    return dict(phases, **sharding.step(n, w, net), optimizer=updates * cost.optimizer_s / n,
+                **fixed)
 
 
 COMMUNICATION = ("allreduce", "gather_forward", "gather_backward", "reduce_scatter",
-                 "rollout_gather", "host_offload")
+                 "rollout_gather", "host_offload", "weight_sync")
 
 
 def predict(gpus: list, w: Workload, cost, net: Network, sharding: Sharding | None = None
@@ -732,6 +802,8 @@ TERMS = {"generate": "generation", "forward_backward": "forward+backward",
          "gather_backward": "weight all-gather (backward)",
          "reduce_scatter": "gradient reduce-scatter", "rollout_gather": "rollout weight gather",
          "host_offload": "state to host and back (fgrpo.parallel.offload)",
+         "weight_sync": "weight sync into the rollout engine",
+         "fixed": "fixed per-step cost (--grpo-fixed-s)",
          "optimizer": "optimizer", "communication": "fitness all-gather",
          "update": "CMA-ES update"}
 
@@ -772,7 +844,8 @@ def common_assumptions(w: Workload, net_name: str, net: Network, steps_source: s
         f"{8 * w.population} bytes; CMA-ES update {w.essa_update_s:.3g} s a generation "
         f"(an input: a run's update phase measures it)",
         f"GRPO: {w.grpo_batch} prompts x G = {w.grpo_generations} completions a step, "
-        f"{w.grpo_minibatch} prompts an optimizer update (batches counted in prompts); "
+        f"{w.grpo_minibatch} prompts an optimizer update (batches counted in prompts, as verl "
+        f"counts them; the completions reading is the paper comparison's sensitivity line); "
         f"generation and training are data parallel over prompts and scale with N; "
         f"{math.ceil(w.grpo_batch / w.grpo_minibatch)} updates a step, each after a gradient "
         f"all-reduce; {w.grpo_rounds:.3g} rollout rounds a step (dynamic sampling's refills: "
@@ -792,6 +865,9 @@ def common_assumptions(w: Workload, net_name: str, net: Network, steps_source: s
 
 
 PAPER = {16: (2.0, 2.0), 128: (6.0, 7.8)}  # ESSA speed-up over GRPO in time to target
+# minutes to 0.835 accuracy read off the paper's Fig. 3 (Qwen2.5-32B, PRM800K): GRPO about 400
+# at 16 GPUs and 150 at 128, ESSA about 200 and under 20
+PAPER_MINUTES = {"grpo": ((16, 400.0), (128, 150.0)), "essa": ((16, 200.0), (128, 20.0))}
 
 
 def _comm(row: dict) -> float:
@@ -799,8 +875,69 @@ def _comm(row: dict) -> float:
     return sum(row["grpo"].get(k, 0.0) for k in COMMUNICATION)
 
 
+def implied_fixed_cost(step_s: dict, first: tuple, second: tuple) -> float:
+    """Seconds a step that do not shrink with GPUs which make modelled steps of ``step_s``
+    ({GPUs: seconds without a fixed cost}) take the times of two (GPUs, minutes) points, at
+    the same number of steps: (v1 + F) / (v2 + F) = t1 / t2, so
+    F = (t2 v1 - t1 v2) / (t1 - t2). Negative where the modelled step already shrinks less
+    than the times do."""
+    (n1, t1), (n2, t2) = first, second
+    if t1 == t2:
+        raise UserError("the two times are equal: no fixed cost makes a step shrink by 1x")
+    return (t2 * step_s[n1] - t1 * step_s[n2]) / (t1 - t2)
+
+
+def fixed_cost_lines(w: Workload, cost, net: Network, sharding) -> list:
+    """Lines: the fixed GRPO cost a step the paper's 16- and 128-GPU times imply for this
+    model, the steps those times then take, and the prediction with it; and why ESSA's
+    speed-up in the paper cannot come from per-step costs."""
+    (n1, t1), (n2, t2) = PAPER_MINUTES["grpo"]
+    (_, e1), (_, e2) = PAPER_MINUTES["essa"]
+    bare = dataclasses.replace(w, grpo_fixed_s=0.0)
+    a, b = predict([n1, n2], bare, cost, net, sharding)
+    fixed = implied_fixed_cost({n1: a["grpo_step"], n2: b["grpo_step"]}, (n1, t1), (n2, t2))
+    essa_su = a["essa_step"] / b["essa_step"]
+    essa_gens = 60 * e1 / a["essa_step"]
+    lines = [f"fixed cost implied by the paper's times to 0.835 accuracy (GRPO about {t1:g} "
+             f"-> {t2:g} minutes from {n1} to {n2} GPUs, {t1 / t2:.1f}x): "]
+    if fixed < 0:
+        lines[0] += (f"none: the modelled GRPO step already shrinks only "
+                     f"{a['grpo_step'] / b['grpo_step']:.2f}x ({_sec(a['grpo_step'])} -> "
+                     f"{_sec(b['grpo_step'])} s), less than the paper's {t1 / t2:.1f}x, so no "
+                     f"fixed cost >= 0 fits (--grpo-fixed-s 0 is the closest)")
+        fixed = 0.0
+    else:
+        share = fixed / (a["grpo_step"] + fixed)
+        lines[0] += (f"{fixed:.1f} s a step (--grpo-fixed-s {fixed:.1f}), {share:.0%} of the "
+                     f"{n1}-GPU step ({_sec(a['grpo_step'])} s modelled + {fixed:.1f} s) and "
+                     f"{fixed / (b['grpo_step'] + fixed):.0%} of the {n2}-GPU one: what the "
+                     f"modelled step leaves out (switching between training and generation, "
+                     f"load imbalance across long completions, the framework's own per-step "
+                     f"work)")
+    c, d = predict([n1, n2], dataclasses.replace(w, grpo_fixed_s=fixed), cost, net, sharding)
+    grpo_steps = 60 * t1 / c["grpo_step"]
+    lines.append(
+        f"prediction with it: GRPO/ESSA {c['ratio']:.2f}x at {n1} GPUs, {d['ratio']:.2f}x at "
+        f"{n2} (growth {d['ratio'] / c['ratio']:.2f}x; steps to target as given). The paper's "
+        f"{n1}-GPU times are {grpo_steps:.0f} GRPO steps and {essa_gens:.0f} ESSA "
+        f"generations of the modelled steps; at those counts the model gives GRPO "
+        f"{grpo_steps * d['grpo_step'] / 60:.0f} minutes and ESSA "
+        f"{essa_gens * d['essa_step'] / 60:.0f} at {n2} GPUs (paper: about {t2:g} and under "
+        f"{e2:g}), GRPO/ESSA {grpo_steps * d['grpo_step'] / (essa_gens * d['essa_step']):.1f}x "
+        f"(paper: {t2 / e2:.1f}x or more).")
+    lines.append(
+        f"ESSA: the paper's {e1:g} -> under {e2:g} minutes is {e1 / e2:.0f}x or more on "
+        f"{n2 // n1}x the GPUs; the model's ESSA step shrinks {essa_su:.1f}x (ceil(P/N) from "
+        f"{math.ceil(w.population / n1)} to {math.ceil(w.population / n2)} members a GPU). "
+        f"That super-linear speed-up cannot come from per-step costs: a step's work falls at "
+        f"most {n2 // n1}x and any cost that does not shrink lowers the speed-up below that; "
+        f"it must come from fewer generations to the target at {n2} GPUs or from how the "
+        f"times were measured, which no per-step model gives.")
+    return lines
+
+
 def paper_comparison(rows: list, w: Workload, cost, net: Network,
-                     sharding: Sharding | None = None) -> list:
+                     sharding=None, mode: str = "replica") -> list:
     """Lines setting the prediction beside the paper's figures and saying where they differ."""
     by_n = {r["gpus"]: r for r in rows}
     if 16 not in by_n or 128 not in by_n:
@@ -816,10 +953,30 @@ def paper_comparison(rows: list, w: Workload, cost, net: Network,
     alt = dataclasses.replace(w, grpo_batch=max(1, w.grpo_batch // g),
                               grpo_minibatch=max(1, w.grpo_minibatch // g))
     a_alt, b_alt = predict([16, 128], alt, cost, net, sharding)
+    comm = {
+        "full": "sharded communication (weight gathers, gradient reduce-scatters and host "
+                f"copies: {_comm(a):.0f} s a step at 16 GPUs, {_comm(b):.0f} s at 128, "
+                f"{_comm(b) / b['grpo_step']:.0%} of the step there; a GPU's share of a "
+                "64-prompt update stops falling beyond 64 GPUs, so its gathers per update do "
+                "not) ",
+        "lora-fsdp": "communication (the frozen base's gathers, the LoRA all-reduces and the "
+                     f"weight sync: {_comm(a):.0f} s a step at 16 GPUs, {_comm(b):.0f} s at "
+                     f"128, {_comm(b) / b['grpo_step']:.0%} of the step there; a GPU's share "
+                     "of a 64-prompt update stops falling beyond 64 GPUs, so its gathers per "
+                     "update do not) ",
+    }.get(mode, "all-reduces ")
+    left_out = {"full": "switching between training and generation, ",
+                "lora-fsdp": "switching between training and generation, ",
+                }.get(mode, "weight sync to an inference engine, switching between training "
+                            "and generation, sharded 32B training, ")
     return [
-        "paper (arXiv 2507.04453, Qwen2.5-32B on PRM800K): ESSA reaches near-optimal accuracy "
-        f"about {p16:g}x faster than GRPO on 16 GPUs and {lo:g}-{hi:g}x faster on 128 GPUs "
-        f"(growth {paper_growth} from 16 to 128).",
+        "paper (arXiv 2507.04453, Qwen2.5-32B on PRM800K; its GRPO: LoRA rank 16 in verl, lr "
+        "1e-5, batch 512 / mini-batch 64 prompts; ESSA in bf16): ESSA reaches near-optimal "
+        f"accuracy about {p16:g}x faster than GRPO on 16 GPUs and {lo:g}-{hi:g}x faster on 128 "
+        f"GPUs (growth {paper_growth} from 16 to 128).",
+        f"GRPO modelled: {GRPO_MODES[mode]}"
+        + (f"; fixed cost {w.grpo_fixed_s:g} s a step (--grpo-fixed-s)" if w.grpo_fixed_s
+           else "; no fixed cost a step (--grpo-fixed-s 0)") + ".",
         f"prediction: {a['ratio']:.2f}x at 16 GPUs, {b['ratio']:.2f}x at 128 GPUs "
         f"(growth {growth:.2f}x).",
         f"where they differ: from 16 to 128 GPUs the model speeds ESSA up {essa_su:.1f}x "
@@ -827,31 +984,23 @@ def paper_comparison(rows: list, w: Workload, cost, net: Network,
         f"{math.ceil(w.population / 128)} members, its communication stays microseconds) "
         f"and GRPO {grpo_su:.1f}x: GRPO's generation and training are data parallel too, and "
         f"only its per-GPU share falling from {g16} to {g128} completions (a batch bound by "
-        f"the longest completion rather than by throughput) and its "
-        + ("sharded communication (weight gathers, gradient reduce-scatters and host "
-           "copies: "
-           f"{_comm(a):.0f} s a step at 16 GPUs, {_comm(b):.0f} s at 128, {_comm(b) / b['grpo_step']:.0%} "
-           "of the step there; a GPU's share of a 64-prompt update stops falling beyond 64 "
-           "GPUs, so its gathers per update do not) " if sharding else "all-reduces ")
-        + "hold it back. "
+        f"the longest completion rather than by throughput) and its " + comm
+        + ("and its fixed cost " if w.grpo_fixed_s else "") + "hold it back. "
         f"The model's ratio therefore grows {growth:.2f}x where the paper's grows "
         f"{paper_growth}; "
         "the rest of the paper's gap must come from what the model leaves out: a GRPO "
-        "framework's fixed costs per step (weight sync to an inference engine, switching "
-        "between training and generation, " + ("" if sharding else "sharded 32B training, ") +
-        "load imbalance across long "
+        "framework's fixed costs per step (" + left_out + "load imbalance across long "
         "completions), which do not shrink with N, or from GRPO needing more steps at larger "
         "N. The level at 16 GPUs is set by the steps-to-target inputs, not fitted: the "
         f"paper's {p16:g}x would need GRPO to take {implied:.1f}x as many steps as ESSA takes "
         "generations under these per-step costs.",
-        f"sensitivity: if the paper's batch of {w.grpo_batch} counts completions "
-        f"({alt.grpo_batch} prompts x {g}; --grpo-batch {alt.grpo_batch} --grpo-minibatch "
-        f"{alt.grpo_minibatch}), GRPO keeps {math.ceil(alt.grpo_batch / 128) * g} "
-        f"completions per GPU at 128 GPUs, its step shrinks only "
-        f"{a_alt['grpo_step'] / b_alt['grpo_step']:.1f}x from 16 to 128 GPUs, and the "
-        f"model's ratio grows {b_alt['ratio'] / a_alt['ratio']:.2f}x: the unit of the "
-        "batch, which the paper's figures alone do not settle, moves the prediction more "
-        "than any network setting.",
+        *fixed_cost_lines(w, cost, net, sharding),
+        f"sensitivity: verl counts the batch in prompts, as the model does; read as "
+        f"completions instead ({alt.grpo_batch} prompts x {g}; --grpo-batch {alt.grpo_batch} "
+        f"--grpo-minibatch {alt.grpo_minibatch}), GRPO would keep "
+        f"{math.ceil(alt.grpo_batch / 128) * g} completions per GPU at 128 GPUs, its step "
+        f"would shrink only {a_alt['grpo_step'] / b_alt['grpo_step']:.1f}x from 16 to 128 "
+        f"GPUs, and the model's ratio would grow {b_alt['ratio'] / a_alt['ratio']:.2f}x.",
     ]
 
 
@@ -895,15 +1044,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan: weight bytes and concurrent sequences from the memory plan "
                         "(hpc-plan's engine budget); kv: the reference, bf16 weights and a "
                         "KV cache in what they leave of the GPU, one figure for both methods")
-    p.add_argument("--full-finetune", action="store_true", help="GRPO trains every weight")
+    p.add_argument("--grpo", choices=list(GRPO_MODES), default=None,
+                   help="lora-fsdp: the paper's GRPO (verl: LoRA on an FSDP-sharded frozen "
+                   "base, per micro-batch all-gathers of the base, LoRA gradient all-reduce, "
+                   "weight sync into the rollout engine each step; the default with --paper "
+                   "and the roofline); replica: LoRA on a whole replica per GPU, generating "
+                   "in-process (the default otherwise); full: full-parameter GRPO sharded "
+                   "over all GPUs (FSDP2), the same as --sharded")
+    p.add_argument("--grpo-fixed-s", type=float, default=0.0, metavar="SECONDS",
+                   help="GRPO seconds a step that do not shrink with GPUs (mode switches, "
+                   "the framework's per-step work); --paper prints what the paper's times "
+                   "imply")
+    p.add_argument("--weight-sync", choices=["model", "adapter"], default="model",
+                   help="with --grpo lora-fsdp: what the rollout engine is fed each step: the "
+                   "whole bf16 model with the LoRA folded in (all of it gathered) or the adapter alone")
+    p.add_argument("--full-finetune", action="store_true",
+                   help="GRPO trains every weight on a whole replica per GPU")
     p.add_argument("--sharded", action="store_true",
-                   help="full-parameter GRPO sharded over all GPUs (FSDP2): weight "
-                   "all-gathers and gradient reduce-scatters instead of the all-reduce "
-                   "(implies --full-finetune)")
+                   help="the same as --grpo full: full-parameter GRPO sharded over all GPUs "
+                   "(FSDP2): weight all-gathers and gradient reduce-scatters instead of the "
+                   "all-reduce")
     p.add_argument("--micro-batch", type=int, default=8,
-                   help="with --sharded: sequences per forward/backward (one gather each)")
+                   help="with --grpo full or lora-fsdp: sequences per forward/backward (one "
+                   "gather each)")
     p.add_argument("--reduce-dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="with --sharded: dtype of the gradient reduce-scatter")
+                   help="with --grpo full: dtype of the gradient reduce-scatter")
     for name, default, kind, what in (
             ("prompt-tokens", 256, int, "mean prompt length"),
             ("completion-tokens", 512, int, "mean completion length"),
@@ -964,6 +1129,10 @@ def setup(args) -> tuple:
     if (args.runs or args.gpu_check) and args.essa_quantize:
         raise UserError("--essa-quantize sets the roofline's ESSA decoding; with --runs or "
                         "--gpu-check the costs are measured ones")
+    if args.grpo_fixed_s < 0:
+        raise UserError(f"--grpo-fixed-s must be >= 0 (got {args.grpo_fixed_s:g})")
+    args.grpo = grpo_mode(args)
+    args.sharded = args.grpo == "full"
     measured = Measured(args.runs) if args.runs else None
     notes = []
     if args.gpu_check:
@@ -981,7 +1150,7 @@ def setup(args) -> tuple:
                         args.decode_mfu,
                         args.train_mfu, gen_tps=args.gen_tps, gen_batch=args.gen_batch,
                         train_tps=args.train_tps,
-                        decoding=planned_decoding(args, values["minibatch"]))
+                        decoding=planned_decoding(args, values["minibatch"]), grpo=args.grpo)
     if args.filtered_share is not None:
         if not 0.0 <= args.filtered_share < 1.0:
             raise UserError(f"--filtered-share {args.filtered_share} must be in [0, 1)")
@@ -1000,7 +1169,8 @@ def setup(args) -> tuple:
     else:
         essa_steps, grpo_steps = args.essa_steps, args.grpo_steps
         source = "inputs, not taken from the paper"
-    w = Workload(essa_steps=essa_steps, grpo_steps=grpo_steps, **values)
+    w = Workload(essa_steps=essa_steps, grpo_steps=grpo_steps, grpo_fixed_s=args.grpo_fixed_s,
+                 **values)
     if isinstance(cost, GpuCheck):
         ends = sorted({min(args.gpus), max(args.gpus)})
         essa_rows = {n: math.ceil(w.population / n) * w.minibatch for n in ends}
@@ -1028,7 +1198,45 @@ def setup(args) -> tuple:
             f"gradients reduce-scattered; the rollout gathers the bf16 weights once a step; "
             f"ring cost (N-1)/N bytes/bw + (N-1) latency over the slowest link; AdamW on 1/N "
             f"of the state; nothing overlapped with compute")
+    elif args.grpo == "lora-fsdp":
+        sharding = LoraFsdp(args.params, cost.model.lora_params, args.micro_batch,
+                            sync=args.weight_sync, hbm=cost.gpu.hbm)
+        notes.append(
+            f"LoRA GRPO as the paper ran it (verl, FSDP over all N GPUs): the frozen base's "
+            f"{sharding.gather_bytes / 1e9:.0f} GB of bf16 weights are all-gathered per "
+            f"micro-batch of {sharding.micro_batch} sequences for the forward and again for "
+            f"the backward; {sharding.lora_grad_bytes / 1e6:.0f} MB of fp32 LoRA gradients "
+            f"all-reduced per optimizer update; each step the rollout engine (a whole bf16 "
+            f"model a GPU) is fed {sharding.sync_bytes / 1e9:.3g} GB of new weights "
+            + ("(the whole model with the LoRA folded in, gathered from the shards)" if
+               args.weight_sync == "model" else "(the adapter alone)") +
+            f" and copies them in at HBM speed (--weight-sync); ring cost (N-1)/N bytes/bw + "
+            f"(N-1) latency over the slowest link; the old log-probs' forward pass is in the "
+            f"training FLOPs but gathers nothing more; nothing overlapped with compute")
+    if w.grpo_fixed_s:
+        notes.append(f"GRPO fixed cost: {w.grpo_fixed_s:g} s a step whatever N "
+                     f"(--grpo-fixed-s)")
     return w, cost, net, source, notes, sharding
+
+
+def grpo_mode(args) -> str:
+    """The GRPO the model describes: --grpo, else full for --sharded, else lora-fsdp for
+    --paper on the roofline (the paper's), else replica."""
+    if args.sharded and args.grpo not in (None, "full"):
+        raise UserError(f"--sharded is --grpo full; it contradicts --grpo {args.grpo}")
+    if args.full_finetune and args.grpo not in (None, "replica"):
+        raise UserError(f"--full-finetune trains every weight of a whole replica; it "
+                        f"contradicts --grpo {args.grpo} (--grpo full shards it)")
+    measured = args.runs or args.gpu_check
+    if args.grpo == "lora-fsdp" and measured:
+        raise UserError("--grpo lora-fsdp models the roofline's base and adapter; with --runs "
+                        "or --gpu-check the costs are measured ones (--grpo replica)")
+    if args.grpo:
+        return args.grpo
+    if args.sharded:
+        return "full"
+    return "lora-fsdp" if args.paper and not measured and not args.full_finetune else \
+        "replica"
 
 
 def planned_decoding(args, minibatch: int) -> dict:
@@ -1077,7 +1285,8 @@ def quantize_comparison(args) -> list:
             row += [_sec(r["essa"]["generate"]), _sec(r["essa_step"]), f"{r['ratio']:.2f}x"]
         table.append(row)
     widths = [max(len(line[i]) for line in table) for i in range(len(head))]
-    lines = ["ESSA's inference in bf16 and INT8 (--essa-quantize), everything else alike:"]
+    lines = ["ESSA's inference in bf16 (the paper's setting) and INT8 (--essa-quantize), "
+             "everything else alike:"]
     lines += ["  ".join(c.rjust(wd) for c, wd in zip(line, widths)) for line in table]
     for q, label in (("none", "bf16"), ("int8", "INT8")):
         cost = results[q][0]
@@ -1150,7 +1359,7 @@ def main(argv=None):
     print("\n".join(term_breakdown(rows)))
     if args.paper:
         print()
-        print("\n".join(paper_comparison(rows, w, cost, net, sharding)))
+        print("\n".join(paper_comparison(rows, w, cost, net, sharding, args.grpo)))
         side = quantize_comparison(args)
         if side:
             print()

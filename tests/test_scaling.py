@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 from hpc.runtime.runstore import RunStore
-from compare.scaling import (GPUS, LINKS, QWEN25_32B, GpuCheck, Link, Measured, Network,
-                                 Roofline, Sharding, Workload, allgather, build_parser,
-                                 essa_step, grpo_step, main, planned_decoding, predict,
-                                 ring_allgather, ring_allreduce)
+from compare.scaling import (GPUS, LINKS, PAPER_MINUTES, QWEN25_32B, GpuCheck, Link,
+                             LoraFsdp, Measured, Network, Roofline, Sharding, Workload,
+                             allgather, build_parser, essa_step, grpo_step,
+                             implied_fixed_cost, main, planned_decoding, predict,
+                             ring_allgather, ring_allreduce)
 
 GPU_CHECK = str(Path(__file__).resolve().parents[1] / "benchmarks" / "results" /
                 "gpu_check-h200-2026-11-30.json")
@@ -46,7 +47,9 @@ def test_hierarchical_allreduce_beyond_one_node():
 
 def test_qwen32b_description():
     assert QWEN25_32B.lora_params == 64 * 16 * 131072  # (4h + 2(h+kv) + 3(h+I)) per rank
-    assert QWEN25_32B.search_dim == 64 * 7 * 16
+    # the paper's count: 64 layers x 4 attention matrices (q, k, v, o) x 2 factors (A, B) x
+    # rank 16
+    assert QWEN25_32B.search_dim == 64 * 4 * 2 * 16 == 8192
     cost = paper_costs()
     assert cost.step_fixed == pytest.approx(65e9 / 3.35e12)
     assert 1 <= cost.max_batch < 64
@@ -103,11 +106,16 @@ def test_paper_preset_prints_table_assumptions_and_figures(capsys):
     assert "ring all-reduce 2 (N-1)/N bytes/bw + 2 (N-1) latency" in out
     assert "hierarchical" in out and "not taken from the paper" in out
     assert "2x faster than GRPO on 16 GPUs and 6-7.8x" in out
-    rows = predict([16, 128], PAPER_W, paper_costs(decoding=planned_decoding(
-        build_parser().parse_args([]), 256)), NDR)
+    # the paper's GRPO is the default: LoRA on an FSDP-sharded base, weight sync each step
+    cost = paper_costs(decoding=planned_decoding(build_parser().parse_args([]), 256))
+    lora = LoraFsdp(QWEN25_32B.params, QWEN25_32B.lora_params)
+    rows = predict([16, 128], PAPER_W, cost, NDR, lora)
     assert f"prediction: {rows[0]['ratio']:.2f}x at 16 GPUs, {rows[1]['ratio']:.2f}x at 128" in out
-    assert "where they differ" in out and "sensitivity" in out
-    side = out.split("ESSA's inference in bf16 and INT8")[1].splitlines()
+    assert "GRPO modelled: GRPO as the paper ran it (verl)" in out
+    assert "where they differ" in out and "sensitivity: verl counts the batch in prompts" in out
+    assert "ESSA searches 8192 singular values" in out
+    assert "cannot come from per-step costs" in out
+    side = out.split("ESSA's inference in bf16 (the paper's setting) and INT8")[1].splitlines()
     assert side[1].split()[1:] == ["bf16", "ESSA", "gen", "s", "bf16", "ESSA", "step", "s",
                                    "bf16", "GRPO/ESSA", "INT8", "ESSA", "gen", "s", "INT8",
                                    "ESSA", "step", "s", "INT8", "GRPO/ESSA"]
@@ -220,6 +228,98 @@ def test_sharded_32b_moves_state_to_host_where_the_memory_plan_says(capsys):
                                  f"{2 * (8 * n // 32) / 20e9:.3f}", "0", "0"]
     main(["--paper", "--sharded", "--gpu", "h200"])
     assert "16 GPUs: none (0.0 GiB)" in capsys.readouterr().out
+
+
+def test_lora_fsdp_terms_by_hand():
+    """The paper's GRPO (verl): the frozen bf16 base all-gathered per micro-batch for the
+    forward and the backward, LoRA-sized fp32 gradients all-reduced per update, the rollout
+    engine fed the whole bf16 model (or the adapter) once a step."""
+    lora_params = QWEN25_32B.lora_params
+    lora = LoraFsdp(32.5e9, lora_params, micro_batch=8)
+    assert lora.gather_bytes == 65e9  # bf16 base, per micro-batch pass
+    assert lora.lora_grad_bytes == 4 * lora_params  # fp32 LoRA gradients, per update
+    assert lora.sync_bytes == 65e9  # model: the whole bf16 model into the engine
+    adapter = LoraFsdp(32.5e9, lora_params, sync="adapter")
+    assert adapter.sync_bytes == 2 * lora_params
+    terms = lora.step(16, PAPER_W, NDR)
+    assert set(terms) == {"gather_forward", "gather_backward", "allreduce", "weight_sync"}
+    gather = 15 / 16 * 65e9 / 50e9 + 15 * 2e-6  # ring over InfiniBand beyond one node
+    # 16 GPUs: 8 updates of 64 prompts = 4 prompts x 8 = 32 sequences a GPU, 4 micro-batches
+    assert terms["gather_forward"] == terms["gather_backward"] == pytest.approx(32 * gather)
+    assert terms["allreduce"] == pytest.approx(8 * NDR.allreduce(4 * lora_params, 16))
+    assert terms["weight_sync"] == pytest.approx(gather + 2 * 65e9 / 3.35e12)
+    assert adapter.step(16, PAPER_W, NDR)["weight_sync"] == pytest.approx(
+        NDR.shard_collective(2 * lora_params, 16) + 4 * lora_params / 3.35e12)
+    # no gradient reduce-scatter of the frozen base: far less traffic than full-parameter
+    full = Sharding(32.5e9).step(16, PAPER_W, NDR)
+    assert sum(terms.values()) < sum(full.values()) - full["reduce_scatter"] / 2
+    cost = paper_costs()
+    g = grpo_step(16, PAPER_W, cost, NDR, lora)
+    assert g["optimizer"] == pytest.approx(8 * cost.optimizer_s / 16)
+    fixed = grpo_step(16, Workload(**{**PAPER_W.__dict__, "grpo_fixed_s": 30.0}), cost, NDR,
+                      lora)
+    assert fixed["fixed"] == 30.0 and sum(fixed.values()) == pytest.approx(
+        sum(g.values()) + 30.0)
+    assert "fixed" not in g
+
+
+def test_implied_fixed_cost_from_two_points():
+    # (v1 + F) / (v2 + F) = t1 / t2: v 100 s at 16 GPUs, 12.5 s at 128 (8x), times 400 and
+    # 150 minutes -> F = (150 * 100 - 400 * 12.5) / 250 = 40 s
+    f = implied_fixed_cost({16: 100.0, 128: 12.5}, (16, 400.0), (128, 150.0))
+    assert f == pytest.approx(40.0)
+    assert (100 + f) / (12.5 + f) == pytest.approx(400 / 150)
+    # a step that already shrinks less than the times: no positive fixed cost fits
+    assert implied_fixed_cost({16: 100.0, 128: 50.0}, (16, 400.0), (128, 150.0)) < 0
+    assert PAPER_MINUTES["grpo"] == ((16, 400.0), (128, 150.0))
+    assert PAPER_MINUTES["essa"] == ((16, 200.0), (128, 20.0))
+
+
+def test_paper_prints_the_implied_fixed_cost_and_its_prediction(capsys):
+    main(["--paper"])
+    out = capsys.readouterr().out
+    cost = paper_costs(decoding=planned_decoding(build_parser().parse_args([]), 256))
+    lora = LoraFsdp(QWEN25_32B.params, QWEN25_32B.lora_params)
+    a, b = predict([16, 128], PAPER_W, cost, NDR, lora)
+    f = implied_fixed_cost({16: a["grpo_step"], 128: b["grpo_step"]}, (16, 400.0),
+                           (128, 150.0))
+    assert f > 0
+    line = next(x for x in out.splitlines() if x.startswith("fixed cost implied"))
+    assert f"{f:.1f} s a step (--grpo-fixed-s {f:.1f})" in line
+    c, d = predict([16, 128], Workload(**{**PAPER_W.__dict__, "grpo_fixed_s": f}),
+                   cost, NDR, lora)
+    assert f"prediction with it: GRPO/ESSA {c['ratio']:.2f}x at 16 GPUs, {d['ratio']:.2f}x " \
+        "at 128" in out
+    # given back as the option, the fixed cost is a term of every GRPO step
+    c, d = predict([16, 128], Workload(**{**PAPER_W.__dict__, "grpo_fixed_s": round(f, 1)}),
+                   cost, NDR, lora)
+    main(["--paper", "--grpo-fixed-s", f"{f:.1f}"])
+    out = capsys.readouterr().out
+    assert f"prediction: {c['ratio']:.2f}x at 16 GPUs, {d['ratio']:.2f}x at 128" in out
+    assert "fixed per-step cost (--grpo-fixed-s)" in out.split("per-term breakdown:")[1]
+
+
+@pytest.mark.parametrize("argv,mode", [
+    (["--paper"], "LoRA on an FSDP-sharded frozen base"),
+    (["--paper", "--grpo", "full"], "sharded full-parameter GRPO (FSDP2"),
+    (["--paper", "--sharded"], "sharded full-parameter GRPO (FSDP2"),
+    (["--paper", "--grpo", "replica"], "generates in-process, no weight sync"),
+    ([], "generates in-process, no weight sync"),
+])
+def test_grpo_modes(argv, mode, capsys):
+    main(argv)
+    assert mode in capsys.readouterr().out
+
+
+def test_grpo_mode_contradictions_exit_2(seeds, capsys):
+    assert "contradicts --grpo lora-fsdp" in one_error_line(
+        ["--sharded", "--grpo", "lora-fsdp"], capsys)
+    assert "contradicts --grpo full" in one_error_line(
+        ["--full-finetune", "--grpo", "full"], capsys)
+    assert "--grpo-fixed-s must be >= 0" in one_error_line(["--grpo-fixed-s", "-1"], capsys)
+    essa, grpo = seeds
+    assert "measured ones" in one_error_line(
+        ["--runs", *essa, *grpo, "--grpo", "lora-fsdp"], capsys)
 
 
 def write_run(path, method, ranks, config, phases, heldout_key, accuracy=(0.2, 0.4, 0.6),

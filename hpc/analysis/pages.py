@@ -565,8 +565,10 @@ def gpu_check(page: str) -> str:
 BLOCKS = {**BLOCKS, **{
     "scaling-intro": ([], lambda page: tables.scaling_intro()),
     "scaling-offload": ([], lambda page: tables.scaling_offload()),
+    "scaling-paper-grpo": ([], lambda page: plan_block(
+        "hpc-scaling --paper   # excerpt", tables.scaling_paper_grpo_lines())),
     "scaling-sharded": ([], lambda page: plan_block(
-        "hpc-scaling --paper --sharded   # excerpt", tables.scaling_sharded_lines())),
+        "hpc-scaling --paper --grpo full   # excerpt", tables.scaling_sharded_lines())),
     "scaling-sharded-prose": ([], lambda page: tables.scaling_sharded_prose()),
     "scaling-quantize": ([], lambda page: plan_block(
         "hpc-scaling --paper   # excerpt", tables.scaling_quantize_lines())),
