@@ -147,6 +147,10 @@ def main(argv=None):
                          help=CONFIG_HELP)
     prepare.add_argument("--subset", help="the subfolder of a source that holds several "
                                           "(GSM8K: main or socratic)")
+    prepare.add_argument("--preset", metavar="NAME",
+                         help="filter by this preset instead of the task's: prm800k (task "
+                              "math: PRM800K's problems, train and test split by file name, "
+                              "duplicates and test problems dropped from train)")
     prepare.add_argument("--max-prompt-tokens", type=int, metavar="N",
                          help="drop the rows whose prompt, as task.prompt_format renders it, is "
                               "longer than N tokens of model.path's tokenizer (default: the "
@@ -166,7 +170,8 @@ def main(argv=None):
                             f"give a number of tokens, or 0 for no limit")
         files = []
         for path, rows, sources, notes in write_task_files(
-                args.source, args.folder, task, args.subset, cfg, args.max_prompt_tokens):
+                args.source, args.folder, task, args.subset, cfg, args.max_prompt_tokens,
+                args.preset):
             print(f"wrote {path}: {rows} rows from {', '.join(sources)}", flush=True)
             for line in notes:
                 print(f"  {line}", flush=True)

@@ -39,6 +39,16 @@ A task's preset (:data:`PRESETS`) then filters each split, printing what each fi
   rendered (the chat template of ``model.path`` with its system prompt, or the text template)
   and tokenized by ``model.path``'s tokenizer with its special tokens
   (:func:`prompt_lengths`).
+* ``prm800k`` (``--preset prm800k``, task ``math``): PRM800K's problems for the ESSA paper's
+  split. The source is github.com/openai/prm800k's ``prm800k/math_splits`` (``problem``,
+  ``solution``, ``answer``) or its labelled solutions, ``prm800k/data/phase{1,2}_{train,test}
+  .jsonl``, one row a labelled solution with the problem in a nested ``question``
+  (``problem``, ``ground_truth_solution``, ``ground_truth_answer``; a missing solution is
+  written as the boxed answer). A file is in the train split when its name holds ``train``,
+  in the test split (MATH500, the validation set) when it holds ``test``; duplicates are
+  dropped and so are training problems that are also test problems. The paper's 7,900
+  training and 3,600 SFT problems are then ``task.n_train=11500`` and
+  ``task.sft_split=3600`` (configs/paper/essa-prm800k-*.yaml).
 """
 from __future__ import annotations
 
@@ -65,9 +75,14 @@ class Preset:
 
     dedup: bool = False  # drop repeated questions (whitespace collapsed), keeping the first
     max_prompt_tokens: int = 0  # drop longer prompts (0: no limit; --max-prompt-tokens)
+    task: str = ""  # the one task the preset is for ("" = the task of its name)
+    word_splits: bool = False  # a file's split: train or test where its name holds the word
+    drop_test_from_train: bool = False  # drop training problems that are also test problems
 
 
-PRESETS = {"deepscaler": Preset(dedup=True, max_prompt_tokens=1024)}  # others: Preset()
+PRESETS = {"deepscaler": Preset(dedup=True, max_prompt_tokens=1024),  # others: Preset()
+           "prm800k": Preset(dedup=True, task="math", word_splits=True,
+                             drop_test_from_train=True)}
 
 
 def _value(value):
@@ -121,6 +136,12 @@ def _pick(row: dict, names: tuple, where: str):
 
 def task_row(task: str, row: dict, where: str) -> dict:
     """``row`` (keys lower-cased) as the fields task ``task`` reads (see the module)."""
+    if isinstance(row.get("question"), dict):  # PRM800K's labelled solutions
+        nested = {k.lower(): v for k, v in row["question"].items()}
+        answer = nested.get("ground_truth_answer")
+        row = {"problem": nested.get("problem"), "answer": answer,
+               "solution": nested.get("ground_truth_solution") or (
+                   f"$\\boxed{{{answer}}}$" if answer not in (None, "") else None)}
     question = _pick(row, ("question", "problem"), where)
     if task in SHORT_ANSWER_TASKS:
         return _short_answer_row(question, row, where)
@@ -231,29 +252,42 @@ def prompt_lengths(questions: list, task: str, cfg) -> tuple:
     return [len(ids) for ids in tokenizer(texts)["input_ids"]] if texts else [], how
 
 
-def drop_duplicates(rows: list) -> list:
+def _question_key(row: dict) -> str:
+    return " ".join(str(row["question"]).split())
+
+
+def drop_duplicates(rows: list, seen: set | None = None) -> list:
     """``rows`` without those whose question repeats an earlier one's once whitespace runs are
-    one space and the ends stripped (the first of each kept)."""
-    seen, kept = set(), []
+    one space and the ends stripped (the first of each kept), nor one in ``seen`` (such
+    keys)."""
+    seen, kept = set(seen or ()), []
     for row in rows:
-        key = " ".join(str(row["question"]).split())
+        key = _question_key(row)
         if key not in seen:
             seen.add(key)
             kept.append(row)
     return kept
 
 
-def filter_rows(rows: list, task: str, cfg, max_prompt_tokens: int | None) -> tuple:
-    """(rows kept, report lines): task ``task``'s preset applied to one split's ``rows``;
-    ``max_prompt_tokens``: None for the preset's, 0 for no limit; a limit needs the job config
-    ``cfg`` (:func:`prompt_lengths`)."""
-    preset = PRESETS.get(task, Preset())
+def filter_rows(rows: list, task: str, cfg, max_prompt_tokens: int | None,
+                preset: str | None = None, test_rows: list = ()) -> tuple:
+    """(rows kept, report lines): preset ``preset`` (None: task ``task``'s) applied to one
+    split's ``rows``; ``max_prompt_tokens``: None for the preset's, 0 for no limit; a limit
+    needs the job config ``cfg`` (:func:`prompt_lengths`); ``test_rows``: the test split's
+    rows, for a preset that drops training problems that are also test problems (only the
+    train split's call passes them)."""
+    preset = PRESETS.get(task if preset is None else preset, Preset())
     limit = preset.max_prompt_tokens if max_prompt_tokens is None else max_prompt_tokens
     lines = []
     if preset.dedup:
         kept = drop_duplicates(rows)
         lines.append(f"duplicates removed: {len(rows) - len(kept)} of {len(rows)} rows (the same "
                      f"question once whitespace is collapsed; the first kept)")
+        rows = kept
+    if preset.drop_test_from_train and test_rows:
+        kept = drop_duplicates(rows, {_question_key(r) for r in test_rows})
+        lines.append(f"test problems removed: {len(rows) - len(kept)} of {len(rows)} rows "
+                     f"(the same question as a test split's once whitespace is collapsed)")
         rows = kept
     if limit:
         lengths, how = prompt_lengths([r["question"] for r in rows], task, cfg)
@@ -264,12 +298,28 @@ def filter_rows(rows: list, task: str, cfg, max_prompt_tokens: int | None) -> tu
     return rows, lines
 
 
+def word_split(path: str) -> str:
+    """A ``word_splits`` preset's split of a data file: train or test where its name (or a
+    folder's above it) holds the word, else :func:`split_of`'s."""
+    for word in ("train", "test"):
+        if word in path.lower():
+            return word
+    return split_of(path)
+
+
 def prepare(source: str, out_dir: str, task: str, subset: str | None = None, cfg=None,
-            max_prompt_tokens: int | None = None) -> list:
+            max_prompt_tokens: int | None = None, preset: str | None = None) -> list:
     """Write ``<out_dir>/<split>.jsonl`` for task ``task`` from ``source`` (a file, a folder or
-    a Hub dataset id in the local cache), each split filtered by the task's preset
-    (:func:`filter_rows`; ``cfg``: the job config whose model and prompt format count prompt
-    tokens); returns ``[(file written, rows, files read, filter report lines)]``."""
+    a Hub dataset id in the local cache), each split filtered by preset ``preset`` (None: the
+    task's; :func:`filter_rows`; ``cfg``: the job config whose model and prompt format count
+    prompt tokens); returns ``[(file written, rows, files read, filter report lines)]``."""
+    chosen = PRESETS.get(task if preset is None else preset, Preset())
+    if preset is not None and preset not in PRESETS:
+        raise UserError(f"hpc-data prepare: --preset {preset}: no such preset (presets: "
+                        f"{', '.join(sorted(PRESETS))})")
+    if chosen.task and chosen.task != task:
+        raise UserError(f"hpc-data prepare: --preset {preset} is for task.name={chosen.task}, "
+                        f"not {task}")
     path = local_or_cached(source, "hpc-data prepare", repo_type="dataset").path
     if os.path.isfile(path):
         splits = {split_of(os.path.basename(path)): [path]}
@@ -277,6 +327,14 @@ def prepare(source: str, out_dir: str, task: str, subset: str | None = None, cfg
         splits = data_files(path, subset)
     else:
         raise UserError(f"hpc-data prepare: {source} is no file, folder or Hub dataset id")
+    if chosen.word_splits:
+        regrouped: dict = {}
+        for files in splits.values():
+            for file in files:
+                regrouped.setdefault(word_split(os.path.relpath(file, path) if os.path.isdir(path)
+                                                 else os.path.basename(file)),
+                                     []).append(file)
+        splits = {split: sorted(files) for split, files in regrouped.items()}
     converted = {}
     for split, files in splits.items():
         rows = []
@@ -284,7 +342,9 @@ def prepare(source: str, out_dir: str, task: str, subset: str | None = None, cfg
             rows += [task_row(task, row, f"{file} row {i}")
                      for i, row in enumerate(read_rows(file), 1)]
         converted[split] = (rows, files)
-    filtered = {split: filter_rows(rows, task, cfg, max_prompt_tokens) + (files,)
+    test_rows = converted.get("test", ([], []))[0]
+    filtered = {split: filter_rows(rows, task, cfg, max_prompt_tokens, preset,
+                                   test_rows if split == "train" else ()) + (files,)
                 for split, (rows, files) in converted.items()}
     written = []
     for split, (rows, lines, files) in sorted(filtered.items()):
