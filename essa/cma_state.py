@@ -33,9 +33,11 @@ import re
 from copy import deepcopy
 
 import numpy as np
-from cma.utilities.utils import ElapsedWCTime
 
+from essa.cma_import import cma
 from hpc.runtime.errors import UserError
+
+ElapsedWCTime = cma.utilities.utils.ElapsedWCTime
 
 _SCALARS = (type(None), bool, int, float, str)
 _CREATED_AFTER_INIT = {"ElapsedWCTime": ElapsedWCTime}  # class name -> no-argument constructor

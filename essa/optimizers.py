@@ -10,9 +10,9 @@ continue bitwise as if never stopped. Save between generations (after tell, befo
 import contextlib
 from typing import Protocol
 
-import cma
 import numpy as np
 
+from essa.cma_import import cma
 from essa.cma_state import es_state, restore_es_state
 from hpc.runtime.errors import UserError
 from hpc.runtime.readback import amount, array, bad_field, count, finite
