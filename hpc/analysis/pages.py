@@ -131,7 +131,7 @@ def printed(path: str) -> list:
 # ---- the toy's results ----------------------------------------------------------------------
 
 DEMO = f"{RESULTS}/demo-kernels-pinned-2026-12-02.txt"
-FAMILY = f"{RESULTS}/reproduce-fgrpo-family-2026-12-04"
+FAMILY = f"{RESULTS}/reproduce-fgrpo-family-2026-12-06"
 REPRODUCE = f"{RESULTS}/reproduce-2026-11-30/summary.txt"
 CEILING = f"{RESULTS}/essa_ceiling-2026-11-30.txt"
 
