@@ -72,11 +72,14 @@ def test_an_older_toy_build_must_be_named_where_its_figures_are_quoted(tmp_path,
     assert "toy-model-v0" in pages.caption("docs/x.md", "benchmarks/results/run/summary.txt")
 
 
-def test_family_table_states_each_arms_passes_from_the_results():
+def test_family_table_states_each_arms_updates_and_gamma_from_the_results():
     block = pages.BLOCKS["family-pairs"][1]("README.md")
-    passes = [row.split("|")[-2].strip() for row in block.splitlines()
-              if row.startswith("| ") and " -> F-" in row]
-    assert passes == ["2", "2", "2"]  # FAMILY_ITERATIONS=2: every arm, as its runs recorded
+    rows = [row.split("|") for row in block.splitlines()
+            if row.startswith("| ") and " -> F-" in row]
+    # FAMILY_MINI_BATCH=8 of 32, one epoch: 4 updates every arm, as its runs recorded; the
+    # focal arms at the presets' gammas
+    assert [r[-2].strip() for r in rows] == ["4", "4", "4"]
+    assert [r[-3].strip() for r in rows] == ["0.5", "0.5", "1"]
 
 
 def test_family_pairs_read_pass_at_k_where_the_start_has_headroom():
