@@ -182,20 +182,3 @@ def test_an_unknown_rule_is_one_line(tmp_path):
     with pytest.raises(reproduce.UserError, match="--checkpoint is one of final, paper"):
         reproduce.summarize(str(tmp_path), "best")
 
-
-@pytest.mark.mpi
-@pytest.mark.toy
-def test_eval_sampled_every_writes_the_checkpoints_the_rule_chooses_from(tmp_path):
-    """A job with eval.sampled_every=1 writes a full evaluation (pass@k) after every step, in
-    group eval beside the start's and the end's: each is a candidate of --checkpoint paper."""
-    from conftest import run_mpi
-    out = tmp_path / "run"
-    proc = run_mpi(1, ["-m", "fgrpo", "model.path=toy", "task.n_train=64", "task.n_eval=8",
-                       "fgrpo.steps=3", "fgrpo.batch_prompts=4",
-                       "fgrpo.sampling.num_generations=4", "eval.every=0",
-                       "eval.sampled_every=1", "eval.n_samples=4", "run.progress=false",
-                       f"run.out={out}"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run = Run(str(out / "fgrpo.h5"))
-    assert [e.step for e in run.evaluations] == [1, 2, 3] and run.no_periodic == ""
-    assert all(len(e.passk) == 4 and e.tokens > 0 for e in run.evaluations)

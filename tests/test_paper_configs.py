@@ -62,9 +62,13 @@ def test_hpc_plan_says_each_fits_16_gpus_of_80_gb(name, tmp_path, capsys):
 @pytest.mark.toy
 def test_the_fgrpo_config_runs_on_the_toy(tmp_path):
     """The F-GRPO config's job with the model swapped for the toy (and the sizes of TOY):
-    full fine-tuning under FSDP2 on 2 ranks, 4 mini-batch updates a step, the warm-up."""
+    full fine-tuning under FSDP2 on 2 ranks, 4 mini-batch updates a step, the warm-up; with
+    eval.sampled_every=1 a full evaluation after step 1 beside the end's, the checkpoints
+    hpc-report reproduce --checkpoint paper chooses from."""
+    from hpc.analysis.reproduce import Run
     out = tmp_path / "run"
-    proc = run_mpi(2, ["-m", "fgrpo", PAPER["fgrpo"], *TOY, f"run.out={out}"], timeout=600)
+    proc = run_mpi(2, ["-m", "fgrpo", PAPER["fgrpo"], *TOY, "eval.sampled_every=1",
+                       f"run.out={out}"], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = RunFile(str(out / "fgrpo.h5"))
     metrics = run.group("metrics")
@@ -76,6 +80,9 @@ def test_the_fgrpo_config_runs_on_the_toy(tmp_path):
                  "gamma: 0.5"):
         assert line in run.attrs["config"], line
     assert os.path.isfile(out / "model" / "config.json")  # full fine-tuning exports the model
+    evaluations = Run(str(out / "fgrpo.h5")).evaluations
+    assert [e.step for e in evaluations] == [1, 2]
+    assert all(len(e.passk) == 2 and e.tokens > 0 for e in evaluations)
 
 
 @pytest.mark.subprocess
