@@ -473,41 +473,48 @@ def test_no_checkpoint_folder_means_fresh_start(tmp_path):
 @pytest.mark.mpi
 @pytest.mark.toy
 @pytest.mark.slow
-def test_damaged_run_file_is_restored_from_the_checkpoint_on_resume(toy_adapter, tmp_path):
+@pytest.mark.xdist_group("fgrpo_6")  # one worker runs the reference once
+def test_damaged_run_file_is_restored_from_the_checkpoint_on_resume(fgrpo_6, toy_adapter,
+                                                                    tmp_path):
     """A run file that a failed write left unreadable (here: cut in half) comes back from the
-    copy in the last checkpoint; the resumed run completes with every step."""
+    copy in the last checkpoint; the resumed run completes with every step. The run is a copy
+    of ``fgrpo_6`` (complete, its last checkpoint that of step 6), resumed to step 8: the job
+    of its own that this test ran before (2 steps, resumed to 4) is saved."""
     from conftest import our_lines
 
     out = tmp_path / "run"
+    shutil.copytree(fgrpo_6, out)
     h5 = str(out / "fgrpo.h5")
-    assert run_mpi(2, fgrpo_args(toy_adapter, out, 2)).returncode == 0
     before = RunFile(h5).group("metrics")["reward_mean"]
+    assert len(before) == 6
     with open(h5, "r+b") as fh:
         fh.truncate(os.path.getsize(h5) // 2)
-    resumed = run_mpi(2, fgrpo_args(toy_adapter, out, 4) + ["--resume"])
+    resumed = run_mpi(2, fgrpo_args(toy_adapter, out, 8, every=3) + ["--resume"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [ln for ln in our_lines(resumed.stderr) if ln.startswith("warning: the run file")] \
         == [f"warning: the run file {h5} was damaged; restored from the checkpoint"]
     run = RunFile(h5)
     assert run.attrs["status"] == "complete"
-    assert run.group("metrics")["step"].tolist() == [1, 2, 3, 4]
-    assert np.array_equal(run.group("metrics")["reward_mean"][:2], before)
+    assert run.group("metrics")["step"].tolist() == list(range(1, 9))
+    assert np.array_equal(run.group("metrics")["reward_mean"][:6], before)
 
 
 @pytest.mark.mpi
 @pytest.mark.toy
-def test_damaged_run_file_without_a_copy_ends_every_rank(toy_adapter, tmp_path):
+@pytest.mark.xdist_group("fgrpo_6")  # one worker runs the reference once
+def test_damaged_run_file_without_a_copy_ends_every_rank(fgrpo_6, toy_adapter, tmp_path):
     """No checkpoint to restore from: rank 0 alone finds the damage, so it must end the job
-    (exit 2, one line), not leave rank 1 waiting in the next collective."""
+    (exit 2, one line), not leave rank 1 waiting in the next collective. The run is a copy of
+    ``fgrpo_6`` (saves this test a job of its own), its checkpoints removed."""
     from conftest import our_lines
 
     out = tmp_path / "run"
+    shutil.copytree(fgrpo_6, out)
     h5 = str(out / "fgrpo.h5")
-    assert run_mpi(2, fgrpo_args(toy_adapter, out, 1)).returncode == 0
     shutil.rmtree(out / "checkpoints")
     with open(h5, "r+b") as fh:
         fh.truncate(100)
-    proc = run_mpi(2, fgrpo_args(toy_adapter, out, 2) + ["--resume"], timeout=120)
+    proc = run_mpi(2, fgrpo_args(toy_adapter, out, 8, every=3) + ["--resume"], timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [ln for ln in our_lines(proc.stderr) if ln.startswith("error")]
     assert lines == [f"error (rank 0): --resume: the run file {h5} is damaged and there is no "
