@@ -55,20 +55,39 @@ def relative(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
-@pytest.mark.parametrize("mode", ["lora", "full"])
+@pytest.fixture(scope="module")
+def compared_run(tmp_path_factory):
+    """``compared_run(ranks, mode, parallelism)``: the folder of that run of
+    test_fsdp2_equals_ddp_step_by_step, run the first time it is asked for (read-only to the
+    tests): test_resume_with_another_parallelism_is_refused resumes a copy of the 2-rank LoRA
+    FSDP2 one instead of a run of its own."""
+    root = tmp_path_factory.mktemp("compared")
+    made = {}
+
+    def run(ranks, mode, parallelism):
+        if (ranks, mode, parallelism) not in made:
+            out = root / f"{mode}-{ranks}-{parallelism}"
+            extra = (["fgrpo.full_finetune=true", "fgrpo.optim.learning_rate=1e-4"]
+                     if mode == "full" else [])
+            offload = "state" if parallelism == "fsdp2" else "optimizer"  # changes nothing
+            proc = run_mpi(ranks, fgrpo_args(out, f"fgrpo.parallel.strategy={parallelism}",
+                                             f"fgrpo.parallel.offload={offload}", *extra),
+                           timeout=300)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            made[(ranks, mode, parallelism)] = out
+        return made[(ranks, mode, parallelism)]
+
+    return run
+
+
+@pytest.mark.parametrize("mode, ranks", [
+    pytest.param("lora", 2, marks=pytest.mark.xdist_group("fsdp2_lora_2")),  # see compared_run
+    ("full", 2), ("lora", 3), ("full", 3)], ids=["lora-2", "full-2", "lora-3", "full-3"])
 @pytest.mark.mpi
 @pytest.mark.toy
 @pytest.mark.slow
-def test_fsdp2_equals_ddp_step_by_step(tmp_path, ranks, mode):
-    extra = ["fgrpo.full_finetune=true", "fgrpo.optim.learning_rate=1e-4"] if mode == "full" else []
-    outs = {}
-    for parallelism in ("ddp", "fsdp2"):
-        outs[parallelism] = out = tmp_path / parallelism
-        offload = "state" if parallelism == "fsdp2" else "optimizer"  # changes nothing
-        proc = run_mpi(ranks, fgrpo_args(out, f"fgrpo.parallel.strategy={parallelism}",
-                                         f"fgrpo.parallel.offload={offload}", *extra), timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+def test_fsdp2_equals_ddp_step_by_step(compared_run, tmp_path, ranks, mode):
+    outs = {p: compared_run(ranks, mode, p) for p in ("ddp", "fsdp2")}
     ddp, fsdp = (RunFile(str(outs[p] / "fgrpo.h5")).group("metrics") for p in ("ddp", "fsdp2"))
     assert ddp["step"].tolist() == list(range(1, STEPS + 1))
     assert (np.abs(ddp["loss"]) > 1e-6).all()  # a second pass over the rollouts: ratio != 1
@@ -126,12 +145,13 @@ def assert_one_line(stderr, words):
 
 @pytest.mark.mpi
 @pytest.mark.toy
-def test_resume_with_another_parallelism_is_refused(tmp_path):
+@pytest.mark.xdist_group("fsdp2_lora_2")  # the worker that ran the FSDP2 run it resumes
+def test_resume_with_another_parallelism_is_refused(compared_run, tmp_path):
+    """A copy of the comparison's 2-rank LoRA FSDP2 run, resumed under DDP for one more step."""
     out = tmp_path / "run"
-    proc = run_mpi(2, fgrpo_args(out, "fgrpo.parallel.strategy=fsdp2", "fgrpo.steps=1"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = run_mpi(2, fgrpo_args(out, "fgrpo.parallel.strategy=ddp", "fgrpo.steps=2") +
-                   ["--resume"])
+    shutil.copytree(compared_run(2, "lora", "fsdp2"), out)
+    proc = run_mpi(2, fgrpo_args(out, "fgrpo.parallel.strategy=ddp", f"fgrpo.steps={STEPS + 1}")
+                   + ["--resume"])
     assert proc.returncode == 2
     assert_one_line(proc.stderr, "resume with the parallelism that wrote it")
 
