@@ -157,17 +157,18 @@ def greedy_accuracy(model, tokenizer, pairs) -> float:
     return sum(o.strip() == a for o, (_, a) in zip(outs, pairs)) / len(pairs)
 
 
-def train_toy(out_dir: str, max_steps: int = MAX_STEPS, log=print) -> dict:
+def train_toy(out_dir: str, max_steps: int = MAX_STEPS, log=print, threads: int = 2) -> dict:
     """Train the toy model until its held-out greedy accuracy reaches ``STOP_ACCURACY`` (or for
     ``max_steps`` optimizer steps) and save it (model, tokenizer, ``toy_info.json``) into
     ``out_dir``. Returns the info dict. A build of the full ``MAX_STEPS`` that never reaches
     ``STOP_ACCURACY`` is a RuntimeError (nothing is saved).
 
     The same weights bitwise for a fixed torch build, CPU arithmetic and ``max_steps``, however
-    long the steps take (the clock is only reported).
+    long the steps take (the clock is only reported). ``threads``: torch's threads while it
+    trains; every build the package makes (hpc-toy, the pinned builds) runs on the default 2.
     """
-    start, threads = time.monotonic(), torch.get_num_threads()
-    torch.set_num_threads(2)
+    start, before = time.monotonic(), torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         tokenizer = build_tokenizer()
         train, heldout, probe = _problem_sets()
@@ -216,7 +217,7 @@ def train_toy(out_dir: str, max_steps: int = MAX_STEPS, log=print) -> dict:
         save_model_folder(out_dir, model, tokenizer, info)
         return info
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
 
 
 # what a cached build must record to be used
