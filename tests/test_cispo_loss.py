@@ -149,18 +149,21 @@ def test_presets_hold_the_f_grpo_papers_values():
         assert "F-GRPO paper" in gamma_source
 
 
-def test_a_config_leaving_a_changed_preset_key_gets_one_note_line():
+def test_a_config_file_leaving_a_changed_preset_key_gets_one_note_line(tmp_path):
     from fgrpo.config import FGRPOJobConfig
     from hpc.runtime.config import load_config
+    old = tmp_path / "old.yaml"  # written when grpo meant clip-higher and gamma 1
+    old.write_text("fgrpo:\n  advantage:\n    gamma: 1.0\n")
     notes = []
-    load_config(FGRPOJobConfig, None, ["fgrpo.advantage.gamma=1.0"], notes=notes)
+    load_config(FGRPOJobConfig, str(old), [], notes=notes)
     assert len(notes) == 1 and "\n" not in notes[0]
     assert "fgrpo.loss.clip.epsilon_high=0.2" in notes[0] and "0.28" in notes[0]
     assert "gamma" not in notes[0]  # given: not the preset's
     notes = []
-    load_config(FGRPOJobConfig, None, ["fgrpo.algorithm=dapo", "fgrpo.advantage.gamma=1.0"],
-                notes=notes)
-    assert notes == []
+    load_config(FGRPOJobConfig, str(old), ["fgrpo.algorithm=dapo"], notes=notes)
+    assert notes == []  # dapo's clip did not change, its gamma is given
+    load_config(FGRPOJobConfig, None, [], notes=notes)
+    assert notes == []  # no file: nothing written for an earlier version
 
 
 @pytest.mark.parametrize("overrides, words", [

@@ -566,7 +566,8 @@ def load_config(job_cls, path: str | None = None, overrides: list[str] = (),
     """Build ``job_cls`` from defaults, then the YAML file at ``path``, then ``overrides``;
     then each section with a ``resolve(job, given, notes)`` method resolves what depends on
     other keys (``given``: the keys below that section the file or command line set, dotted,
-    e.g. a preset fills only the others; it may add a line to ``notes``), and the job's
+    e.g. a preset fills only the others; with a config file it may add a line to ``notes``:
+    the file may have been written for an earlier preset), and the job's
     ``validate()`` checks the keys together. A renamed key is read at its new place and a line saying so appended to ``notes`` (the job
     prints them on rank 0).
 
@@ -588,7 +589,8 @@ def load_config(job_cls, path: str | None = None, overrides: list[str] = (),
         section = getattr(cfg, f.name)
         if hasattr(section, "resolve"):
             section.resolve(cfg, frozenset(key.split(".", 1)[1] for key in given
-                                           if key.startswith(f"{f.name}.")), notes)
+                                           if key.startswith(f"{f.name}.")),
+                            notes if path else None)  # a config file may predate a preset
     if hasattr(cfg, "validate"):
         cfg.validate()
     return cfg
