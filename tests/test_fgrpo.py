@@ -231,6 +231,9 @@ def test_dynamic_sampling_is_the_same_on_one_and_three_ranks(toy_adapter, tmp_pa
         out = tmp_path / f"n{n}"
         proc = run_mpi(n, fgrpo_args(toy_adapter, out, "fgrpo.steps=3", "fgrpo.batch_prompts=6",
                                      "fgrpo.sampling.num_generations=4", "fgrpo.algorithm=dapo",
+                                     # gamma 1: weights 1 - k/4, exact in binary, so their
+                                     # mean does not depend on the ranks' summation order
+                                     "fgrpo.advantage.gamma=1.0",
                                      "fgrpo.sampling.max_refills=3",
                                      "fgrpo.sampling.temperature=0.1",
                                      "fgrpo.optim.learning_rate=0", "task.n_train=200",
