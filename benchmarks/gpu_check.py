@@ -304,12 +304,11 @@ def fgrpo_step(model, device, lengths, decoder: EngineBackend | None = None) -> 
 
     from fgrpo.config import FGRPOJobConfig
     from fgrpo.rollout import Rollouts
-    from fgrpo.sampling import StepRollouts
+    from fgrpo.rollout import StepRollouts
     from fgrpo.step import train_on_rollouts
     from hpc.models.parallelize import TrainedWeights
     from hpc.runtime.config import load_config
     from hpc.runtime.timing import PhaseTimer
-    from hpc.runtime.world import get_world
 
     prompt_len, new_tokens = lengths
     cfg = load_config(FGRPOJobConfig, None, FGRPO_KEYS + [f"task.max_new_tokens={new_tokens}"])
@@ -351,8 +350,8 @@ def fgrpo_step(model, device, lengths, decoder: EngineBackend | None = None) -> 
     rollouts = Rollouts(ids, torch.ones_like(ids), cmask, rewards, torch.zeros_like(rewards),
                         torch.full((n * G,), new_tokens), torch.ones(n * G, dtype=torch.bool))
     model.eval()
-    train_on_rollouts(model, weights, StepRollouts(rollouts, rollouts, {}), cfg, get_world(),
-                      step=0, seed=SEED, timer=timer)
+    train_on_rollouts(model, weights, StepRollouts(rollouts, rollouts, {}), cfg, step=0,
+                      seed=SEED, timer=timer)  # one process: no MPI on the GPU machine
     model.eval()
     phases = timer.seconds
     total = sum(phases.values())

@@ -25,7 +25,7 @@ METRICS = ("reward_mean", "success_rate", "focal_weight_mean", "focal_weight_min
 
 def local_sums(batch, adv, gradient_sums: dict, success_threshold: float = 1.0) -> dict:
     """This rank's {name: float} of :data:`SUMMED`: its rollouts (a
-    :class:`fgrpo.sampling.StepRollouts`), the trained groups' advantages
+    :class:`fgrpo.rollout.StepRollouts`), the trained groups' advantages
     (:class:`fgrpo.advantages.Advantages`) and the sums of
     :func:`fgrpo.step.train_on_rollouts` (over its last epoch). A success is a reward
     >= ``success_threshold`` (the p of the focal weight counts the same)."""

@@ -1,6 +1,6 @@
-"""The policy F-GRPO trains and its reference: building them, log-probs without gradient (the
-sampling policy's for mu > 1 passes, the reference's for the KL term), and
-:class:`TrainedPolicy`, everything of the job-loop method but its step."""
+"""The policy F-GRPO trains and its reference: building them, and :class:`TrainedPolicy`,
+everything of the job-loop method but its step (the log-probs without gradient are
+:mod:`fgrpo.step`'s)."""
 from __future__ import annotations
 
 import contextlib
@@ -12,7 +12,6 @@ from hpc.gradient_method import GradientMethod
 from hpc.job.lifecycle import on_all_ranks, stop_if_preempted
 from hpc.models.adapter_space import SingularValueSpace
 from hpc.models.loading import attach_lora, load_adapter, load_model
-from hpc.models.logprobs import sequence_logprobs
 from fgrpo.plan import fgrpo_rollout_rows
 from hpc.models.parallelize import (TrainedWeights, decoding, load_dtype, load_sharded_state,
                                     save_full_model, save_gathered_adapter, settle, shard_units,
@@ -48,34 +47,6 @@ def build_model(cfg, device):
                                         cfg.lora.targets, 0.0, seed=cfg.run.seed)
     policy, tok = load(wrap, cfg.model.quantize)
     return policy, None, tok
-
-
-@torch.no_grad()
-def frozen_logprobs(model, rollouts, micro_batch: int, chunk: int,
-                    most: int | None = None) -> torch.Tensor:
-    """Log-probs of all rollouts without gradient: (rows, T-1) float32; ``chunk``: positions
-    per LM-head chunk (model.logprob_chunk, 0 = full logits). ``most`` (FSDP2: every forward
-    is collective): the most micro-batches any rank runs; this rank runs a two-token forward
-    for each it lacks."""
-    ids = rollouts.input_ids
-    starts = range(0, ids.shape[0], micro_batch)
-    for _ in range((most or 0) - len(starts)):
-        idle = torch.zeros((1, 2), dtype=torch.long, device=ids.device)
-        sequence_logprobs(model, idle, torch.ones_like(idle), chunk)
-    parts = [sequence_logprobs(model, *rollouts.rows(s, s + micro_batch)[:2], chunk)[0]
-             for s in starts]
-    return torch.cat(parts) if parts else ids.new_zeros((0, ids.shape[1] - 1), dtype=torch.float32)
-
-
-@contextlib.contextmanager
-def reference_model(model, ref_model):
-    """The model that computes reference log-probs: ``ref_model`` (full fine-tuning) or, under
-    LoRA, ``model`` itself with its adapter disabled for the duration."""
-    if ref_model is not None:
-        yield ref_model
-        return
-    with model.disable_adapter():
-        yield model
 
 
 class TrainedPolicy(GradientMethod):

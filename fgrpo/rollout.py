@@ -61,6 +61,20 @@ class Rollouts:
                         self.penalty[keep], self.completion_lengths[rows],
                         self.truncated[rows])
 
+@dataclass
+class StepRollouts:
+    """What one step sampled on this rank: ``train`` (the kept groups), ``first`` (its round-0
+    groups, all of them: the step's reward metrics) and ``stats`` ({name: float} of
+    :data:`fgrpo.sampling.SAMPLING_STATS`, over all ranks)."""
+
+    train: Rollouts
+    first: Rollouts
+    stats: dict
+    order: torch.Tensor | None = None  # (groups of train,) int64: each kept group's place in
+    # the step's kept groups over all ranks, in (round, prompt) order (the PPO mini-batches,
+    # :func:`fgrpo.step.mini_batches`); None: this rank's groups from 0
+
+
 def cat_rollouts(parts: list, pad_id: int) -> Rollouts:
     """One :class:`Rollouts` of ``parts`` (in order), the sequences right-padded to the widest
     (``pad_id`` tokens, mask 0)."""

@@ -25,32 +25,16 @@ rewards): F-GRPO's weight would have been 1 and 0 there, on a zero advantage eit
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-from fgrpo.rollout import Rollouts, cat_rollouts, sample_rollouts
+from fgrpo.rollout import StepRollouts, cat_rollouts, sample_rollouts
 from hpc.gradient_method import shared_step_seed
 from hpc.runtime.world import my_slice, split_evenly
 
 # Per-step statistics of the sampling (the same on every rank), logged as metrics.
 SAMPLING_STATS = ("sampling_rounds", "filtered_groups", "filtered_share", "extra_rollouts",
                   "shortfall_groups")
-
-
-@dataclass
-class StepRollouts:
-    """What one step sampled on this rank: ``train`` (the kept groups), ``first`` (its round-0
-    groups, all of them: the step's reward metrics) and ``stats`` ({name: float} of
-    :data:`SAMPLING_STATS`, over all ranks)."""
-
-    train: Rollouts
-    first: Rollouts
-    stats: dict
-    order: torch.Tensor | None = None  # (groups of train,) int64: each kept group's place in
-    # the step's kept groups over all ranks, in (round, prompt) order (the PPO mini-batches,
-    # :func:`fgrpo.step.mini_batches`); None: this rank's groups from 0
 
 
 def round_prompts(seed: int, step: int, round_: int, n_train: int, n: int) -> np.ndarray:

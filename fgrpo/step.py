@@ -25,11 +25,12 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from fgrpo.advantages import Advantages, batch_moments, group_advantages, std_from_moments
 from fgrpo.gradients import GRADIENT_SUMS, accumulate_gradients, most_micro_batches
-from fgrpo.policy import frozen_logprobs, reference_model
+from hpc.models.logprobs import sequence_logprobs
 
 
 class _Untimed:
@@ -37,6 +38,19 @@ class _Untimed:
 
     def phase(self, name: str):
         return contextlib.nullcontext()
+
+
+class OneProcess:
+    """The :class:`hpc.runtime.world.World` of a caller without MPI (a benchmark, a test): one
+    rank, so every all-gather is its own row and no all-reduce runs."""
+
+    size, rank, timeout_s = 1, 0, None
+
+    def allgather(self, send, tag: str = "") -> np.ndarray:
+        return np.asarray(send)[None]
+
+    def arrive(self, label: str, timeout_s) -> None:
+        pass
 
 
 @dataclass
@@ -52,6 +66,34 @@ class Update:
     finite: bool = True
     updates: int = 0
     per_update: list = field(default_factory=list)
+
+
+@torch.no_grad()
+def frozen_logprobs(model, rollouts, micro_batch: int, chunk: int,
+                    most: int | None = None) -> torch.Tensor:
+    """Log-probs of all rollouts without gradient: (rows, T-1) float32; ``chunk``: positions
+    per LM-head chunk (model.logprob_chunk, 0 = full logits). ``most`` (FSDP2: every forward
+    is collective): the most micro-batches any rank runs; this rank runs a two-token forward
+    for each it lacks."""
+    ids = rollouts.input_ids
+    starts = range(0, ids.shape[0], micro_batch)
+    for _ in range((most or 0) - len(starts)):
+        idle = torch.zeros((1, 2), dtype=torch.long, device=ids.device)
+        sequence_logprobs(model, idle, torch.ones_like(idle), chunk)
+    parts = [sequence_logprobs(model, *rollouts.rows(s, s + micro_batch)[:2], chunk)[0]
+             for s in starts]
+    return torch.cat(parts) if parts else ids.new_zeros((0, ids.shape[1] - 1), dtype=torch.float32)
+
+
+@contextlib.contextmanager
+def reference_model(model, ref_model):
+    """The model that computes reference log-probs: ``ref_model`` (full fine-tuning) or, under
+    LoRA, ``model`` itself with its adapter disabled for the duration."""
+    if ref_model is not None:
+        yield ref_model
+        return
+    with model.disable_adapter():
+        yield model
 
 
 def updates_per_epoch(f) -> int:
@@ -77,16 +119,16 @@ def mini_batches(order: torch.Tensor | None, groups: int, updates: int) -> list:
     return [place % updates == j for j in range(updates)]
 
 
-def train_on_rollouts(model, weights, batch, cfg, world, step: int, seed: int, *,
+def train_on_rollouts(model, weights, batch, cfg, world=None, step: int = 0, seed: int = 0, *,
                       timer=None, ref_model=None) -> Update:
     """Train ``model`` (its tensors in ``weights``, a
     :class:`hpc.models.parallelize.TrainedWeights`) on this rank's ``batch`` (a
-    :class:`fgrpo.sampling.StepRollouts`) under ``cfg`` (an ``FGRPOJobConfig``), ``world`` the
-    job's ranks (every rank calls this together). ``step``: the step's number (the warm-up);
+    :class:`fgrpo.rollout.StepRollouts`) under ``cfg`` (an ``FGRPOJobConfig``), ``world`` the
+    job's ranks (every rank calls this together; None: one process, :class:`OneProcess`). ``step``: the step's number (the warm-up);
     ``seed``: torch's seed for the training forward (LoRA dropout); ``timer``: phases
     forward_backward, waiting, allreduce, optimizer; ``ref_model``: the full fine-tuning
     reference (LoRA: the adapter disabled). See the module docstring."""
-    f, timer = cfg.fgrpo, timer or _Untimed()
+    f, timer, world = cfg.fgrpo, timer or _Untimed(), world or OneProcess()
     rollouts = batch.train
     # 1. focal-weighted advantages of the shaped rewards, p from the task's rewards
     batch_std = None

@@ -12,8 +12,8 @@ from fgrpo.advantages import group_advantages
 from fgrpo.config import FGRPOJobConfig
 from fgrpo.gradients import accumulate_gradients
 from fgrpo.rollout import Rollouts
-from fgrpo.sampling import StepRollouts
-from fgrpo.step import learning_rate, mini_batches, train_on_rollouts
+from fgrpo.rollout import StepRollouts
+from fgrpo.step import OneProcess as OneRank, learning_rate, mini_batches, train_on_rollouts
 from hpc.models.loading import attach_lora, randomize_lora_b
 from hpc.models.parallelize import TrainedWeights
 from hpc.runtime.config import load_config
@@ -22,18 +22,6 @@ from hpc.toys.toy import tiny_model
 from test_fgrpo import fgrpo_args
 
 GROUPS, G, T = 8, 4, 10
-
-
-class OneRank:
-    """The World a one-process :func:`train_on_rollouts` needs."""
-
-    size, rank, timeout_s = 1, 0, 60.0
-
-    def allgather(self, send, tag=""):
-        return np.asarray(send)[None]
-
-    def arrive(self, label, timeout_s):
-        pass
 
 
 def setup(seed=0):
@@ -73,7 +61,7 @@ def earlier_step(model, weights, batch, cfg, world, seed):
                            f.advantage.gamma, eps=f.advantage.epsilon,
                            success_threshold=f.reward.success_threshold,
                            task_rewards=rollouts.rewards)
-    from fgrpo.policy import frozen_logprobs
+    from fgrpo.step import frozen_logprobs
     old = (frozen_logprobs(model, rollouts, f.optim.micro_batch, cfg.model.logprob_chunk)
            if f.optim.num_iterations > 1 else None)
     model.train()
