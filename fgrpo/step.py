@@ -124,8 +124,9 @@ def train_on_rollouts(model, weights, batch, cfg, world=None, step: int = 0, see
     """Train ``model`` (its tensors in ``weights``, a
     :class:`hpc.models.parallelize.TrainedWeights`) on this rank's ``batch`` (a
     :class:`fgrpo.rollout.StepRollouts`) under ``cfg`` (an ``FGRPOJobConfig``), ``world`` the
-    job's ranks (every rank calls this together; None: one process, :class:`OneProcess`). ``step``: the step's number (the warm-up);
-    ``seed``: torch's seed for the training forward (LoRA dropout); ``timer``: phases
+    job's ranks (every rank calls this together; None: one process, :class:`OneProcess`).
+    ``step``: the step's number (the warm-up); ``seed``: torch's seed for the training
+    forward (LoRA dropout); ``timer``: phases
     forward_backward, waiting, allreduce, optimizer; ``ref_model``: the full fine-tuning
     reference (LoRA: the adapter disabled). See the module docstring."""
     f, timer, world = cfg.fgrpo, timer or _Untimed(), world or OneProcess()
