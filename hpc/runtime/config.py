@@ -223,7 +223,7 @@ class LoraConfig:
 class TaskConfig:
     name: str = param("arith", "task", choices=["arith", "wordprob", "gsm8k", "math", "aime",
                                                 "amc", "deepscaler", "minerva",
-                                                "olympiadbench"])
+                                                "olympiadbench", "ifeval"])
     prompt_format: str = param("plain", "plain: the task's text template; chat: the model's "
                                "chat template; presets: qwen25-math-cot (chat + Qwen2.5-Math "
                                "system prompt), gsm8k-plain, math-plain",
@@ -300,6 +300,22 @@ class RunConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    model: str = param("", "a sequence-classification reward model (a folder, or a Hub id in "
+                       "the local Hugging Face cache) whose score of (prompt, completion) is "
+                       "the reward in place of the task's own check ('' = the task's)")
+    head: str = param("score", "which output is the reward: 'score' (the model's one logit, "
+                      "or ArmoRM's preference score) or 'objective:<i>' (ArmoRM's i-th "
+                      "objective reward)")
+    batch_size: int = param(8, "completions scored in one forward on each rank", min=1,
+                            max=65536)
+    max_tokens: int = param(2048, "longest prompt + completion the reward model reads "
+                            "(tokens; longer ones keep their end)", min=8, max=1_000_000)
+    trust_remote_code: bool = param(False, "run the reward model folder's own modelling code "
+                                    "(ArmoRM's); off: such a model is refused in one line")
+
+
+@dataclass
 class PlanConfig:
     gpu_memory_gib: float = param(80.0, "GPU memory per rank that the pre-flight memory plan "
                                   "assumes (GiB; hpc-plan, and job start on CUDA with a model "
@@ -327,6 +343,7 @@ class JobConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    reward: RewardModelConfig = field(default_factory=RewardModelConfig)
     # "section.key" of a count every rank needs at least one of ("" = none): a method sets it
     per_rank_key: typing.ClassVar[str] = ""
 
