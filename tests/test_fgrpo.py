@@ -77,6 +77,9 @@ def test_resume_equals_uninterrupted(toy_adapter, tmp_path):
     assert run_mpi(2, fgrpo_args(toy_adapter, part, "fgrpo.steps=2")).returncode == 0
     proc = run_mpi(2, fgrpo_args(toy_adapter, part, "fgrpo.steps=4") + ["--resume"])
     assert proc.returncode == 0, proc.stderr[-3000:]
+    notes = [line for line in proc.stdout.splitlines() if line.startswith("note: --resume")]
+    assert notes == ["note: --resume: fgrpo.steps=4 here, 2 in the run file; the run goes on "
+                     "with 4 (give fgrpo.steps=2 to keep the run's value)"]  # rank 0's, once
     a, b = RunFile(str(full / "fgrpo.h5")), RunFile(str(part / "fgrpo.h5"))
     assert b.group("metrics")["step"].tolist() == [1, 2, 3, 4]
     for key in ("reward_mean", "loss", "kl", "clip_fraction", "entropy"):

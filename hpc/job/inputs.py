@@ -17,7 +17,7 @@ from hpc.data.mathdata import check_task_files
 from hpc.job.run_folder import check_run_folder
 from hpc.models.folders import check_adapter_folder, check_model_folder
 from hpc.models.hub import Source, hub_id, local_or_cached
-from hpc.runtime.config import BUILT_IN_MODEL_NAMES
+from hpc.runtime.config import BUILT_IN_MODEL_NAMES, stored_config
 from hpc.runtime.errors import UserError
 from hpc.runtime.report_to import check_report_to
 
@@ -87,10 +87,9 @@ def _source(key: str, given: str, recorded: tuple | None) -> tuple:
     return Source(given, kept.path, kept.revision), note
 
 
-def recorded_sources(run_file: str) -> dict:
-    """``{config key: (as given, revision)}`` of ``model.path`` and ``lora.adapter`` as the run
-    file of a run to resume records them (:func:`resolve_sources` keeps that snapshot); empty where there is no readable run file (the checkpoint's copy replaces a
-    damaged one later)."""
+def _recorded(run_file: str) -> tuple:
+    """(config as a dict, attributes) the run file of a run to resume records; ({}, {}) where
+    there is no readable run file (the checkpoint's copy replaces a damaged one later)."""
     import h5py
     import yaml
 
@@ -101,14 +100,48 @@ def recorded_sources(run_file: str) -> dict:
         attrs = {k: v.decode() if isinstance(v, bytes) else str(v) for k, v in attrs.items()}
         config = yaml.safe_load(attrs["config"]) or {}
     except (OSError, RuntimeError, KeyError, ValueError, yaml.YAMLError):
+        return {}, {}
+    return (config if isinstance(config, dict) else {}), attrs
+
+
+def recorded_sources(run_file: str) -> dict:
+    """``{config key: (as given, revision)}`` of ``model.path`` and ``lora.adapter`` as the run
+    file of a run to resume records them (:func:`resolve_sources` keeps that snapshot); empty
+    where there is no readable run file."""
+    config, attrs = _recorded(run_file)
+    if not attrs:
         return {}
 
     def given(section: str, key: str) -> str:
-        part = config.get(section) if isinstance(config, dict) else None
+        part = config.get(section)
         return str(part.get(key) or "") if isinstance(part, dict) else ""
 
     return {"model.path": (given("model", "path"), attrs["model_revision"]),
             "lora.adapter": (given("lora", "adapter"), attrs["adapter_revision"])}
+
+
+def _flat(config: dict, prefix: str = "") -> dict:
+    """``{"section.key": value}`` of a nested config dict."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def resume_notes(run_file: str, config_text: str) -> list:
+    """A line for each key whose value in the config a run resumes with (``config_text``, as
+    the user gave it) differs from the one its run file records: the run goes on with the new
+    value, which is what a changed preset or default would otherwise do silently. Keys the
+    run file has not (an earlier version's) are left out; moved keys are compared at their
+    place today (:func:`hpc.runtime.config.stored_config`)."""
+    before = _flat(stored_config(_recorded(run_file)[1].get("config", "")))
+    now = _flat(stored_config(config_text))
+    return [f"note: --resume: {key}={now[key]!r} here, {before[key]!r} in the run file; the "
+            f"run goes on with {now[key]!r} (give {key}={before[key]} to keep the run's value)"
+            for key in sorted(now) if key in before and now[key] != before[key]]
 
 
 def check_inputs(cfg, method: str = "", resume: bool = False) -> None:

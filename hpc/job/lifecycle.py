@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from hpc.engine.backend import DecodeBackend, make_backend, resolve_backend
 from hpc.engine.config import EngineConfig
-from hpc.job.inputs import InputSources, recorded_sources, resolve_sources
+from hpc.job.inputs import InputSources, recorded_sources, resolve_sources, resume_notes
 from hpc.job.run_folder import (check_resumable, check_writable, lock_run_folder,
                                  newest_unfinished, run_folder)
 from hpc.models.base_model import check_base
@@ -115,6 +115,9 @@ def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
         cfg, recorded_sources(os.path.join(out_dir, f"{method}.h5")) if resume else None)
         if world.is_root else None), root=0)
     for note in sources.notes if world.is_root else ():
+        print(note, flush=True)
+    for note in resume_notes(os.path.join(out_dir, f"{method}.h5"), config_text) if (
+            resume and world.is_root) else ():
         print(note, flush=True)
     sources.apply(cfg)
     device = on_all_ranks(world, lambda: select_device(world, cfg.model.device))
