@@ -6,9 +6,10 @@ passes of k members (``essa.members_per_pass``) and the held-out evaluation, fro
   ``model.quantize`` one decoder linear in ``model.dtype`` with its quantisation temporaries at
   a time (``model.load=transformers``: the whole model in ``model.dtype`` first);
 * resident all job long: the weights (decoder linears at ``model.quantize``), the job's own
-  adapter (fp32) and the search space's float64 copies of it (and its SVD);
-* scoring: the LoRA factors of this rank's members (fp32) and an engine of k members x
-  ``min(eval.batch_size, essa.minibatch)`` rows;
+  adapter (fp32), a reward model's weights (``reward.model``) and the search space's float64
+  copies of the adapter (and its SVD);
+* scoring: the LoRA factors of this rank's members (fp32), a reward model's scoring batch and
+  an engine of k members x ``min(eval.batch_size, essa.minibatch)`` rows;
 * evaluation: an engine of ``eval.batch_size x eval.n_samples`` rows on the job's own adapter;
   the scoring engine is given back first.
 """
@@ -21,7 +22,8 @@ from hpc.engine.shape import ModelShape
 from hpc.plan.terms import (HANDOVER_NOTE, LORA_BYTES_PER_PARAM, MethodPlan, Phase,
                             arriving_linear_parts, dtype_bytes, engine_budget, engine_parts,
                             evaluation_phase, gib, host_load_bytes, host_load_note,
-                            search_space_bytes, smallest_fix, total, usable_bytes, weight_bytes)
+                            reward_model_scoring, reward_model_weights, search_space_bytes,
+                            smallest_fix, total, usable_bytes, weight_bytes)
 
 
 def members_per_pass(cfg, ranks: int) -> int:
@@ -37,7 +39,7 @@ def loaded_parts(shape: ModelShape, cfg) -> list:
                                               if cfg.model.quantize != "none" else "") + ")",
              weight_bytes(shape, cfg, quantized=True)),
             (f"the job's own LoRA adapter ({n_lora:,} parameters, fp32)",
-             n_lora * LORA_BYTES_PER_PARAM)]
+             n_lora * LORA_BYTES_PER_PARAM)] + reward_model_weights(cfg)
 
 
 def resident_parts(shape: ModelShape, cfg) -> list:
@@ -69,6 +71,7 @@ def scoring_phase(shape: ModelShape, cfg, ranks: int, k: int) -> Phase:
     rows = min(cfg.eval.batch_size, cfg.essa.minibatch) * k
     return Phase("ESSA scoring", resident + [
         (f"LoRA factors of this rank's {members} members (fp32)", members * lora),
+        *reward_model_scoring(cfg),
         *engine_parts(shape, cfg, f"{k} member(s) x {rows // k} rows", rows, k,
                       engine_budget(cfg, total(resident)))])
 

@@ -8,7 +8,9 @@ at once and only the per-problem counts of correct samples and reward sums are k
 at n = 1024 samples of long completions holds one chunk's completions at a time, and gives the
 same numbers for any chunk size (sample j keeps its key in whichever chunk it falls).
 Per-problem results cross the network once (Allgatherv, tag ``eval``). Also the ``hpc-eval``
-command (``python -m hpc.evaluate``).
+command (``python -m hpc.evaluate``). A sample is correct when its reward is >= 1.0; with a
+reward model (``reward.model``, :mod:`hpc.data.reward_model`) greedy accuracy and pass@k count
+scores >= 1.0, and avg@n is the mean score, the figure that matters then.
 """
 from __future__ import annotations
 
@@ -145,10 +147,12 @@ def main(argv=None):
     from hpc.runtime.runstore import RunStore, environment_attrs
     from hpc.job.loop import share_graph_check
     from hpc.data.tasks import load_task
+    from hpc.data.reward_model import with_reward_model
 
     job = start_job(EvalJobConfig, "eval", "hpc-eval", argv)
     cfg, world = job.cfg, job.world
-    task = on_all_ranks(world, lambda: load_task(cfg.task, cfg.model.path))
+    task = on_all_ranks(world, lambda: with_reward_model(
+        load_task(cfg.task, cfg.model.path), cfg.reward, cfg.model.dtype, job.device))
     model, tok = on_all_ranks(world, lambda: load_model(
         cfg.model.path, cfg.model.dtype, job.device, load=cfg.model.load,
         wrap=(lambda base: load_adapter(base, cfg.lora.adapter)) if cfg.lora.adapter else None,

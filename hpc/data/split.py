@@ -1,5 +1,6 @@
 """The containers every task fills: a :class:`Split` of prompts, gold answers and SFT
-solutions, and a :class:`Task` (two splits and a reward function)."""
+solutions, and a :class:`Task` (two splits and a reward function); a :class:`ScoredTask`
+rewards by a scorer that reads the prompt (a reward model: :mod:`hpc.data.reward_model`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -36,3 +37,18 @@ class Task:
     def rewards(self, completions: list, answers: list) -> list:
         """Reward of each completion against its gold answer (floats in [0, 1])."""
         return [float(self.reward_fn(c, a)) for c, a in zip(completions, answers)]
+
+
+@dataclass
+class ScoredTask(Task):
+    """A task rewarded by ``scorer(prompts, completions) -> rewards`` (a reward model's
+    scores, unbounded floats) instead of ``reward_fn``. Each split's ``answers`` hold the
+    prompt the scorer reads for its problem: every caller of :meth:`rewards` passes a split's
+    answers beside the completions of that split's prompts, and ESSA's reward cache keys on
+    (completion, answer)."""
+
+    scorer: Callable[[list, list], list] | None = None
+
+    def rewards(self, completions: list, answers: list) -> list:
+        """The scorer's reward of each completion of its prompt (``answers``)."""
+        return [float(r) for r in self.scorer(answers, completions)]

@@ -23,6 +23,10 @@ most ``USABLE_SHARE`` of ``plan.gpu_memory_gib`` and every engine holds a row in
   on top of what the method holds while it decodes;
 * what trackers cannot see on a GPU (:func:`unseen_parts`), the margin
   ``model.activation_checkpointing=auto`` keeps;
+* a reward model (``reward.model``, :mod:`hpc.data.reward_model`): its weights in
+  ``model.dtype`` in every phase (:func:`reward_model_weights`, counted on the meta device from
+  its config), and one scoring batch's activations in every phase that decodes
+  (:func:`reward_model_scoring`);
 * the load (:mod:`hpc.models.streaming`), a phase of every plan: what the method holds once its
   weights are in, plus the tensor that is arriving (:func:`arriving_linear_parts` when each
   decoder linear is quantised as it arrives), and in host memory per rank one tensor read and
@@ -34,6 +38,8 @@ steps on fake tensors (benchmarks/memory_tracker.py, tests/test_memory_plan.py).
 from __future__ import annotations
 
 import copy
+import functools
+import json
 import os
 from dataclasses import dataclass
 
@@ -41,7 +47,10 @@ from hpc.engine.backend import OWN_WEIGHTS_AND_POOL
 from hpc.engine.memory import (GIB, bucket, budget_left, engine_memory, rounded_length,
                                slots_within)
 from hpc.engine.shape import ModelShape
+from hpc.models.folders import TOKENIZER_FILES, WEIGHT_FILES, check_folder
+from hpc.models.hub import local_or_cached
 from hpc.runtime.config import set_key
+from hpc.runtime.errors import UserError
 
 
 def bytes_per_parameter(quantize: str, in_features: int, elem: int) -> float:
@@ -278,8 +287,9 @@ def smallest_fix(build, shape, cfg, ranks: int, candidates: list) -> str:
 
 
 def evaluation_phase(shape: ModelShape, cfg, resident: list, k: int, budget: int) -> Phase:
-    """The held-out evaluation's sampled pass (the larger of its two) on top of ``resident``."""
-    return Phase("evaluation", resident + engine_parts(
+    """The held-out evaluation's sampled pass (the larger of its two) on top of ``resident``,
+    with a reward model's scoring batch (:func:`reward_model_scoring`)."""
+    return Phase("evaluation", resident + reward_model_scoring(cfg) + engine_parts(
         shape, cfg, "eval.batch_size x eval.n_samples rows, own adapter", evaluation_rows(cfg),
         k, budget))
 
@@ -344,3 +354,83 @@ def resolve_checkpointing(cfg, device_type: str, needed, planned: bool = False) 
             or not os.path.isfile(os.path.join(path, "config.json"))):
         return False
     return needed(ModelShape.from_folder(path))
+
+
+REWARD_HEADS = "'score' (one label, or ArmoRM's .score) or 'objective:<i>' (ArmoRM's .rewards)"
+
+
+def reward_head(head: str) -> int | None:
+    """``reward.head`` parsed: None for ``score``, i for ``objective:<i>``; else UserError."""
+    name, _, index = head.partition(":")
+    if head == "score":
+        return None
+    if name == "objective" and index.isdigit():
+        return int(index)
+    raise UserError(f"reward.head={head!r} is not one of {REWARD_HEADS}")
+
+
+def reward_model_folder(reward) -> tuple:
+    """``(folder, config.json as a dict)`` of ``reward.model`` (a folder, or a Hub id's snapshot
+    in the local Hugging Face cache), checked without torch: UserError (one line) for a missing
+    folder or id, a folder without config.json, weights or tokenizer files, a model whose
+    config.json names its own modelling code (``auto_map``) while ``reward.trust_remote_code``
+    is off, or a ``reward.head`` of another form."""
+    reward_head(reward.head)
+    folder = local_or_cached(reward.model, "config key 'reward.model'").path
+    check_folder(folder, "reward model", [
+        ("config.json", ("config.json",)),
+        (f"weights ({' or '.join(WEIGHT_FILES[::2])})", WEIGHT_FILES),
+        (f"tokenizer files ({', '.join(TOKENIZER_FILES)})", TOKENIZER_FILES)])
+    with open(os.path.join(folder, "config.json")) as fh:
+        config = json.load(fh)
+    if "auto_map" in config and not reward.trust_remote_code:
+        raise UserError(f"the reward model {folder} runs its own modelling code (config.json's "
+                        f"auto_map, e.g. ArmoRM's): set reward.trust_remote_code=true to run it")
+    return folder, config
+
+
+@functools.cache
+def reward_model_size(folder: str, trust_remote_code: bool) -> tuple:
+    """``(parameters, hidden size, intermediate size)`` of the sequence-classification model
+    in ``folder``, built from its config on the meta device (no weights read)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True,
+                                            trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForSequenceClassification.from_config(
+                config, trust_remote_code=trust_remote_code)
+    except Exception as err:  # noqa: BLE001 - any failure is a folder that is no reward model
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise UserError(f"the reward model {folder} is no sequence-classification model "
+                        f"transformers can build: {first}") from None
+    text = config.get_text_config()
+    hidden = text.hidden_size
+    return (sum(p.numel() for p in model.parameters()), hidden,
+            getattr(text, "intermediate_size", None) or 4 * hidden)
+
+
+def reward_model_weights(cfg) -> list:
+    """(label, bytes) of the reward model's weights in ``model.dtype`` ([] without one)."""
+    if not cfg.reward.model:
+        return []
+    n, _, _ = reward_model_size(reward_model_folder(cfg.reward)[0], cfg.reward.trust_remote_code)
+    return [(f"reward model ({n:,} parameters, {cfg.model.dtype})", n * dtype_bytes(cfg))]
+
+
+def reward_model_scoring(cfg) -> list:
+    """(label, bytes) of one scoring forward of the reward model ([] without one), B =
+    ``reward.batch_size`` rows of T = ``reward.max_tokens`` tokens in ``model.dtype``: a
+    layer's peak under no_grad (its input and normed input, h each, and the MLP's gate, up and
+    activated gate, I each: (2h + 3I) values a token) and the (B, 1, T, T) attention mask of
+    padded rows."""
+    if not cfg.reward.model:
+        return []
+    r = cfg.reward
+    _, h, inter = reward_model_size(reward_model_folder(r)[0], r.trust_remote_code)
+    tokens = r.batch_size * r.max_tokens
+    return [(f"reward model scoring: {r.batch_size} rows x {r.max_tokens} tokens "
+             f"(reward.batch_size, reward.max_tokens)",
+             (tokens * (2 * h + 3 * inter) + tokens * r.max_tokens) * dtype_bytes(cfg))]
