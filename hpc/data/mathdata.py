@@ -1,5 +1,6 @@
-"""File tasks (``gsm8k``, ``math``, ``aime``, ``amc``, and the short-answer sets ``deepscaler``,
-``minerva``, ``olympiadbench``): jsonl rows to prompts, gold answers and SFT solutions.
+"""File tasks (``gsm8k``, ``math``, ``aime``, ``amc``, the short-answer sets ``deepscaler``,
+``minerva``, ``olympiadbench``, and ``ifeval``): jsonl rows to prompts, gold answers and SFT
+solutions.
 
 Row formats (one JSON object per line; blank lines are skipped):
 
@@ -10,6 +11,10 @@ Row formats (one JSON object per line; blank lines are skipped):
   which then is the gold answer.
 * aime, amc: ``question`` or ``problem``; ``answer`` (a number); optional ``solution``. The SFT
   solution is that text (if any) followed by ``The answer is \\boxed{<answer>}.``
+* ifeval: IFEval's ``prompt``, ``instruction_id_list`` and ``kwargs``, optional ``response``
+  (:mod:`hpc.data.ifeval`: the gold is the JSON of the three, the reward the share of the
+  instructions followed by IFEval's ``task.ifeval_check`` test; the SFT solution is
+  ``response``, or empty).
 * deepscaler, minerva, olympiadbench (:data:`SHORT_ANSWER_TASKS`): ``question`` or
   ``problem``; the gold is the short ``answer`` (LaTeX or a number) where the row has one, else
   the final answer of the worked ``solution`` as for math (also where ``answer`` holds a worked
@@ -29,6 +34,7 @@ train split is then empty. Train rows are shuffled with ``task.seed`` before the
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -36,6 +42,7 @@ import random
 import re
 from fractions import Fraction
 
+from hpc.data.ifeval import IFEVAL_TEMPLATE, ifeval_reward, ifeval_row, require_nltk_data
 from hpc.data.rewards import gsm8k_gold, last_boxed, math_reward, numeric_reward, to_number
 from hpc.data.split import Split, Task
 from hpc.runtime.errors import UserError
@@ -242,11 +249,15 @@ def _short_answer(row: dict, path: str, number: int):
 
 SHORT_ANSWER_TASKS = ("deepscaler", "minerva", "olympiadbench")
 _ROW_READERS = {"gsm8k": _gsm8k, "math": _math, "aime": _competition, "amc": _competition,
-                **dict.fromkeys(SHORT_ANSWER_TASKS, _short_answer)}
+                **dict.fromkeys(SHORT_ANSWER_TASKS, _short_answer), "ifeval": ifeval_row}
 _REWARDS = {"gsm8k": numeric_reward, "math": math_reward, "aime": numeric_reward,
-            "amc": numeric_reward, **dict.fromkeys(SHORT_ANSWER_TASKS, math_reward)}
+            "amc": numeric_reward, **dict.fromkeys(SHORT_ANSWER_TASKS, math_reward),
+            "ifeval": ifeval_reward}
+# the tasks whose gold is an answer a completion states (hpc-data check grades it)
+ANSWER_TASKS = tuple(name for name in _ROW_READERS if name != "ifeval")
 # The plain prompt of each file task (hpc-data prepare counts prompt tokens with it).
-TEMPLATES = {name: GSM8K_TEMPLATE if name == "gsm8k" else MATH_TEMPLATE for name in _ROW_READERS}
+TEMPLATES = {**{name: GSM8K_TEMPLATE if name == "gsm8k" else MATH_TEMPLATE
+                for name in ANSWER_TASKS}, "ifeval": IFEVAL_TEMPLATE}
 
 
 def _split(name: str, path: str, n: int, rng: random.Random | None = None) -> Split:
@@ -269,7 +280,14 @@ def load_file_task(cfg) -> Task:
     train = (_split(cfg.name, cfg.train_path, cfg.n_train, random.Random(cfg.seed))
              if cfg.train_path else Split([], [], []))
     evaluation = _split(cfg.name, cfg.eval_path, cfg.n_eval)
-    return Task(cfg.name, train=train, eval=evaluation, reward_fn=_REWARDS[cfg.name])
+    reward = _REWARDS[cfg.name]
+    if cfg.name == "ifeval":
+        paths = (cfg.train_path, cfg.eval_path)
+        require_nltk_data({i for gold in train.answers + evaluation.answers
+                           for i in json.loads(gold)["instruction_id_list"]},
+                          f"task.name=ifeval ({', '.join(filter(None, paths))})")
+        reward = functools.partial(ifeval_reward, check=cfg.ifeval_check)
+    return Task(cfg.name, train=train, eval=evaluation, reward_fn=reward)
 
 
 def check_task_files(cfg) -> None:

@@ -1,8 +1,10 @@
 """Tasks: prompts, gold answers, SFT solutions, a prompt template and a reward function.
 
 ``arith`` and ``wordprob`` are generated (no files; arith is the demo task); ``gsm8k``,
-``math``, ``aime``, ``amc`` and the short-answer sets ``deepscaler``, ``minerva`` and
-``olympiadbench`` read jsonl files (:mod:`hpc.data.mathdata`, written by ``hpc-data prepare``). Rewards live in :mod:`hpc.data.rewards`, the
+``math``, ``aime``, ``amc``, the short-answer sets ``deepscaler``, ``minerva`` and
+``olympiadbench``, and ``ifeval`` (IFEval's instructions, :mod:`hpc.data.ifeval`) read jsonl
+files (:mod:`hpc.data.mathdata`, written by ``hpc-data prepare``). Rewards live in
+:mod:`hpc.data.rewards` and :mod:`hpc.data.ifeval`, the
 :class:`Split` and :class:`Task` containers in :mod:`hpc.data.split`.
 """
 from __future__ import annotations

@@ -245,6 +245,10 @@ class TaskConfig:
                              "fgrpo only on the rest (0 = off: every method trains on all)",
                              min=0.0, max=10_000_000.0)
     max_new_tokens: int = param(8, "generated tokens per completion", min=1, max=32768)
+    ifeval_check: str = param("strict", "ifeval: IFEval's test the reward uses, the share of a "
+                              "prompt's instructions followed: strict (the completion as it "
+                              "is) or loose (also with its first or last line or its '*' "
+                              "removed)", choices=["strict", "loose"])
 
 
 @dataclass
