@@ -9,7 +9,8 @@ grader cannot read (``The answer is \\boxed{<gold>}.`` must score 1 against its 
 SFT solutions the grader marks wrong, and, when ``model.path`` is a folder with a
 ``tokenizer.json``, the prompt lengths in tokens against ``plan.max_prompt_tokens`` (what the
 memory plan assumed) and the solution lengths against ``task.max_new_tokens``. The task is
-``task.name`` (a file task: gsm8k, math, aime, amc, deepscaler, minerva, olympiadbench). A
+``task.name`` (a file task: gsm8k, math, aime, amc, deepscaler, minerva, olympiadbench,
+ifeval, whose golds are instructions, not answers, and are checked as the loader reads them). A
 task's preset may filter the rows ``prepare`` writes (deepscaler: duplicates, and prompts over
 ``--max-prompt-tokens``, 1024 unless given, as :func:`hpc.data.prepare.prompt_lengths` counts
 them); it prints what each filter removed. Exit code 2 when a row is rejected, a gold
@@ -21,7 +22,7 @@ import os
 import statistics
 import sys
 
-from hpc.data.mathdata import _REWARDS, _ROW_READERS, read_jsonl
+from hpc.data.mathdata import _REWARDS, _ROW_READERS, ANSWER_TASKS, read_jsonl
 from hpc.models.hub import local_or_cached
 from hpc.runtime.cli import EXIT_CODES_HELP, tool_parser
 from hpc.runtime.config import BUILT_IN_MODEL_NAMES, JobConfig, load_config
@@ -89,6 +90,8 @@ def check_file(path: str, cfg, tokenizer) -> tuple:
             first_error = first_error or str(err)
             continue
         items.append((number, prompt, solution))
+        if name not in ANSWER_TASKS:
+            continue
         if reward(f"The answer is \\boxed{{{gold}}}.", gold) < 1.0:
             unreadable.append(number)
         elif reward(solution, gold) < 1.0:
@@ -133,12 +136,12 @@ def main(argv=None):
                        help=CONFIG_HELP)
     prepare = sub.add_parser(
         "prepare", epilog=EXIT_CODES_HELP,
-        help="write a public math set (a parquet/jsonl file, a folder or a Hub dataset id in "
-             "the local cache) as the task's jsonl files, then check them",
+        help="write a public math or IFEval set (a parquet/jsonl file, a folder or a Hub "
+             "dataset id in the local cache) as the task's jsonl files, then check them",
         description="Write SOURCE (a .parquet/.jsonl/.json file, a folder of them, or a Hugging "
                     "Face Hub dataset id found in the local cache) as FOLDER/<split>.jsonl in "
                     "the fields task.name reads (gsm8k, math, aime, amc, deepscaler, minerva, "
-                    "olympiadbench), filtered by the task's preset (deepscaler: duplicate "
+                    "olympiadbench, ifeval), filtered by the task's preset (deepscaler: duplicate "
                     "questions and prompts over --max-prompt-tokens), then check each file as "
                     "hpc-data check does. Nothing is downloaded.")
     prepare.add_argument("source", metavar="SOURCE")

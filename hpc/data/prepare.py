@@ -1,5 +1,5 @@
-"""``hpc-data prepare``: the public math sets as they are distributed, turned into the jsonl files
-the file tasks read (:mod:`hpc.data.mathdata`).
+"""``hpc-data prepare``: the public math and instruction-following sets as they are distributed,
+turned into the jsonl files the file tasks read (:mod:`hpc.data.mathdata`).
 
 The source is a file (``.parquet``, ``.jsonl``, ``.json``), a folder of them, or a Hugging Face
 Hub dataset id (``org/name``, ``org/name@revision``) found in the local cache as huggingface_hub
@@ -29,6 +29,15 @@ Each row becomes the fields the task reads, matched case-insensitively:
   and a ``\\boxed{}`` ``solution``) and math-ai/olympiadbench or Hothan/OlympiadBench
   (``question``, ``final_answer``); since not every copy on the Hub names them alike, each
   variant above is accepted.
+* ifeval: IFEval's ``prompt`` (``instruction`` in argilla/ifeval-like-data's unfiltered
+  rows), ``instruction_id_list`` and ``kwargs`` (a list of dicts, or its JSON string as
+  argilla/ifeval-like-data ships it), with each instruction's None arguments dropped (google/
+  IFEval's rows name every argument of every instruction); ``key`` and ``response`` (an SFT
+  solution) where present. Unknown instruction ids and arguments a checker refuses end the
+  command with one line naming the row (:func:`hpc.data.ifeval.ifeval_fields`). The sets:
+  google/IFEval (its ``ifeval_input_data.jsonl``, the 541 evaluation prompts) and the
+  IFEval-like training set argilla/ifeval-like-data (``--subset filtered``: prompts with
+  IFEval's instruction ids and a response lm-eval's checkers passed).
 
 A task's preset (:data:`PRESETS`) then filters each split, printing what each filter removed:
 
@@ -58,6 +67,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from hpc.data.ifeval import ifeval_fields
 from hpc.data.mathdata import SHORT_ANSWER_TASKS, TEMPLATES, read_jsonl
 from hpc.models.hub import local_or_cached
 from hpc.runtime.atomic import write_bytes
@@ -136,6 +146,8 @@ def _pick(row: dict, names: tuple, where: str):
 
 def task_row(task: str, row: dict, where: str) -> dict:
     """``row`` (keys lower-cased) as the fields task ``task`` reads (see the module)."""
+    if task == "ifeval":
+        return _ifeval_row(row, where)
     if isinstance(row.get("question"), dict):  # PRM800K's labelled solutions
         nested = {k.lower(): v for k, v in row["question"].items()}
         answer = nested.get("ground_truth_answer")
@@ -157,6 +169,17 @@ def task_row(task: str, row: dict, where: str) -> dict:
     out = {"question": question, "answer": _pick(row, ("answer",), where)}
     if row.get("solution") not in (None, ""):
         out["solution"] = row["solution"]
+    return out
+
+
+def _ifeval_row(row: dict, where: str) -> dict:
+    """An IFEval row (module docstring): ``key`` where present, the checked fields of
+    :func:`hpc.data.ifeval.ifeval_fields` and ``response`` where present."""
+    prompt = _pick(row, ("prompt", "instruction"), where)
+    out = {"key": row["key"]} if row.get("key") is not None else {}
+    out.update(ifeval_fields({**row, "prompt": prompt}, where))
+    if row.get("response") not in (None, ""):
+        out["response"] = row["response"]
     return out
 
 
