@@ -191,6 +191,39 @@ def test_planned_scoring_batch_bounds_torchs_tracker(toy_rm):
     assert planned / 2 <= measured <= planned
 
 
+def test_both_plans_charge_the_weights_in_every_phase_and_a_batch_where_they_decode(
+        tmp_path, toy_rm):
+    """The cluster config on Qwen2.5-1.5B's shape with the toy reward model: its weights in
+    every phase of ESSA's and F-GRPO's plans, its scoring batch in the phases that score
+    (ESSA's scoring, F-GRPO's rollout, both evaluations), not in F-GRPO's training."""
+    from essa.plan import plan as essa_plan
+    from fgrpo.plan import plan as fgrpo_plan
+    from hpc.engine.shape import QWEN25, ModelShape
+    from hpc.plan.registry import plan_job_class
+    from hpc.runtime.config import load_config
+
+    folder = tmp_path / "policy"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(dict(
+        QWEN25["1.5B"], model_type="qwen2", architectures=["Qwen2ForCausalLM"])))
+    cluster = f"{REPO}/configs/cluster/math.yaml"
+    cfg = load_config(plan_job_class(), cluster, [f"model.path={folder}",
+                                                  f"reward.model={toy_rm}"])
+    (weights_label, weights), = reward_model_weights(cfg)
+    (scoring_label, scoring), = reward_model_scoring(cfg)
+    shape = ModelShape.from_folder(str(folder))
+    for plan, scored in ((essa_plan(shape, cfg, 16), {"ESSA scoring", "evaluation"}),
+                         (fgrpo_plan(shape, cfg, 8), {"rollout", "evaluation"})):
+        for phase in plan.phases:
+            labels = [label for label, _ in phase.parts]
+            assert labels.count(weights_label) == 1, (plan.method, phase.name)
+            assert labels.count(scoring_label) == (phase.name in scored), (plan.method,
+                                                                           phase.name)
+    plain = load_config(plan_job_class(), cluster, [f"model.path={folder}"])
+    assert essa_plan(shape, cfg, 16).phase("ESSA scoring").peak == pytest.approx(
+        essa_plan(shape, plain, 16).phase("ESSA scoring").peak + weights + scoring)
+
+
 @pytest.fixture(scope="module")
 def toy_lora(tmp_path_factory):
     """A LoRA adapter of the toy model with random B factors (ESSA's singular values)."""

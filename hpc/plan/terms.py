@@ -431,6 +431,5 @@ def reward_model_scoring(cfg) -> list:
     r = cfg.reward
     _, h, inter = reward_model_size(reward_model_folder(r)[0], r.trust_remote_code)
     tokens = r.batch_size * r.max_tokens
-    return [(f"reward model scoring: {r.batch_size} rows x {r.max_tokens} tokens "
-             f"(reward.batch_size, reward.max_tokens)",
+    return [(f"reward model: a scoring batch of {r.batch_size} x {r.max_tokens} tokens",
              (tokens * (2 * h + 3 * inter) + tokens * r.max_tokens) * dtype_bytes(cfg))]
