@@ -74,7 +74,7 @@ def ifeval_rows(n: int, start: int = 0, hub_style: bool = False) -> list:
     kinds = [(["punctuation:no_comma"], [{}]),
              (["detectable_content:postscript", "punctuation:no_comma"],
               [{"postscript_marker": "P.S."}, {}]),
-             (["keywords:existence"], [{"keywords": ["1", "2"]}]),
+             (["keywords:existence"], [{"keywords": ["1"]}]),  # one item: a list still
              (["length_constraints:number_words"], [{"relation": "at least", "num_words": 3}])]
     out = []
     for key in range(start, start + n):
@@ -96,24 +96,32 @@ def read_jsonl(path) -> list:
         return [json.loads(line) for line in fh if line.strip()]
 
 
+@pytest.mark.parametrize("name", ["ifeval_input_data.jsonl", "data/train-00000.parquet"])
 def test_prepare_google_ifeval_from_the_cache_drops_unused_arguments(tmp_path, capsys,
-                                                                     monkeypatch):
+                                                                     monkeypatch, name):
+    """google/IFEval as its jsonl file or a parquet copy (whose one-item lists pandas reads as
+    arrays) in the local Hugging Face cache."""
     cache = tmp_path / "hub"
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
     source = ifeval_rows(5, hub_style=True)
-    hf_cached(cache, "google/IFEval", {"ifeval_input_data.jsonl": "".join(
-        json.dumps(r) + "\n" for r in source).encode()}, kind="datasets")
+    if name.endswith(".parquet"):
+        pandas.DataFrame(source).to_parquet(tmp_path / "copy.parquet")
+        content = (tmp_path / "copy.parquet").read_bytes()
+    else:
+        content = "".join(json.dumps(r) + "\n" for r in source).encode()
+    hf_cached(cache, "google/IFEval", {name: content}, kind="datasets")
     out = tmp_path / "ifeval"
     code, printed, err = hpc_data(capsys, "prepare", "google/IFEval", str(out), "task.name=ifeval")
     assert code == 0, err
     assert "rows the loader rejects: 0" in printed
-    written = read_jsonl(out / "ifeval.jsonl")
+    path = out / ("ifeval.jsonl" if name.endswith(".jsonl") else "train.jsonl")
+    written = read_jsonl(path)
     assert written[1] == {"key": 1, "prompt": source[1]["prompt"],
                           "instruction_id_list": ["detectable_content:postscript",
                                                   "punctuation:no_comma"],
                           "kwargs": [{"postscript_marker": "P.S."}, {}]}
-    task = load_file_task(TaskConfig(name="ifeval", eval_path=str(out / "ifeval.jsonl"),
-                                     n_eval=0))
+    assert written[2]["kwargs"] == [{"keywords": ["1"]}]
+    task = load_file_task(TaskConfig(name="ifeval", eval_path=str(path), n_eval=0))
     assert task.eval.prompts[0] == source[0]["prompt"] + "\n" and task.eval.solutions[0] == ""
     assert task.rewards(["it is 1", "it is 1, or 2"], task.eval.answers[:2]) == [1.0, 0.0]
 
@@ -139,7 +147,7 @@ def test_prepare_the_ifeval_like_training_set_with_json_kwargs_and_responses(tmp
     written = read_jsonl(train)
     assert written[4] == {"key": 14, "prompt": filtered[4]["prompt"],
                           "instruction_id_list": ["keywords:existence"],
-                          "kwargs": [{"keywords": ["1", "2"]}], "response": "it is 29"}
+                          "kwargs": [{"keywords": ["1"]}], "response": "it is 29"}
     task = load_file_task(TaskConfig(name="ifeval", train_path=train, eval_path=train,
                                      n_eval=0))
     assert sorted(task.train.solutions) == sorted(f" it is {2 * k + 1}" for k in range(10, 16))

@@ -100,8 +100,6 @@ def _kwargs(value, count: int, where: str) -> list:
             value = json.loads(value)
         except ValueError:
             raise UserError(f"{where}: 'kwargs' is not JSON") from None
-    if isinstance(value, dict):
-        value = [value]
     if not isinstance(value, (list, tuple)) or len(value) != count or not all(
             isinstance(k, dict) for k in value):
         raise UserError(f"{where}: 'kwargs' must be a list of {count} objects, one per "
@@ -117,7 +115,6 @@ def ifeval_fields(row: dict, where: str) -> dict:
     if not isinstance(prompt, str) or not prompt:
         raise UserError(f"{where}: no string field 'prompt'")
     ids = row.get("instruction_id_list")
-    ids = [ids] if isinstance(ids, str) else ids
     if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(i, str) for i in ids):
         raise UserError(f"{where}: 'instruction_id_list' must be a list of instruction ids")
     kwargs = _kwargs(row.get("kwargs"), len(ids), where)

@@ -96,12 +96,15 @@ PRESETS = {"deepscaler": Preset(dedup=True, max_prompt_tokens=1024),  # others: 
 
 
 def _value(value):
-    """A parquet or JSON value as plain JSON: numpy scalars as Python numbers, NaN as None."""
+    """A parquet or JSON value as plain JSON, nested values too: numpy arrays as lists (one
+    of a single item too: IFEval's one-keyword lists), numpy scalars as Python numbers, NaN
+    as None."""
+    if isinstance(value, dict):
+        return {k: _value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) or getattr(value, "ndim", 0) > 0:
+        return [_value(v) for v in value]
     if hasattr(value, "item") and not isinstance(value, (str, bytes)):
-        try:
-            value = value.item()
-        except (ValueError, AttributeError):  # an array: a list (OlympiadBench's final_answer)
-            return value.tolist() if hasattr(value, "tolist") else value
+        value = value.item()
     if isinstance(value, float) and math.isnan(value):
         return None
     return value
