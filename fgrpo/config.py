@@ -62,7 +62,7 @@ PRESETS = {name: {key: value for key, value, _ in rows} for name, rows in PRESET
 # earlier versions): a config that leaves one of these keys to the preset gets a note line.
 EARLIER_PRESETS = {"grpo": {"loss.clip.epsilon_high": 0.28, "advantage.gamma": 1.0},
                    "dapo": {"advantage.gamma": 1.0},
-                   "cispo": {"loss.cispo.epsilon_high": 4.0, "advantage.gamma": 1.0}}
+                   "cispo": {"loss.cispo.epsilon_high": 4.0}}  # its gamma stays 1.0
 
 
 def preset_text(name: str) -> str:

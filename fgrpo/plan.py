@@ -34,9 +34,9 @@ from hpc.engine.shape import ModelShape
 from hpc.plan.terms import (HANDOVER_NOTE, MethodPlan, Phase, arriving_linear_parts,
                             dtype_bytes, engine_budget, engine_parts, evaluation_phase, gib,
                             host_load_bytes, host_load_note, job_has_plan,
-                            quantized_copy_bytes, resolve_checkpointing, search_space_bytes,
-                            sequence_tokens, smallest_fix, total, unseen_parts, usable_bytes,
-                            with_changes)
+                            quantized_copy_bytes, resolve_checkpointing, reward_model_scoring,
+                            reward_model_weights, search_space_bytes, sequence_tokens,
+                            smallest_fix, total, unseen_parts, usable_bytes, with_changes)
 
 
 def _checkpointed(cfg, ranks: int) -> bool:
@@ -169,7 +169,7 @@ def load_phase(shape: ModelShape, cfg, ranks: int) -> Phase:
                           rows * 4),
                          settle_part(shape, cfg)] + arriving,
                         key=lambda part: part[1])]
-    return Phase("load", parts + arriving)
+    return Phase("load", parts + arriving + reward_model_weights(cfg))
 
 
 def moved_kinds(cfg, offload: str) -> tuple:
@@ -244,6 +244,27 @@ def gathered_parts(shape: ModelShape, cfg) -> list:
              "reduce-scatter", 2 * layer * e + root * e + grads)]
 
 
+def held_rollout_parts(cfg, ranks: int) -> list:
+    """(label, bytes) of what a rank holds from its rollouts through training
+    (:func:`fgrpo.step.train_on_rollouts`): the step's rows (``ceil(batch_prompts / ranks)``
+    x G) of token ids, attention mask (int64) and completion mask (fp32), 20 bytes a
+    position; the frozen log-probs, (rows, T - 1) fp32 each: the sampling policy's where an
+    update is off-policy (``num_iterations`` > 1 or more than one mini-batch), the
+    reference's where ``loss.beta`` > 0; and, with mini-batches, an update's copy of its
+    rows of all of them."""
+    f, T = cfg.fgrpo, sequence_tokens(cfg)
+    rows = math.ceil(f.batch_prompts / ranks) * f.sampling.num_generations
+    updates = f.batch_prompts // (f.optim.mini_batch_prompts or f.batch_prompts)
+    frozen = int(f.optim.num_iterations > 1 or updates > 1) + int(f.loss.beta > 0)
+    row_bytes = 20 * T + frozen * 4 * (T - 1)
+    parts = [(f"the step's {rows} rollouts (ids, masks) with {frozen} frozen fp32 log-prob "
+              f"rows each", rows * row_bytes)]
+    if updates > 1:
+        parts.append((f"an update's copy of its rows ({updates} mini-batches)",
+                      math.ceil(rows / updates) * row_bytes))
+    return parts
+
+
 def fgrpo_rollout_rows(cfg, ranks: int) -> int:
     return min(cfg.eval.batch_size, math.ceil(cfg.fgrpo.batch_prompts / ranks)) * \
         cfg.fgrpo.sampling.num_generations
@@ -281,7 +302,8 @@ def plan(shape: ModelShape, cfg, ranks: int, advise: bool = True,
     :func:`rollout_engine_kept` resolves it)."""
     f, n = cfg.fgrpo, shape.parameters()
     held = fgrpo_state(shape, cfg, ranks)
-    state = [(label, b) for label, b, kind in held if kind != "gradients"]
+    state = [(label, b) for label, b, kind in held if kind != "gradients"] + \
+        reward_model_weights(cfg)
     gradients = [(label, b) for label, b, kind in held if kind == "gradients"]
     offload = _offload(cfg, ranks)
     moved = offloaded_bytes(shape, cfg, ranks, offload)
@@ -302,12 +324,14 @@ def plan(shape: ModelShape, cfg, ranks: int, advise: bool = True,
         rounds = expected_rounds(f.sampling.filtered_share, f.sampling.max_refills)
         kept_rollouts = [(f"rollouts kept over {rounds} sampling rounds",
                           rows * sequence_tokens(cfg) * 20 * (rounds - 1))]
-    rollout = Phase("rollout", decoding + rollout_engine + kept_rollouts)
+    rollout = Phase("rollout", decoding + reward_model_scoring(cfg) + rollout_engine
+                    + kept_rollouts)
     if keep_engine is None:
         keep_engine = _engine_kept(shape, cfg, ranks)
     kept = [("rollout engine, kept on the model", rollout_engine[0][1])] if keep_engine else []
     train = Phase(f"training (micro_batch {f.optim.micro_batch})", state + gradients + kept
                   + (gathered_parts(shape, cfg) if _sharded(cfg) else [])
+                  + held_rollout_parts(cfg, ranks)
                   + training_activation_parts(shape, cfg, ranks))
     phases = [load_phase(shape, cfg, ranks), rollout, train]
     if f.full_finetune:

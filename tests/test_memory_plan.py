@@ -100,6 +100,7 @@ def test_7b_figures_by_hand(tmp_path):
     assert [b for _, b in train.parts] == [
         weights, lora * 4, lora * 8, lora * 4,  # LoRA weights, AdamW moments, gradients
         engine(64),  # the rollout's engine stays on the model
+        64 * 1024 * 20,  # the rollouts' ids and masks (no frozen log-probs at beta 0, mu 1)
         28 * tokens * 3584 * 2,  # checkpointed layer inputs
         tokens * 3584 * (2 + 4 + 2),  # final norm input + fp32 upcast, flattened hidden
         16 * 1024 * 152064 + 2 * tokens * 3584 * 2]  # one LM-head chunk, hidden gradients
@@ -115,7 +116,8 @@ def test_training_without_checkpointing_or_chunks_by_hand(tmp_path):
     layer = (6 * 3584 + 2 * 3584 + 3 * 18944) * 2 + 4 * 3584 * 4  # K/V at all 28 heads
     train = plan.phase("training (micro_batch 8)").parts
     # the rollout's engine is released for the training (it does not fit with it)
-    assert [b for _, b in train[4:]] == [28 * tokens * layer, 16 * tokens * 152064]
+    assert [b for _, b in train[4:]] == [128 * 1024 * 20, 28 * tokens * layer,
+                                         16 * tokens * 152064]
     assert "rollout engine: released after each rollout" in plan.notes[2]
     assert not plan.fits
     assert plan.advice == "set model.activation_checkpointing=on"

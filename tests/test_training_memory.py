@@ -232,3 +232,47 @@ def test_auto_turns_checkpointing_on_where_the_plan_needs_it(tmp_path):
     assert on("fgrpo.optim.micro_batch=1", "model.activation_checkpointing=on", device="cpu")
     assert not on("fgrpo.optim.micro_batch=16", "model.activation_checkpointing=off")
     assert on("fgrpo.optim.micro_batch=8", "fgrpo.full_finetune=true")  # 4 x 14.2 GiB of state
+
+
+@pytest.mark.parametrize("overrides", [
+    ["fgrpo.optim.num_iterations=2", "fgrpo.loss.beta=0.1", "fgrpo.optim.mini_batch_prompts=2"],
+    ["fgrpo.loss.beta=0.1"], []])
+def test_the_held_rollouts_term_is_what_the_step_holds(overrides):
+    """fgrpo.plan.held_rollout_parts against the tracker: the step's rollouts, the frozen
+    log-probs fgrpo.step computes (the sampling policy's only where an update is off-policy,
+    the reference's where beta > 0: the adapter disabled) and an update's copy of its rows."""
+    from fgrpo.config import FGRPOJobConfig
+    from fgrpo.plan import held_rollout_parts
+    from fgrpo.rollout import Rollouts
+    from fgrpo.step import frozen_logprobs, mini_batches, reference_model, updates_per_epoch
+
+    cfg = load_config(FGRPOJobConfig, None, [
+        "fgrpo.batch_prompts=4", "fgrpo.sampling.num_generations=3", "task.max_new_tokens=6",
+        "plan.max_prompt_tokens=10", "fgrpo.optim.micro_batch=5", *overrides])
+    f, ranks, T = cfg.fgrpo, 2, 16
+    n = f.batch_prompts // ranks
+    model = tiny()
+    with torch.no_grad(), LiveTensorBytes(list(model.parameters())) as tracker:
+        ids = torch.randint(0, 50, (n * 3, T))
+        rollouts = Rollouts(ids, torch.ones_like(ids), torch.ones(n * 3, T),
+                            torch.zeros(n, 3), torch.zeros(n, 3),
+                            torch.full((n * 3,), 6), torch.zeros(n * 3, dtype=torch.bool))
+        U = updates_per_epoch(f)
+        frozen = []
+        if f.optim.num_iterations > 1 or U > 1:
+            frozen.append(frozen_logprobs(model, rollouts, f.optim.micro_batch, 0))
+        if f.loss.beta > 0:
+            with reference_model(model, None) as ref:
+                frozen.append(frozen_logprobs(ref, rollouts, f.optim.micro_batch, 0))
+        keep = mini_batches(None, n, U)[0]
+        if keep is not None:  # an update's part: its rows of the rollouts and log-probs
+            rows = keep.repeat_interleave(3)
+            part = rollouts.groups(keep)
+            copies = [x[rows] for x in frozen]
+        # the per-group and per-row values and masks (a few bytes a row) are not in the term
+        measured = tracker.now - sum(t.nbytes for r in [rollouts] + (
+            [part] if keep is not None else []) for t in (
+            r.rewards, r.penalty, r.completion_lengths, r.truncated)) - (
+            rows.nbytes + keep.nbytes if keep is not None else 0)
+    assert measured == sum(b for _, b in held_rollout_parts(cfg, ranks))
+    assert keep is None or all(c.shape == (n * 3 // U, T - 1) for c in copies)
