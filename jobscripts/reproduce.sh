@@ -31,6 +31,12 @@
 #   FAMILY_MINI_BATCH=8  fgrpo.optim.mini_batch_prompts: 4 updates a batch of 32, as the paper's
 #                        256 / 64 (the later updates are off-policy, where the clip ranges and
 #                        CISPO's weight act; with one update a batch CISPO's gradient is GRPO's)
+#   START=demo  the one start: the demo's SFT (10 steps of 32 on the training prompts ESSA and
+#               F-GRPO then train on, ESSA's population 16); START=paper: the ESSA paper's warm
+#               start, one SFT epoch on a disjoint SFT_SPLIT of the training prompts (task.sft_split;
+#               ESSA and F-GRPO train on the rest) and ESSA's population at POPULATION
+#   SFT_SPLIT=0.2  (START=paper) the SFT share: the paper's 1,495 of 7,473 GSM8K problems
+#   POPULATION=96  (START=paper) ESSA's population: the paper's default
 #   RANKS=2
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -54,6 +60,13 @@ ESSA_EVERY=${ESSA_EVERY:-10} FGRPO_EVERY=${FGRPO_EVERY:-30}
 ESSA_EVERY_T=${ESSA_EVERY_T:-4} FGRPO_EVERY_T=${FGRPO_EVERY_T:-40}
 MPIRUN=(mpirun -n "${RANKS:-2}" --oversubscribe)
 QUIET=(run.progress=false)
+START=${START:-demo}
+case $START in
+  demo) SFT_KEYS=() DATA=() ESSA_KEYS=() ;;
+  paper) SFT_KEYS=(sft.epochs=1) DATA=("task.sft_split=${SFT_SPLIT:-0.2}")
+         ESSA_KEYS=("essa.population=${POPULATION:-96}") ;;
+  *) echo "error: START=$START: one of demo, paper" >&2; exit 2 ;;
+esac
 
 rm -rf "$OUT"
 mkdir -p "$OUT"
@@ -63,14 +76,15 @@ stage() { echo "== [$((SECONDS - began)) s] $*"; }
 stage "toy model"
 $PY -m hpc.toys.toy
 stage "LoRA SFT: the one start of every run"
-"${MPIRUN[@]}" $PY -m sft configs/demo/sft.yaml "run.out=$OUT/sft" "${QUIET[@]}" >"$OUT/sft.log"
+"${MPIRUN[@]}" $PY -m sft configs/demo/sft.yaml "${SFT_KEYS[@]}" "${DATA[@]}" "run.out=$OUT/sft" \
+  "${QUIET[@]}" >"$OUT/sft.log"
 adapter=$OUT/sft/adapter
 
 has gamma && mkdir -p "$OUT/gamma" || gammas=()
 for gamma in "${gammas[@]}"; do
   for seed in "${seeds[@]}"; do
     stage "F-GRPO gamma $gamma seed $seed: $STEPS steps, pass@k from $SAMPLES samples"
-    "${MPIRUN[@]}" $PY -m fgrpo configs/demo/fgrpo.yaml "lora.adapter=$adapter" \
+    "${MPIRUN[@]}" $PY -m fgrpo configs/demo/fgrpo.yaml "lora.adapter=$adapter" "${DATA[@]}" \
       "fgrpo.advantage.gamma=$gamma" "fgrpo.steps=$STEPS" "run.seed=$seed" "task.n_eval=$N_EVAL" \
       "eval.every=0" "eval.n_samples=$SAMPLES" "run.out=$OUT/gamma/g$gamma-s$seed" \
       "${QUIET[@]}" >"$OUT/gamma/g$gamma-s$seed.log" 2>&1 ||
@@ -81,11 +95,16 @@ done
 # Budgets stop these runs; the step counts are only upper bounds.
 budget_run() {  # group method seed every budget_key=value
   local group=$1 method=$2 seed=$3 every=$4 budget=$5 steps
-  [[ $method == essa ]] && steps=essa.generations=100000 || steps=fgrpo.steps=100000
+  local keys=("${DATA[@]}")
+  if [[ $method == essa ]]; then
+    steps=essa.generations=100000 keys+=("${ESSA_KEYS[@]}")
+  else
+    steps=fgrpo.steps=100000
+  fi
   stage "$method seed $seed, $budget"
   mkdir -p "$OUT/$group"
   "${MPIRUN[@]}" $PY -m "$method" "configs/demo/$method.yaml" "lora.adapter=$adapter" "$steps" \
-    "$budget" "run.seed=$seed" "task.n_eval=$METHOD_EVAL" "eval.every=$every" \
+    "${keys[@]}" "$budget" "run.seed=$seed" "task.n_eval=$METHOD_EVAL" "eval.every=$every" \
     "run.out=$OUT/$group/$method-s$seed" "${QUIET[@]}" >"$OUT/$group/$method-s$seed.log" 2>&1 ||
     { echo "failed: see $OUT/$group/$method-s$seed.log"; exit 1; }
 }
@@ -112,7 +131,7 @@ print(PRESETS['$algo']['advantage.gamma'])")
     for seed in "${seeds[@]}"; do
       run=$OUT/family/$algo-g$gamma-s$seed
       stage "$algo gamma $gamma seed $seed: $FAMILY_TOKENS tokens, pass@k from $FAMILY_SAMPLES samples"
-      "${MPIRUN[@]}" $PY -m fgrpo configs/demo/fgrpo.yaml "lora.adapter=$adapter" \
+      "${MPIRUN[@]}" $PY -m fgrpo configs/demo/fgrpo.yaml "lora.adapter=$adapter" "${DATA[@]}" \
         "fgrpo.algorithm=$algo" "${preset[@]}" "fgrpo.advantage.gamma=$gamma" fgrpo.steps=100000 \
         "fgrpo.batch_prompts=$FAMILY_BATCH" "fgrpo.optim.num_iterations=$FAMILY_ITERATIONS" \
         "fgrpo.optim.mini_batch_prompts=$FAMILY_MINI_BATCH" \

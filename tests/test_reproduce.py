@@ -97,10 +97,14 @@ def test_gamma_table_pairs_seeds_and_tests_each_gamma_against_zero():
 def test_method_table_uses_welch_t_test():
     essa = [_run(s, a, [0.5], "essa") for s, a in ((0, 0.70), (1, 0.72), (2, 0.69))]
     fgrpo = [_run(s, a, [0.6]) for s, a in ((0, 0.80), (1, 0.85), (2, 0.90))]
+    for r in essa + fgrpo:
+        r.start_passk = np.asarray([0.4])  # the SFT start's evaluation, in every run
     text, record = method_summary(essa + fgrpo, "tokens")
     want = stats.ttest_ind([0.80, 0.85, 0.90], [0.70, 0.72, 0.69], equal_var=False)
     assert record["welch_greedy"]["p_value"] == pytest.approx(want.pvalue)
     assert "equal generated tokens" in text and "Welch" in text
+    assert record["start"]["greedy"] == [0.5] * 6  # _run's start evaluation, every run's
+    assert text.splitlines()[2].split()[:2] == ["start", "6"]
 
 
 def test_family_table_has_cis_and_pairs_each_focal_arm_with_its_plain_one():

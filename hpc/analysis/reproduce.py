@@ -340,6 +340,12 @@ def method_summary(runs: list, group: str) -> tuple:
     head = ["method", "seeds", "steps", "train s", "tokens", "greedy"] + \
         [f"pass@{k}" for k in ks]
     rows, record = [], {}
+    starts = [r for r in runs if r.start_passk is not None]  # both methods' start evaluations
+    if starts:  # of their one SFT start
+        rows.append(["start", len(starts), "0", "0", "0k",
+                     mean_spread([r.start_accuracy for r in starts])] +
+                    [mean_spread([r.start_passk[k - 1] for r in starts]) for k in ks])
+        record["start"] = {"runs": len(starts), "greedy": [r.start_accuracy for r in starts]}
     for m, rs in by.items():
         if not rs:
             continue
