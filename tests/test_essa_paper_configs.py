@@ -1,7 +1,8 @@
 """configs/paper/essa-*.yaml: the ESSA paper's (arXiv 2507.04453) settings for GSM8K on
-Qwen2.5-Math-7B and PRM800K on 7B and 32B (the warm start's disjoint SFT split and epochs, the
-search), and hpc-plan's verdict on the GPUs each config's header names."""
+Qwen2.5-Math-7B, PRM800K on 7B and 32B and IFEval on LLaMA-3.1-8B (the warm start's disjoint SFT
+split and epochs, the search), and hpc-plan's verdict on the GPUs each config's header names."""
 import glob
+import json
 import re
 
 import pytest
@@ -13,8 +14,25 @@ from sft.config import SFTJobConfig
 from test_memory_plan import model_folder
 
 PAPER = {name: f"{REPO}/configs/paper/essa-{name}.yaml"
-         for name in ("gsm8k-qwen2.5-math-7b", "prm800k-qwen2.5-7b", "prm800k-qwen2.5-32b")}
-SHAPE = {"gsm8k-qwen2.5-math-7b": "7B", "prm800k-qwen2.5-7b": "7B", "prm800k-qwen2.5-32b": "32B"}
+         for name in ("gsm8k-qwen2.5-math-7b", "prm800k-qwen2.5-7b", "prm800k-qwen2.5-32b",
+                      "ifeval-llama3.1-8b")}
+SHAPE = {"gsm8k-qwen2.5-math-7b": "7B", "prm800k-qwen2.5-7b": "7B", "prm800k-qwen2.5-32b": "32B",
+         "ifeval-llama3.1-8b": "llama-3.1-8B"}
+LLAMA_31_8B = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=4096,
+                   intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                   num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                   max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+                   tie_word_embeddings=False, torch_dtype="bfloat16")  # its config.json's shape
+
+
+def shape_folder(tmp_path, size: str) -> str:
+    """A folder with only the config.json of ``size`` (what hpc-plan reads)."""
+    if size != "llama-3.1-8B":
+        return model_folder(tmp_path, size)
+    folder = tmp_path / size
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(LLAMA_31_8B))
+    return str(folder)
 ADAPTER = ["lora.adapter=runs/sft/adapter"]  # ESSA needs one; the config leaves it to the user
 
 
@@ -41,6 +59,9 @@ def test_the_configs_hold_the_papers_settings():
                 cfg.task.sft_split, cfg.sft.epochs) == (model, "math",
                                                         "data/math500/test.jsonl", 11500,
                                                         3600, epochs), name
+    ife = load_config(SFTJobConfig, PAPER["ifeval-llama3.1-8b"], [])
+    assert (ife.model.path, ife.task.name, ife.task.ifeval_check, ife.task.sft_split,
+            ife.sft.epochs) == ("meta-llama/Llama-3.1-8B-Instruct", "ifeval", "strict", 1495, 1)
     big = load_config(ESSAJobConfig, PAPER["prm800k-qwen2.5-32b"], ADAPTER)
     assert (big.lora.rank, big.essa.alpha, big.essa.target_accuracy) == (16, 1.0, 0.835)
     # the search dimension the paper counts: 64 layers x 4 matrices x 2 factors x rank 16
@@ -57,7 +78,7 @@ def test_hpc_plan_says_essa_fits_the_gpus_the_header_names(name, tmp_path, capsy
     from hpc.commands import plan as main
     ranks = the_ranks(PAPER[name])
     assert ranks == (16 if "32b" in name else 8)
-    main([PAPER[name], f"model.path={model_folder(tmp_path, SHAPE[name])}", *ADAPTER,
+    main([PAPER[name], f"model.path={shape_folder(tmp_path, SHAPE[name])}", *ADAPTER,
           "--ranks", str(ranks)])
     out = capsys.readouterr().out
     assert "GPU memory assumed: 80 GiB" in out and f"ranks: {ranks}" in out
