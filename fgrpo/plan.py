@@ -1,6 +1,7 @@
 """F-GRPO's memory plan on one GPU (registered in setup.py's ``hpc.method_plans``): the rollout,
 the training (micro-batch forward/backward), the gradient reduction and AdamW step, and the
-held-out evaluation, from the terms of :mod:`hpc.plan.terms`.
+held-out evaluation, from the terms of :mod:`hpc.plan.terms`; a reward model (``reward.model``)
+adds its weights to every phase and a scoring batch to the rollout and the evaluation.
 
 * state (:mod:`hpc.models.parallelize`): DDP LoRA: weights + 16 bytes per LoRA parameter (+ the
   quantised rollout copy of the decoder linears under ``model.quantize``); DDP full
