@@ -291,9 +291,14 @@ def test_fgrpo_on_2_ranks_with_a_reward_model(toy_rm, tmp_path):
 
 @pytest.mark.mpi
 def test_a_missing_reward_model_ends_the_job_in_one_line(tiny_models, tmp_path):
+    """Before torch is imported (hpc.job.inputs.check_inputs), on every rank."""
+    from test_run_folder import BEFORE_TORCH, before_torch
     model_dir, adapter_dir, _ = tiny_models["small"]
-    proc = run_mpi(2, ["-m", "essa", f"model.path={model_dir}", f"lora.adapter={adapter_dir}",
-                       f"reward.model={tmp_path / 'nowhere'}", f"run.out={tmp_path / 'run'}"])
+    proc = run_mpi(2, ["-c", BEFORE_TORCH, f"model.path={model_dir}",
+                       f"lora.adapter={adapter_dir}", f"reward.model={tmp_path / 'nowhere'}",
+                       f"run.out={tmp_path / 'run'}"])
     lines = our_lines(proc.stderr)
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert lines[0].endswith(f"reward model folder not found: {tmp_path / 'nowhere'}")
+    assert before_torch(proc)
+    assert not (tmp_path / "run").exists()

@@ -17,6 +17,7 @@ from hpc.data.mathdata import check_task_files
 from hpc.job.run_folder import check_run_folder
 from hpc.models.folders import check_adapter_folder, check_model_folder
 from hpc.models.hub import Source, hub_id, local_or_cached
+from hpc.plan.terms import reward_model_folder
 from hpc.runtime.config import BUILT_IN_MODEL_NAMES, stored_config
 from hpc.runtime.errors import UserError
 from hpc.runtime.report_to import check_report_to
@@ -155,5 +156,7 @@ def check_inputs(cfg, method: str = "", resume: bool = False) -> None:
         check_model_folder(sources.model.path)
     if sources.adapter is not None:
         check_adapter_folder(sources.adapter.path)
+    if cfg.reward.model:
+        reward_model_folder(cfg.reward)
     if method:
         check_run_folder(cfg.run.out, method, resume)
