@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shlex
+import statistics
 import tempfile
 
 import yaml
@@ -141,11 +142,42 @@ def demo_table(page: str, after: str) -> str:
 
 
 def demo_gains(page: str) -> str:
-    """The greedy points ESSA and F-GRPO gain over SFT in the demo's table."""
+    """The greedy points ESSA and F-GRPO gain over SFT in the demo's table, and from the ESSA
+    paper's warm start at equal training time and tokens (:func:`warm_start_gains`)."""
     rows = {line.split()[0]: float(line.split()[1].rstrip("%"))
             for line in text_table(DEMO, "## default caller")[1:]}
+    gains = warm_start_gains()
     return (f"On this toy, at equal work F-GRPO gains {rows['fgrpo'] - rows['sft']:.0f} points "
-            f"of greedy accuracy over SFT and ESSA {rows['essa'] - rows['sft']:.0f}.\n")
+            f"of greedy accuracy over SFT and ESSA {rows['essa'] - rows['sft']:.0f}. "
+            f"From the ESSA paper's warm start ({WARM_START}), F-GRPO gains "
+            f"{gains['wall']['fgrpo']:.0f} and ESSA {gains['wall']['essa']:.0f} at equal "
+            f"training time, {gains['tokens']['fgrpo']:.0f} and {gains['tokens']['essa']:.0f} at "
+            f"equal generated tokens ([docs/essa.md]({link(page, 'docs/essa.md')}"
+            f"#from-the-papers-warm-start))."
+            f"\n")
+
+
+WARM = f"{RESULTS}/reproduce-essa-paper-start-2026-12-06"
+WARM_START = "one SFT epoch on a disjoint 20% of the prompts, population 96, 3 seeds"
+
+
+def warm_start_gains() -> dict:
+    """``{"wall"|"tokens": {"essa"|"fgrpo": mean greedy points over the SFT start}}`` of the
+    runs from the ESSA paper's warm start (``jobscripts/reproduce.sh START=paper``)."""
+    record = json.loads(read(f"{WARM}/summary.json"))
+    out = {}
+    for group in ("wall", "tokens"):
+        start = statistics.fmean(record[group]["start"]["greedy"])
+        out[group] = {m: 100 * (statistics.fmean(record[group][m]["greedy"]) - start)
+                      for m in ("essa", "fgrpo")}
+    return out
+
+
+def warm_start_tables(page: str) -> str:
+    """docs/essa.md: the ESSA-vs-F-GRPO tables of the warm-start runs, as printed."""
+    text = printed(f"{WARM}/summary.txt")
+    return ("```\n" + "\n".join(text).strip() + "\n```\n\n"
+            + caption(page, f"{WARM}/summary.json"))
 
 
 def passes(folder: str, summary: str, arm: dict) -> int:
@@ -429,7 +461,12 @@ SHIPPED = f"hpc-plan {CLUSTER} model.path=/models/Qwen2.5-7B-Instruct --ranks 8"
 BLOCKS = {  # name: (results files it reads, its text on a page)
     "demo": ([DEMO], lambda page: demo_table(page, "## default caller")),
     "demo-native": ([DEMO], lambda page: demo_table(page, "## DEMO_NATIVE_KERNELS=1")),
-    "demo-gains": ([DEMO], demo_gains),
+    "demo-gains": ([DEMO, f"{WARM}/summary.json"], demo_gains),
+    "essa-warm-start": ([f"{WARM}/summary.json"], warm_start_tables),
+    "plot-essa-warm-start": ([f"{WARM}/summary.json"], lambda page: plot(
+        page, f"{WARM}/plots/accuracy_vs_train_time.png",
+        "held-out greedy accuracy of ESSA and F-GRPO against training time from the ESSA "
+        "paper's warm start", f"{WARM}/summary.json")),
     "family-pairs": ([f"{FAMILY}/summary.json"], family_pairs),
     "family": ([f"{FAMILY}/summary.json"], lambda page: family_table(page, "summary.json")),
     "family-findings": ([f"{FAMILY}/summary.json"], family_findings),
