@@ -7,7 +7,7 @@ import os
 import signal
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from conftest import our_lines, placeholder_adapter, require, run_cli, run_mpi
@@ -190,6 +190,7 @@ def test_fewer_prompts_than_ranks(tmp_path):
 @given(st.one_of(st.text(max_size=40), st.sampled_from(
     ["{method:>99999999999}", "{jobid!r}", "{0}", "{}", "{method.__class__}", "{jobid[0]}",
      "runs/{method}-{jobid}", "{{literal}}/{method}", "{", "}"])))
+@example("{\n}")  # a field named by a new line: the line shows it escaped (found by hypothesis)
 def test_fuzzed_run_out_templates_fill_in_or_raise_user_error(template):
     try:
         out = run_folder(template, "essa", "123")

@@ -20,7 +20,7 @@ import sys
 import tempfile
 
 from hpc.runtime.atomic import open_plain
-from hpc.runtime.errors import UserError
+from hpc.runtime.errors import UserError, shown
 from hpc.runtime.readback import run_folder_entries
 
 
@@ -36,8 +36,9 @@ def run_folder(template: str, method: str, job_id: str) -> str:
                     if name is not None and (name not in ("method", "jobid") or spec or conv)),
                    None)
     if bad is not None:
-        raise UserError(f"config key 'run.out': {template!r} may only use the fields {{method}} "
-                        f"and {{jobid}}, without format specs ({bad})")
+        raise UserError(f"config key 'run.out': {shown(template)} may only use the fields "
+                        f"{{method}} and {{jobid}}, without format specs ("
+                        f"{shown(bad) if isinstance(bad, str) else bad})")
     return template.format(method=method, jobid=job_id)
 
 
