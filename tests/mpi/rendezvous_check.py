@@ -42,6 +42,8 @@ def write_report(out: str, code: int, t0: float) -> None:
 
 if __name__ == "__main__":
     start, code = time.monotonic(), 0
+    leave = os._exit  # a rank of an agreed exit leaves through it (hpc.runtime.errors._leave_now)
+    os._exit = lambda status: (write_report(sys.argv[1], status, start), leave(status))
     try:
         main()
     except SystemExit as done:
