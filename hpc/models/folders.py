@@ -24,9 +24,10 @@ def check_folder(path: str, what: str, needs: list) -> None:
             raise UserError(f"{what} folder {path} has no {description}")
 
 
-def check_model_folder(path: str) -> None:
-    """UserError unless ``path`` holds config.json, weights and tokenizer files."""
-    check_folder(path, "model", [
+def check_model_folder(path: str, what: str = "model") -> None:
+    """UserError unless ``path`` holds config.json, weights and tokenizer files (``what``: the
+    folder's name in the message, e.g. "reward model")."""
+    check_folder(path, what, [
         ("config.json", ("config.json",)),
         (f"weights ({' or '.join(WEIGHT_FILES[::2])})", WEIGHT_FILES),
         (f"tokenizer files ({', '.join(TOKENIZER_FILES)})", TOKENIZER_FILES)])

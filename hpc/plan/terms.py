@@ -47,7 +47,7 @@ from hpc.engine.backend import OWN_WEIGHTS_AND_POOL
 from hpc.engine.memory import (GIB, bucket, budget_left, engine_memory, rounded_length,
                                slots_within)
 from hpc.engine.shape import ModelShape
-from hpc.models.folders import TOKENIZER_FILES, WEIGHT_FILES, check_folder
+from hpc.models.folders import check_model_folder
 from hpc.models.hub import local_or_cached
 from hpc.runtime.config import set_key
 from hpc.runtime.errors import UserError
@@ -377,10 +377,7 @@ def reward_model_folder(reward) -> tuple:
     is off, or a ``reward.head`` of another form."""
     reward_head(reward.head)
     folder = local_or_cached(reward.model, "config key 'reward.model'").path
-    check_folder(folder, "reward model", [
-        ("config.json", ("config.json",)),
-        (f"weights ({' or '.join(WEIGHT_FILES[::2])})", WEIGHT_FILES),
-        (f"tokenizer files ({', '.join(TOKENIZER_FILES)})", TOKENIZER_FILES)])
+    check_model_folder(folder, "reward model")
     with open(os.path.join(folder, "config.json")) as fh:
         config = json.load(fh)
     if "auto_map" in config and not reward.trust_remote_code:
