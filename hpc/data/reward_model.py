@@ -19,11 +19,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from hpc.data.split import ScoredTask, Split
 from hpc.models.loading import DTYPES
 from hpc.plan.terms import REWARD_HEADS, reward_head, reward_model_folder
-from hpc.runtime.errors import UserError
-
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+from hpc.runtime.errors import UserError, first_line
 
 
 class RewardModel:
@@ -95,7 +91,7 @@ def load_reward_model(reward, dtype: str, device) -> RewardModel:
         model = AutoModelForSequenceClassification.from_pretrained(
             folder, dtype=DTYPES[dtype], local_files_only=True, trust_remote_code=trust)
     except Exception as err:  # noqa: BLE001 - any loader failure is a bad reward model folder
-        raise UserError(f"cannot load the reward model in {folder}: {_first_line(err)}") from None
+        raise UserError(f"cannot load the reward model in {folder}: {first_line(err)}") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token or tok.unk_token
     if model.config.pad_token_id is None:  # the row's last token is found by its padding

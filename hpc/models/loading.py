@@ -22,7 +22,7 @@ from hpc.models.folders import ADAPTER_WEIGHT_FILES, check_adapter_folder, check
 from hpc.models.quantize import GenerationCopy, QuantizeInPlace, arrive_all
 from hpc.models.streaming import streamed_model
 from hpc.runtime.atomic import replaced_dir
-from hpc.runtime.errors import UserError
+from hpc.runtime.errors import UserError, first_line
 
 # Jobs print on rank 0 only, and only what the user asked for: no per-rank weight-loading bars
 # or library deprecation notices.
@@ -31,11 +31,6 @@ transformers.utils.logging.disable_progress_bar()
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|peft)\b")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _resolve_device(device) -> torch.device:
@@ -72,7 +67,7 @@ def load_tokenizer(path: str):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as err:  # noqa: BLE001 - any loader failure is a bad model folder
-        raise UserError(f"cannot load the tokenizer in {path}: {_first_line(err)}") from None
+        raise UserError(f"cannot load the tokenizer in {path}: {first_line(err)}") from None
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise UserError(f"the tokenizer in {path} has neither a pad nor an eos token")
@@ -114,7 +109,7 @@ def load_model(path: str, dtype: str = "float32", device="cpu", *, load: str = "
             model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype],
                                                          local_files_only=True)
         except Exception as err:  # noqa: BLE001 - any loader failure is a bad model folder
-            raise UserError(f"cannot load the model in {path}: {_first_line(err)}") from None
+            raise UserError(f"cannot load the model in {path}: {first_line(err)}") from None
         model = model.to(device).eval()
         model = wrap(model) if wrap else model
         arrive_all(arrival(model, quantize), model)
@@ -206,7 +201,7 @@ def load_adapter(model, adapter_dir: str, is_trainable: bool = False,
             raise UserError(f"adapter {adapter_dir} was made for a model of another shape: "
                             f"{lines[0]}") from None
         raise UserError(f"cannot load the adapter in {adapter_dir}: "
-                        f"{_first_line(err)}") from None
+                        f"{first_line(err)}") from None
     _check_finite(peft_model, adapter_dir)
     adapted = _lora_module_names(peft_model)
     missing = [t for t in targets or [] if not any(_matches(n, t) for n in adapted)]

@@ -50,7 +50,7 @@ from hpc.engine.shape import ModelShape
 from hpc.models.folders import check_model_folder
 from hpc.models.hub import local_or_cached
 from hpc.runtime.config import set_key
-from hpc.runtime.errors import UserError
+from hpc.runtime.errors import UserError, first_line
 
 
 def bytes_per_parameter(quantize: str, in_features: int, elem: int) -> float:
@@ -400,9 +400,8 @@ def reward_model_size(folder: str, trust_remote_code: bool) -> tuple:
             model = AutoModelForSequenceClassification.from_config(
                 config, trust_remote_code=trust_remote_code)
     except Exception as err:  # noqa: BLE001 - any failure is a folder that is no reward model
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise UserError(f"the reward model {folder} is no sequence-classification model "
-                        f"transformers can build: {first}") from None
+                        f"transformers can build: {first_line(err)}") from None
     text = config.get_text_config()
     hidden = text.hidden_size
     return (sum(p.numel() for p in model.parameters()), hidden,

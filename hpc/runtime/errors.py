@@ -60,6 +60,13 @@ def shown(value) -> str:
     return text if len(text) <= SHOWN_CHARS + 3 else text[:SHOWN_CHARS] + "..."
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message (its type's name where it has none): how a
+    library's error is quoted in a one-line UserError."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 _RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
 PEER_GRACE_S = 3.0  # seconds a rank > 0 waits before leaving on an error rank 0 prints
 
