@@ -78,11 +78,11 @@ test: $(STAMP) $(VLLM_STAMP)
 
 # docs/config.md from the config classes (the same source as every job's --help), and every
 # generated figure of README.md and docs/*.md from its results file or hpc-plan
-# (hpc/analysis/pages.py).
+# (tools/docs/pages.py: run from the checkout, not installed with the package).
 docs: $(STAMP)
 	$(BIN)/python -c 'from hpc.commands import config_reference; print(config_reference(), end="")' > docs/config.md.tmp
 	mv docs/config.md.tmp docs/config.md
-	$(BIN)/python -m hpc.analysis.pages
+	$(BIN)/python -m tools.docs.pages
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .cache

@@ -1,15 +1,18 @@
 """Every generated figure of README.md and docs/*.md is what its results file or hpc-plan gives
-(hpc/analysis/pages.py; `make docs` writes them): a typed figure that differs, or a quoted
+(tools/docs/pages.py; `make docs` writes them): a typed figure that differs, or a quoted
 results file of an older toy build whose block does not name that build, fails here."""
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
 
 from conftest import REPO
-from hpc.analysis import pages
 from hpc.toys import TOY_VERSION
+
+sys.path.insert(0, REPO)  # tools/ is the checkout's own, not installed with the package
+from tools.docs import pages  # noqa: E402
 
 
 def _text(page):

@@ -49,7 +49,7 @@ def test_miniature_experiment_writes_runs_summary_and_plots(tmp_path):
         assert tokens[-1] >= TOKENS and (len(tokens) == 1 or tokens[-2] < TOKENS)
     summary = json.loads((out / "summary.json").read_text())
     assert sorted(summary) == ["family", "gamma", "provenance", "tokens", "wall"]
-    made = summary["provenance"]  # what hpc.analysis.pages names beside a quoted table
+    made = summary["provenance"]  # what tools.docs.pages names beside a quoted table
     assert made["command"].startswith("hpc-report reproduce ")
     assert [build.split()[0] for build in made["toy_build"]] == [TOY_VERSION]
     assert made["commit"] and made["machine"]

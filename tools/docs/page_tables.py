@@ -1,4 +1,4 @@
-"""The tables and sentences of the pages' measured blocks that :mod:`hpc.analysis.pages` does
+"""The tables and sentences of the pages' measured blocks that :mod:`tools.docs.pages` does
 not write itself: each function takes what a results file holds (its text, or its parsed JSON)
 or runs ``hpc-scaling`` in-process, and returns the block's body; ``pages`` adds the caption
 naming the file and its provenance, and checks the pages against them.
@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.metadata
 import io
 import re
 
+# hpc-scaling's own main, imported here rather than when a block is first written: its imports
+# start a process (h5py runs ``uname -p``), which tests/tiers.py would count against that test
+from compare.scaling import main as scaling_main
 from hpc.runtime.errors import UserError
-
-# hpc-scaling as a user runs it: its console script's entry point (hpc/ imports no method's
-# package); loaded at import, as its own imports start a process (h5py runs ``uname -p``),
-# which tests/tiers.py would count against the test that first writes a block
-SCALING = importlib.metadata.entry_points(group="console_scripts", name="hpc-scaling")
-scaling_main = next(iter(SCALING)).load()
 
 
 # ---- hpc-scaling, run in-process (a model computed from its inputs: no measurement) --------

@@ -1,5 +1,5 @@
 """The measured figures of README.md and docs/*.md, generated: ``make docs`` (``python -m
-hpc.analysis.pages``) writes them, and tests/test_pages.py fails when a page differs.
+tools.docs.pages``) writes them, and tests/test_pages.py fails when a page differs.
 
 A page holds each generated block between two markers, NAME a key of :data:`BLOCKS`::
 
@@ -38,8 +38,8 @@ import tempfile
 
 import yaml
 
-from hpc.analysis import page_tables as tables
 from hpc.toys import TOY_CHAT_VERSION, TOY_VERSION
+from tools.docs import page_tables as tables
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = "benchmarks/results"
@@ -496,7 +496,7 @@ BLOCKS = {  # name: (results files it reads, its text on a page)
 }
 
 
-# ---- the scaling model, benchmarks and runs (hpc.analysis.page_tables writes their text) -----
+# ---- the scaling model, benchmarks and runs (tools.docs.page_tables writes their text) -------
 
 TRAINING_MEMORY = f"{RESULTS}/training_memory-2026-12-01.txt"
 LOCAL_SCALING = f"{RESULTS}/local_scaling-2026-11-30.txt"
