@@ -196,3 +196,44 @@ def test_data_and_models_never_reach_the_toy_builders():
     for module in sorted(graph):
         if module.startswith(("hpc.data", "hpc.models")):
             assert _reaches(graph, module, toys) == [], module
+
+
+def _module_level_calls(tree: ast.AST, name: str) -> list:
+    """The calls to ``name`` (``name(...)`` or ``x.name(...)``) that run when the module is
+    imported: those outside every function and class body (a default argument or decorator of
+    a top-level def runs at import too, and is counted)."""
+    found, todo = [], [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            todo += getattr(node, "decorator_list", []) + node.args.defaults
+            todo += [default for default in node.args.kw_defaults if default]
+            continue
+        if isinstance(node, ast.ClassDef):
+            todo += node.decorator_list + node.bases + [k.value for k in node.keywords]
+            continue
+        if isinstance(node, ast.Call):
+            func = node.func
+            called = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+            if called == name:
+                found.append(node.lineno)
+        todo += ast.iter_child_nodes(node)
+    return sorted(found)
+
+
+def test_the_entry_point_check_sees_module_level_calls_only():
+    source = ("import importlib.metadata as md\nEPS = md.entry_points(group='g')\n"
+              "def f(x=entry_points()):\n    return md.entry_points(group='h')\n"
+              "class C:\n    def g(self):\n        entry_points()\n")
+    assert _module_level_calls(ast.parse(source), "entry_points") == [2, 3]
+
+
+def test_no_module_reads_entry_points_at_import():
+    """importlib.metadata.entry_points() reads every installed distribution's metadata: at
+    module level it runs in each process that imports the module (each rank, each command),
+    and makes what the module is depend on what is installed. Read them in a function, when
+    they are needed (hpc/plan/registry.py, hpc/models/loading.py)."""
+    found = [f"{os.path.relpath(path, REPO)}:{line}: entry_points() at module level"
+             for path in sorted(_module_files().values())
+             for line in _module_level_calls(ast.parse(open(path).read(), path), "entry_points")]
+    assert found == [], "\n".join(found)
