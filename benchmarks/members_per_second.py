@@ -28,7 +28,7 @@ import torch
 
 from common import REPO, lora_model, machine, model_path
 
-from essa.population import score_members  # common.py put the repository on sys.path
+from essa.population import ScoringRequest, score_members  # common.py put the repo on sys.path
 from hpc.engine.engine_backend import EngineBackend
 from hpc.models.adapter_space import SingularValueSpace
 from hpc.models.loading import save_adapter
@@ -51,8 +51,8 @@ def members_per_second(model, tok, space, members, task, n_prompts, ks, repeats)
         for k in ks:
             timer = PhaseTimer(["rebuild", "generate", "reward"])
             start = time.perf_counter()
-            score_members(model, tok, space, members, task, prompts, answers, MAX_NEW_TOKENS,
-                          CHUNK, timer, decoder, k)
+            request = ScoringRequest(members, prompts, answers, MAX_NEW_TOKENS, CHUNK, k)
+            score_members(model, tok, space, task, request, decoder=decoder, timer=timer)
             best[k] = min(best[k], time.perf_counter() - start)
     return {k: len(members) / t for k, t in best.items()}
 

@@ -11,6 +11,8 @@ tokens agree (:mod:`hpc.engine.hf_backend` says when that is bitwise).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 import torch
@@ -53,17 +55,36 @@ def padded_group(factors: dict, start: int, k: int) -> dict:
     return group
 
 
-def score_members(model, tokenizer, space, members: np.ndarray, task, prompts: list,
-                  answers: list, max_new_tokens: int, batch_size: int, timer, decoder,
-                  k: int = 1) -> np.ndarray:
-    """Fitness of each row of ``members`` (n, dim): mean reward in [0, 1], float64 (n,).
+@dataclass(frozen=True)
+class ScoringRequest:
+    """One generation's scoring on one rank: which members, on which prompts, decoded how.
 
-    ``decoder``: the job's backend. k members (capped by n) decode per call, up to
-    ``batch_size * k`` rows at once. Phases: ``rebuild`` (A', B' of all n members in one
-    vectorised call, then sliced per group), ``generate``, ``reward``.
+    members: float64 (n, dim), the members' coordinates in the search space.
+    prompts, answers: the generation's minibatch (m strings each, the same on every rank).
+    max_new_tokens: tokens a completion may add (``task.max_new_tokens``).
+    decode_batch: prompts per decoding batch (``model.decode_batch``).
+    members_per_pass: k, members decoded together (``essa.members_per_pass``, capped by n):
+    a call decodes up to ``decode_batch * k`` rows.
     """
+
+    members: np.ndarray
+    prompts: list
+    answers: list
+    max_new_tokens: int
+    decode_batch: int
+    members_per_pass: int = 1
+
+
+def score_members(model, tokenizer, space, task, request: ScoringRequest, *, decoder,
+                  timer) -> np.ndarray:
+    """Fitness of each member of ``request``: mean reward in [0, 1], float64 (n,).
+
+    ``decoder``: the job's backend. Phases of ``timer``: ``rebuild`` (A', B' of all n members
+    in one vectorised call, then sliced per group), ``generate``, ``reward``.
+    """
+    members = request.members
     with timer.phase("rebuild"):
-        k = max(1, min(k, len(members)))
+        k = max(1, min(request.members_per_pass, len(members)))
         factors = space.factors_batch(members)
     fitness = np.empty(len(members), dtype=np.float64)
     cache = {}
@@ -72,9 +93,10 @@ def score_members(model, tokenizer, space, members: np.ndarray, task, prompts: l
         with timer.phase("rebuild"):
             group = padded_group(factors, g, k)
         with timer.phase("generate"):
-            texts = member_completions(model, tokenizer, group, prompts, max_new_tokens,
-                                       batch_size, decoder=decoder, n_members=n_group)
+            texts = member_completions(model, tokenizer, group, request.prompts,
+                                       request.max_new_tokens, request.decode_batch,
+                                       decoder=decoder, n_members=n_group)
         with timer.phase("reward"):
             for m, completions in enumerate(texts):
-                fitness[g + m] = mean_reward(task, completions, answers, cache)
+                fitness[g + m] = mean_reward(task, completions, request.answers, cache)
     return fitness

@@ -12,7 +12,7 @@ import numpy as np
 
 from essa.config import ESSAJobConfig
 from essa.optimizers import Tracked, make_optimizer
-from essa.population import minibatch_indices, owners, score_members
+from essa.population import ScoringRequest, minibatch_indices, owners, score_members
 from hpc.models.adapter_space import LoraEntrySpace, SingularValueSpace
 from hpc.data.reward_model import with_reward_model
 from hpc.data.tasks import load_task
@@ -76,11 +76,12 @@ class ESSA(Method):
         with timer.phase("update"):
             X = self.opt.ask()
         batch = minibatch_indices(len(task.train), self.e.minibatch, cfg.run.seed, i)
-        mine = score_members(self.model, self.tok, self.space, X[self.my_members], task,
-                             [task.train.prompts[j] for j in batch],
-                             [task.train.answers[j] for j in batch], cfg.task.max_new_tokens,
-                             cfg.eval.batch_size, timer, self.job.decoder,
-                             self.e.members_per_pass)
+        request = ScoringRequest(X[self.my_members], [task.train.prompts[j] for j in batch],
+                                 [task.train.answers[j] for j in batch],
+                                 cfg.task.max_new_tokens, cfg.eval.batch_size,
+                                 self.e.members_per_pass)
+        mine = score_members(self.model, self.tok, self.space, task, request,
+                             decoder=self.job.decoder, timer=timer)
         fitness = gather_fitness(self.job.world, mine, self.e.population, timer,
                                  cfg.run.collective_timeout_s)
         with timer.phase("update"):

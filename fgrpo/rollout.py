@@ -114,22 +114,43 @@ def pack(tokenizer, prompt_ids: list, completion_ids: list, device) -> tuple:
     return ids.to(device), attn.to(device), cmask.to(device)
 
 
-def sample_rollouts(model, tokenizer, task, prompts: list, answers: list, f, max_new_tokens,
-                    batch_size: int, seed: int, timer, decoder,
-                    first_index: int = 0) -> Rollouts:
-    """Sample ``f.sampling.num_generations`` completions per prompt and score them. Completion
-    j of prompt i draws with the key (``seed``, ``first_index`` + i, j)
-    (:func:`hpc.engine.generate.generate_tokens`), whichever rank samples it, decoded by
-    ``decoder`` (:class:`hpc.engine.engine_backend.EngineBackend`). ``f``: the ``fgrpo`` section
-    (sampling, overlong shaping and filtering)."""
+@dataclass(frozen=True)
+class RolloutRequest:
+    """One rank's share of a sampling round: n prompts, each sampled G times.
+
+    prompts, answers: n strings each, the round's prompts ``first_index`` .. ``first_index``
+    + n - 1. max_new_tokens: the length limit L (tokens, ``task.max_new_tokens``).
+    decode_batch: prompts per decoding batch (``model.decode_batch``), ``decode_batch * G``
+    rows at once. seed: the round's sampling key
+    (:func:`hpc.gradient_method.shared_step_seed`). first_index: the first prompt's place in
+    the round, so that a completion's key does not depend on the rank that samples it.
+    """
+
+    prompts: list
+    answers: list
+    max_new_tokens: int
+    decode_batch: int
+    seed: int
+    first_index: int = 0
+
+
+def sample_rollouts(model, tokenizer, task, f, request: RolloutRequest, *, decoder,
+                    timer) -> Rollouts:
+    """Sample ``f.sampling.num_generations`` completions per prompt of ``request`` and score
+    them. Completion j of prompt i draws with the key (``request.seed``,
+    ``request.first_index`` + i, j) (:func:`hpc.engine.generate.generate_tokens`), decoded by
+    ``decoder`` (:class:`hpc.engine.engine_backend.EngineBackend`). ``f``: the ``fgrpo``
+    section (sampling, overlong shaping and filtering)."""
+    prompts, answers, max_new_tokens = request.prompts, request.answers, request.max_new_tokens
     G = f.sampling.num_generations
     device = next(model.parameters()).device
     with timer.phase("generate"):
         completions = generate_tokens(model, tokenizer, prompts, max_new_tokens, do_sample=True,
                                       temperature=f.sampling.temperature,
                                       top_p=f.sampling.top_p,
-                                      num_return_sequences=G, batch_size=batch_size, seed=seed,
-                                      first_index=first_index, decoder=decoder)
+                                      num_return_sequences=G,
+                                      batch_size=request.decode_batch, seed=request.seed,
+                                      first_index=request.first_index, decoder=decoder)
     with timer.phase("reward"):
         texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
         rewards = task.rewards(texts, [a for a in answers for _ in range(G)])

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fgrpo.rollout import StepRollouts, cat_rollouts, sample_rollouts
+from fgrpo.rollout import RolloutRequest, StepRollouts, cat_rollouts, sample_rollouts
 from hpc.gradient_method import shared_step_seed
 from hpc.runtime.world import my_slice, split_evenly
 
@@ -59,11 +59,11 @@ def sample_step(model, tok, task, cfg, world, step: int, timer, decoder) -> Step
         batch = round_prompts(seed, step, r, len(task.train), f.batch_prompts)
         share = my_slice(len(batch), world)
         mine = batch[share]
-        rollouts = sample_rollouts(model, tok, task, [task.train.prompts[j] for j in mine],
-                                   [task.train.answers[j] for j in mine], f,
-                                   cfg.task.max_new_tokens, cfg.eval.batch_size,
-                                   shared_step_seed(seed, step, r), timer, decoder,
-                                   first_index=share.start)
+        request = RolloutRequest([task.train.prompts[j] for j in mine],
+                                 [task.train.answers[j] for j in mine], cfg.task.max_new_tokens,
+                                 cfg.eval.batch_size, shared_step_seed(seed, step, r),
+                                 first_index=share.start)
+        rollouts = sample_rollouts(model, tok, task, f, request, decoder=decoder, timer=timer)
         first = rollouts if first is None else first
         rounds, drawn = rounds + 1, drawn + len(batch)
         if not f.sampling.dynamic_sampling:

@@ -93,10 +93,9 @@ def fake_step(monkeypatch, informative: set, *overrides, n_train=40, G=4):
     """sample_step on a task of ``n_train`` prompts whose groups are informative (rewards 1,
     0, 0, 0) for the prompt indices in ``informative`` and uniform (all 0) otherwise; DAPO's
     preset with 4 prompts a step and 3 refills unless ``overrides`` say otherwise."""
-    def fake_rollouts(model, tok, task, prompts, answers, f, max_new, bs, seed, timer,
-                      decoder, first_index=0):
+    def fake_rollouts(model, tok, task, f, request, *, decoder, timer):
         return rollouts([[1.0] + [0.0] * (G - 1) if int(p) in informative else [0.0] * G
-                         for p in prompts])
+                         for p in request.prompts])
     monkeypatch.setattr(sampling, "sample_rollouts", fake_rollouts)
     cfg = load_config(FGRPOJobConfig, None, [
         "fgrpo.algorithm=dapo", "fgrpo.batch_prompts=4", "fgrpo.sampling.max_refills=3",
@@ -180,7 +179,9 @@ def test_truncated_completions_are_shaped_and_filtered(monkeypatch):
             "fgrpo.sampling.num_generations=2", "fgrpo.reward.overlong_buffer=2",
             "task.max_new_tokens=4",
             f"fgrpo.loss.overlong_filter={str(filtered).lower()}"]).fgrpo
-        out = rollout.sample_rollouts(model, tok, task, ["q"], ["a"], f, 4, 8, 0, Timer(), None)
+        out = rollout.sample_rollouts(model, tok, task, f,
+                                      rollout.RolloutRequest(["q"], ["a"], 4, 8, 0),
+                                      decoder=None, timer=Timer())
         assert out.truncated.tolist() == [False, True]
         assert out.penalty.tolist() == [[0.0, -1.0]] and out.rewards.tolist() == [[1.0, 1.0]]
         assert out.completion_mask[0].tolist() == [0, 0, 1, 1, 0, 0]

@@ -9,7 +9,7 @@ import torch
 from transformers.generation.logits_process import TopPLogitsWarper
 
 from conftest import run_cli, run_mpi, vllm_python
-from essa.population import score_members
+from essa.population import ScoringRequest, score_members
 from hpc.models.adapter_space import SingularValueSpace
 from hpc.engine.backend import make_backend
 from hpc.engine.engine_backend import EngineBackend
@@ -118,9 +118,10 @@ def test_essa_fitness_equals_reference_path(adapted, prompts, k):
     answers = [str(i) for i in range(len(prompts))]
     fitness = {}
     for path in ("hf", "engine"):
-        fitness[path] = score_members(model, tok, space, members, HashTask(), prompts, answers,
-                                      MAX_NEW, 16, PhaseTimer(["rebuild", "generate", "reward"]),
-                                      make_backend(path), k=k)
+        request = ScoringRequest(members, prompts, answers, MAX_NEW, 16, k)
+        fitness[path] = score_members(model, tok, space, HashTask(), request,
+                                      decoder=make_backend(path),
+                                      timer=PhaseTimer(["rebuild", "generate", "reward"]))
     assert len(set(fitness["hf"].tolist())) > 1
     assert np.array_equal(fitness["engine"], fitness["hf"])
 

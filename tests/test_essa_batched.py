@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import REPO, run_cli, run_mpi
-from essa.population import mean_reward, score_members
+from essa.population import ScoringRequest, mean_reward, score_members
 from hpc.engine.backend import make_backend
 from hpc.engine.hf_backend import members_on_device, members_that_fit
 from hpc.engine.shape import ModelShape
@@ -67,9 +67,10 @@ def test_one_member_a_pass_equals_peft(case, reference):
     adapter (which stays untouched): the same fitness bit for bit."""
     model, tok, space, members, prompts, answers = case
     before = {n: p.clone() for n, p in model.named_parameters() if "lora_" in n}
-    fitness = score_members(model, tok, space, members, HashTask(), prompts, answers, MAX_NEW,
-                            BATCH, PhaseTimer(["rebuild", "generate", "reward"]),
-                            make_backend("hf"), 1)
+    fitness = score_members(model, tok, space, HashTask(),
+                            ScoringRequest(members, prompts, answers, MAX_NEW, BATCH, 1),
+                            decoder=make_backend("hf"),
+                            timer=PhaseTimer(["rebuild", "generate", "reward"]))
     assert np.array_equal(fitness, reference[0])
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if n in before)
 

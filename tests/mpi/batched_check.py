@@ -12,7 +12,7 @@ import zlib
 import numpy as np
 import torch
 
-from essa.population import owners, score_members
+from essa.population import ScoringRequest, owners, score_members
 from hpc.engine.backend import make_backend
 from hpc.engine.generate import generate, member_completions
 from hpc.models.adapter_space import SingularValueSpace
@@ -55,8 +55,9 @@ def score(case, members, k: int) -> np.ndarray:
         return np.array([np.mean(HashTask.rewards(texts, answers))
                          for texts in completions(case, members, 1)])
     timer = PhaseTimer(["rebuild", "generate", "reward"])
-    return score_members(model, tok, space, members, HashTask(), prompts, answers, MAX_NEW,
-                         BATCH, timer, make_backend("hf"), k)
+    return score_members(model, tok, space, HashTask(),
+                         ScoringRequest(members, prompts, answers, MAX_NEW, BATCH, k),
+                         decoder=make_backend("hf"), timer=timer)
 
 
 def completions(case, members, k: int) -> list:
