@@ -22,10 +22,12 @@ import os
 import statistics
 import sys
 
-from hpc.data.mathdata import _REWARDS, _ROW_READERS, ANSWER_TASKS, read_jsonl
+from hpc.data.mathdata import FileTask, file_task, read_jsonl
 from hpc.models.hub import local_or_cached
 from hpc.runtime.cli import EXIT_CODES_HELP, tool_parser
-from hpc.runtime.config import BUILT_IN_MODEL_NAMES, JobConfig, load_config
+from hpc.job.config import JobConfig
+from hpc.models.folders import BUILT_IN_MODELS
+from hpc.runtime.config import load_config
 from hpc.runtime.errors import UserError, user_errors_exit
 
 SHOWN = 3  # line numbers shown per kind of problem
@@ -40,13 +42,13 @@ def _tokenizer(path: str):
     """A ``tokenizers.Tokenizer`` from ``path/tokenizer.json`` (``path``: a folder, or a Hub id
     in the local cache), or None if there is none (or ``path`` names a built-in model);
     UserError if ``path`` is no folder at all."""
-    if path in BUILT_IN_MODEL_NAMES:
+    if path in BUILT_IN_MODELS:
         return None
     path = local_or_cached(path, "config key 'model.path'").path
     if not os.path.isdir(path):
         raise UserError(f"config key 'model.path': model folder not found: {path} (hpc-data "
                         f"reads its tokenizer.json; built-in models: "
-                        f"{', '.join(BUILT_IN_MODEL_NAMES)})")
+                        f"{', '.join(BUILT_IN_MODELS)})")
     file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(file):
         return None
@@ -65,36 +67,35 @@ def _length_line(what: str, lengths: list, limit: int, key: str, numbers: list) 
     return text, over
 
 
-def file_task(cfg) -> str:
-    """``cfg.task.name`` if it is a file task, else UserError."""
-    if cfg.task.name not in _ROW_READERS:
-        raise UserError(f"config key 'task.name': {cfg.task.name!r} is not a file task "
-                        f"({', '.join(_ROW_READERS)}); give the job's config or task.name=")
-    return cfg.task.name
+def job_file_task(cfg) -> FileTask:
+    """The file task ``cfg.task.name`` names, else UserError."""
+    try:
+        return file_task(cfg.task.name)
+    except UserError as err:
+        raise UserError(f"{err}; give the job's config or task.name=") from None
 
 
 def check_file(path: str, cfg, tokenizer) -> tuple:
     """(report lines, problem count) for the data file ``path`` read as task ``cfg.task.name``,
     with ``tokenizer`` (:func:`_tokenizer` of model.path; None: lengths not counted)."""
-    name = file_task(cfg)
+    name, task = cfg.task.name, job_file_task(cfg)
     rows = read_jsonl(path)
-    reward = _REWARDS[name]
     items, rejected, unreadable, wrong = [], [], [], []
     first_error = ""
     for number, row in rows:
         try:
-            question, template, gold, solution = _ROW_READERS[name](row, path, number)
+            question, template, gold, solution = task.read_row(row, path, number)
             prompt = template.format(question=question)
         except UserError as err:
             rejected.append(number)
             first_error = first_error or str(err)
             continue
         items.append((number, prompt, solution))
-        if name not in ANSWER_TASKS:
+        if not task.graded:
             continue
-        if reward(f"The answer is \\boxed{{{gold}}}.", gold) < 1.0:
+        if task.reward(f"The answer is \\boxed{{{gold}}}.", gold) < 1.0:
             unreadable.append(number)
-        elif reward(solution, gold) < 1.0:
+        elif task.reward(solution, gold) < 1.0:
             wrong.append(number)
     lines = [f"{path} (task {name})", f"rows: {len(rows)}",
              f"rows the loader rejects: {len(rejected)}{_lines(rejected)}"
@@ -103,7 +104,7 @@ def check_file(path: str, cfg, tokenizer) -> tuple:
              f"SFT solutions the grader marks wrong: {len(wrong)}{_lines(wrong)}"]
     problems = len(rejected) + len(unreadable)
     if tokenizer is None or not items:
-        why = ("a built-in model" if cfg.model.path in BUILT_IN_MODEL_NAMES else
+        why = ("a built-in model" if cfg.model.path in BUILT_IN_MODELS else
                "no tokenizer.json" if tokenizer is None else "no rows the loader accepts")
         lines.append(f"token lengths: not checked (model.path={cfg.model.path!r}: {why})")
     else:
@@ -161,7 +162,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     config_path = next((i for i in args.items if "=" not in i), None)
     cfg = load_config(JobConfig, config_path, [i for i in args.items if "=" in i])
-    task = file_task(cfg)
+    job_file_task(cfg)
     tokenizer = _tokenizer(cfg.model.path)  # a wrong model.path before the data: the config's
     if args.command == "check":
         files = [args.file]
@@ -173,7 +174,7 @@ def main(argv=None):
                             f"give a number of tokens, or 0 for no limit")
         files = []
         for path, rows, sources, notes in write_task_files(
-                args.source, args.folder, task, args.subset, cfg, args.max_prompt_tokens,
+                args.source, args.folder, cfg.task.name, args.subset, cfg, args.max_prompt_tokens,
                 args.preset):
             print(f"wrote {path}: {rows} rows from {', '.join(sources)}", flush=True)
             for line in notes:

@@ -1,4 +1,5 @@
-"""The ``ifeval`` task's rows and reward: IFEval's instruction checkers, as lm-eval maintains them.
+"""The ``ifeval`` task (:data:`IFEVAL`): its rows and reward, IFEval's instruction checkers as
+lm-eval maintains them.
 
 A row (``hpc-data prepare`` writes them from google/IFEval or an IFEval-like set) is IFEval's:
 ``prompt``, ``instruction_id_list`` and ``kwargs`` (one dict per instruction; a JSON string of
@@ -36,6 +37,7 @@ import json
 import os
 import sys
 
+from hpc.data.mathdata import FileTask, row_field
 from hpc.runtime.errors import UserError
 
 IFEVAL_TEMPLATE = "{question}\n"
@@ -171,3 +173,33 @@ def ifeval_reward(completion: str, gold: str, check: str = "strict") -> float:
             else utils.test_instruction_following_loose)
     followed = _followed(test, _example(gold), str(completion))
     return sum(followed) / len(followed) if followed else 0.0
+
+
+def ifeval_prepared_row(row: dict, where: str) -> dict:
+    """An IFEval row as ``hpc-data prepare`` writes it: ``key`` where present, the checked
+    fields of :func:`ifeval_fields` (the prompt from ``prompt`` or, in argilla/ifeval-like-data's
+    unfiltered rows, ``instruction``) and ``response`` where present."""
+    prompt = row_field(row, ("prompt", "instruction"), where)
+    out = {"key": row["key"]} if row.get("key") is not None else {}
+    out.update(ifeval_fields({**row, "prompt": prompt}, where))
+    if row.get("response") not in (None, ""):
+        out["response"] = row["response"]
+    return out
+
+
+class IfevalTask(FileTask):
+    """The ifeval file task: its reward follows ``task.ifeval_check``, and its problems are
+    refused at load where their instructions need NLTK data that NLTK does not find."""
+
+    def job_reward(self, cfg, splits: tuple):
+        """IFEval's ``cfg.ifeval_check`` test; UserError (one line) where ``splits`` hold an
+        instruction that needs NLTK's punkt_tab data and NLTK does not find it."""
+        paths = ", ".join(filter(None, (cfg.train_path, cfg.eval_path)))
+        require_nltk_data({i for split in splits for gold in split.answers
+                           for i in json.loads(gold)["instruction_id_list"]},
+                          f"task.name=ifeval ({paths})")
+        return functools.partial(ifeval_reward, check=cfg.ifeval_check)
+
+
+IFEVAL = IfevalTask(ifeval_row, ifeval_reward, IFEVAL_TEMPLATE, ifeval_prepared_row,
+                    graded=False)

@@ -1,6 +1,8 @@
-"""File tasks (``gsm8k``, ``math``, ``aime``, ``amc``, the short-answer sets ``deepscaler``,
-``minerva``, ``olympiadbench``, and ``ifeval``): jsonl rows to prompts, gold answers and SFT
-solutions.
+"""File tasks: a :class:`FileTask` reads jsonl rows as prompts, gold answers and SFT solutions
+(and says how ``hpc-data prepare`` converts and filters a public set's rows, how ``hpc-data
+check`` grades them); the math ones are here (``gsm8k``, ``math``, ``aime``, ``amc``, the
+short-answer sets ``deepscaler``, ``minerva``, ``olympiadbench``), ``ifeval`` in
+:mod:`hpc.data.ifeval`, each registered in :data:`hpc.data.registry.TASKS`.
 
 Row formats (one JSON object per line; blank lines are skipped):
 
@@ -11,11 +13,11 @@ Row formats (one JSON object per line; blank lines are skipped):
   which then is the gold answer.
 * aime, amc: ``question`` or ``problem``; ``answer`` (a number); optional ``solution``. The SFT
   solution is that text (if any) followed by ``The answer is \\boxed{<answer>}.``
-* ifeval: IFEval's ``prompt``, ``instruction_id_list`` and ``kwargs``, optional ``response``
-  (:mod:`hpc.data.ifeval`: the gold is the JSON of the three, the reward the share of the
-  instructions followed by IFEval's ``task.ifeval_check`` test; the SFT solution is
+* ifeval (:mod:`hpc.data.ifeval`): IFEval's ``prompt``, ``instruction_id_list`` and
+  ``kwargs``, optional ``response`` (the gold is the JSON of the three, the reward the share of
+  the instructions followed by IFEval's ``task.ifeval_check`` test; the SFT solution is
   ``response``, or empty).
-* deepscaler, minerva, olympiadbench (:data:`SHORT_ANSWER_TASKS`): ``question`` or
+* deepscaler, minerva, olympiadbench (the short-answer sets): ``question`` or
   ``problem``; the gold is the short ``answer`` (LaTeX or a number) where the row has one, else
   the final answer of the worked ``solution`` as for math (also where ``answer`` holds a worked
   solution: ``\\boxed{}`` or ``The answer is:`` in it), so MATH-500, AIME and AMC files read as
@@ -34,15 +36,16 @@ train split is then empty. Train rows are shuffled with ``task.seed`` before the
 """
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
 import random
 import re
+from dataclasses import dataclass
 from fractions import Fraction
+from typing import Callable
 
-from hpc.data.ifeval import IFEVAL_TEMPLATE, ifeval_reward, ifeval_row, require_nltk_data
+from hpc.data.registry import TASKS, task_loader
 from hpc.data.rewards import gsm8k_gold, last_boxed, math_reward, numeric_reward, to_number
 from hpc.data.split import Split, Task
 from hpc.runtime.errors import UserError
@@ -54,7 +57,64 @@ MATH_TEMPLATE = "Problem: {question}\nSolution:"
 
 _CALCULATOR_RE = re.compile(r"<<[^<>]*>>")
 _ANSWER_SUFFIX = "The answer is:"
+_DOLLAR = re.compile(r"(?<!\\)\$")  # a math delimiter, not an escaped \$
 MAX_ROW_CHARS = 2 ** 22  # one row: a problem and its worked solution, a few KiB
+
+
+@dataclass(frozen=True)
+class Preset:
+    """What ``hpc-data prepare`` does to a task's rows after converting them."""
+
+    dedup: bool = False  # drop repeated questions (whitespace collapsed), keeping the first
+    max_prompt_tokens: int = 0  # drop longer prompts (0: no limit; --max-prompt-tokens)
+    task: str = ""  # the one task a named preset (--preset) is for ("" = any)
+    word_splits: bool = False  # a file's split: train or test where its name holds the word
+    drop_test_from_train: bool = False  # drop training problems that are also test problems
+
+
+@dataclass(frozen=True)
+class FileTask:
+    """A task read from jsonl files (``task.train_path``, ``task.eval_path``): its loader
+    (:meth:`__call__`, as :data:`hpc.data.registry.TASKS` names it) and what ``hpc-data
+    prepare`` and ``hpc-data check`` need of it."""
+
+    # (row, path, line number) -> (question, prompt template, gold, SFT solution); UserError
+    # naming the file and line for a row it cannot use
+    read_row: Callable
+    reward: Callable  # (completion, gold) -> reward in [0, 1]
+    template: str  # the plain prompt of its rows, with {question} (prepare counts its tokens)
+    # hpc-data prepare: (a public set's row, keys lower-cased; where) -> the fields read_row
+    # reads; UserError naming ``where`` for a row without them
+    convert: Callable
+    preset: Preset = Preset()  # what hpc-data prepare filters from each split it writes
+    graded: bool = True  # the gold is an answer a completion states (hpc-data check grades it)
+
+    def job_reward(self, cfg, splits: tuple) -> Callable:
+        """The reward function of a job whose ``task`` section is ``cfg`` on ``splits`` (its
+        train and eval :class:`Split`): :attr:`reward`."""
+        return self.reward
+
+    def __call__(self, cfg) -> Task:
+        """The task ``cfg.name`` from ``cfg.train_path`` and ``cfg.eval_path`` (a TaskConfig;
+        the module docstring)."""
+        if not cfg.eval_path:
+            raise UserError(f"config key 'task.eval_path' is required for task {cfg.name}")
+        train = (self._split(cfg.train_path, cfg.n_train, random.Random(cfg.seed))
+                 if cfg.train_path else Split([], [], []))
+        evaluation = self._split(cfg.eval_path, cfg.n_eval)
+        return Task(cfg.name, train=train, eval=evaluation,
+                    reward_fn=self.job_reward(cfg, (train, evaluation)))
+
+    def _split(self, path: str, n: int, rng: random.Random | None = None) -> Split:
+        """All rows of ``path`` checked and converted; shuffled by ``rng`` if given; first
+        ``n``."""
+        items = [self.read_row(row, path, number) for number, row in read_jsonl(path)]
+        if rng is not None:
+            rng.shuffle(items)
+        items = items[:n or None]
+        return Split([t.format(question=q) for q, t, _, _ in items],
+                     [a for _, _, a, _ in items], [s for _, _, _, s in items],
+                     [q for q, _, _, _ in items])
 
 
 def read_jsonl(path: str) -> list:
@@ -247,52 +307,109 @@ def _short_answer(row: dict, path: str, number: int):
     return question, MATH_TEMPLATE, gold, solution
 
 
-SHORT_ANSWER_TASKS = ("deepscaler", "minerva", "olympiadbench")
-_ROW_READERS = {"gsm8k": _gsm8k, "math": _math, "aime": _competition, "amc": _competition,
-                **dict.fromkeys(SHORT_ANSWER_TASKS, _short_answer), "ifeval": ifeval_row}
-_REWARDS = {"gsm8k": numeric_reward, "math": math_reward, "aime": numeric_reward,
-            "amc": numeric_reward, **dict.fromkeys(SHORT_ANSWER_TASKS, math_reward),
-            "ifeval": ifeval_reward}
-# the tasks whose gold is an answer a completion states (hpc-data check grades it)
-ANSWER_TASKS = tuple(name for name in _ROW_READERS if name != "ifeval")
-# The plain prompt of each file task (hpc-data prepare counts prompt tokens with it).
-TEMPLATES = {**{name: GSM8K_TEMPLATE if name == "gsm8k" else MATH_TEMPLATE
-                for name in ANSWER_TASKS}, "ifeval": IFEVAL_TEMPLATE}
 
 
-def _split(name: str, path: str, n: int, rng: random.Random | None = None) -> Split:
-    """All rows of ``path`` checked and converted; shuffled by ``rng`` if given; first ``n``."""
-    items = [_ROW_READERS[name](row, path, number) for number, row in read_jsonl(path)]
-    if rng is not None:
-        rng.shuffle(items)
-    items = items[:n or None]
-    return Split([t.format(question=q) for q, t, _, _ in items], [a for _, _, a, _ in items],
-                 [s for _, _, _, s in items], [q for q, _, _, _ in items])
+def row_field(row: dict, names: tuple, where: str):
+    """The first of the fields ``names`` that ``row`` (a public set's) holds, not None or
+    empty; UserError naming ``where`` and the row's fields when none is."""
+    for name in names:
+        if row.get(name) not in (None, ""):
+            return row[name]
+    raise UserError(f"{where}: no field {' or '.join(map(repr, names))} (its fields: "
+                    f"{', '.join(sorted(row))[:200]})")
+
+
+def _question(row: dict, where: str) -> tuple:
+    """(question, row) of a public math set's row; PRM800K's labelled solutions, whose problem
+    is nested in ``question``, unnested first (a missing solution: the boxed answer)."""
+    if isinstance(row.get("question"), dict):
+        nested = {k.lower(): v for k, v in row["question"].items()}
+        answer = nested.get("ground_truth_answer")
+        row = {"problem": nested.get("problem"), "answer": answer,
+               "solution": nested.get("ground_truth_solution") or (
+                   f"$\\boxed{{{answer}}}$" if answer not in (None, "") else None)}
+    return row_field(row, ("question", "problem"), where), row
+
+
+def _gsm8k_fields(row: dict, where: str) -> dict:
+    question, row = _question(row, where)
+    return {"question": question, "answer": row_field(row, ("answer",), where)}
+
+
+def _math_fields(row: dict, where: str) -> dict:
+    """The worked solution, with ``The answer is: <answer>`` after it where the row also has a
+    short ``answer`` (MATH-500); a row with only ``answer`` holds the solution there."""
+    question, row = _question(row, where)
+    if row.get("solution") not in (None, ""):
+        solution, gold = row["solution"], row.get("answer")
+        if gold not in (None, "") and _ANSWER_SUFFIX not in str(solution):
+            solution = f"{str(solution).rstrip()}\nThe answer is: {gold}"
+        return {"question": question, "solution": solution}
+    return {"question": question, "solution": row_field(row, ("answer",), where)}
+
+
+def _competition_fields(row: dict, where: str) -> dict:
+    question, row = _question(row, where)
+    out = {"question": question, "answer": row_field(row, ("answer",), where)}
+    if row.get("solution") not in (None, ""):
+        out["solution"] = row["solution"]
+    return out
+
+
+def _answer_text(value):
+    """A short answer: a list's items joined with ', ', ``$`` delimiters dropped (``$3$, $5$``
+    is ``3, 5``); numbers as they are."""
+    if isinstance(value, (list, tuple)):
+        value = ", ".join(str(_answer_text(v)) for v in value)
+    return _DOLLAR.sub("", value).strip() if isinstance(value, str) else value
+
+
+def _short_answer_fields(row: dict, where: str) -> dict:
+    """The gold from ``answer`` or ``final_answer``, the solution (a list joined by blank
+    lines) where present, and the gold's source where no answer is."""
+    question, row = _question(row, where)
+    row_field(row, ("answer", "final_answer", "solution"), where)  # one of them, else UserError
+    out = {"question": question}
+    gold = next((_answer_text(row[n]) for n in ("answer", "final_answer")
+                 if row.get(n) not in (None, "", [])), "")
+    if gold not in (None, ""):
+        out["answer"] = gold
+    solution = row.get("solution")
+    if isinstance(solution, (list, tuple)):
+        solution = "\n\n".join(str(s) for s in solution)
+    if solution not in (None, ""):
+        out["solution"] = solution
+    return out
+
+
+GSM8K = FileTask(_gsm8k, numeric_reward, GSM8K_TEMPLATE, _gsm8k_fields)
+MATH = FileTask(_math, math_reward, MATH_TEMPLATE, _math_fields)
+AIME = AMC = FileTask(_competition, numeric_reward, MATH_TEMPLATE, _competition_fields)
+MINERVA = OLYMPIADBENCH = FileTask(_short_answer, math_reward, MATH_TEMPLATE,
+                                   _short_answer_fields)
+DEEPSCALER = FileTask(_short_answer, math_reward, MATH_TEMPLATE, _short_answer_fields,
+                      Preset(dedup=True, max_prompt_tokens=1024))
+
+
+def file_task(name: str) -> FileTask:
+    """Task ``name``'s :class:`FileTask`; UserError naming the file tasks when it is none."""
+    loader = task_loader(name)
+    if not isinstance(loader, FileTask):
+        names = [n for n in TASKS if isinstance(task_loader(n), FileTask)]
+        raise UserError(f"config key 'task.name': {name!r} is not a file task "
+                        f"({', '.join(names)})")
+    return loader
 
 
 def load_file_task(cfg) -> Task:
     """The file task ``cfg.name`` from ``cfg.train_path`` and ``cfg.eval_path`` (a TaskConfig)."""
-    if cfg.name not in _ROW_READERS:
-        raise UserError(f"config key 'task.name': {cfg.name!r} is not a file task "
-                        f"({', '.join(_ROW_READERS)})")
-    if not cfg.eval_path:
-        raise UserError(f"config key 'task.eval_path' is required for task {cfg.name}")
-    train = (_split(cfg.name, cfg.train_path, cfg.n_train, random.Random(cfg.seed))
-             if cfg.train_path else Split([], [], []))
-    evaluation = _split(cfg.name, cfg.eval_path, cfg.n_eval)
-    reward = _REWARDS[cfg.name]
-    if cfg.name == "ifeval":
-        paths = (cfg.train_path, cfg.eval_path)
-        require_nltk_data({i for gold in train.answers + evaluation.answers
-                           for i in json.loads(gold)["instruction_id_list"]},
-                          f"task.name=ifeval ({', '.join(filter(None, paths))})")
-        reward = functools.partial(ifeval_reward, check=cfg.ifeval_check)
-    return Task(cfg.name, train=train, eval=evaluation, reward_fn=reward)
+    return file_task(cfg.name)(cfg)
 
 
 def check_task_files(cfg) -> None:
     """Read and check every row of job config ``cfg``'s task files (a file task only), as
     :func:`load_file_task` does, torch-free: a job's entry point runs this before its imports,
     so a bad row ends the job in about a second, not after the model is loaded."""
-    if cfg.task.name in _ROW_READERS:
-        load_file_task(cfg.task)
+    loader = task_loader(cfg.task.name)
+    if isinstance(loader, FileTask):
+        loader(cfg.task)

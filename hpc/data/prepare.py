@@ -11,7 +11,8 @@ split, the first word of a file's name or of a folder above it (``train-00000-of
 jsonl file (beside those they are metadata, such as ``dataset_infos.json``); a folder whose
 files lie in several subfolders (GSM8K's ``main`` and ``socratic``) needs ``--subset``.
 
-Each row becomes the fields the task reads, matched case-insensitively:
+Each row becomes the fields the task reads, matched case-insensitively, by the task's
+``convert`` (:class:`hpc.data.mathdata.FileTask`):
 
 * gsm8k: ``question``, ``answer`` (the worked solution ending in ``#### <number>``), as GSM8K
   ships them;
@@ -39,7 +40,8 @@ Each row becomes the fields the task reads, matched case-insensitively:
   IFEval-like training set argilla/ifeval-like-data (``--subset filtered``: prompts with
   IFEval's instruction ids and a response lm-eval's checkers passed).
 
-A task's preset (:data:`PRESETS`) then filters each split, printing what each filter removed:
+A preset then filters each split, printing what each filter removed: the task's own
+(``FileTask.preset``) or the one ``--preset`` names (:data:`PRESETS`):
 
 * ``deepscaler`` drops duplicates, a row whose question equals an earlier one's once every run
   of whitespace is one space and the ends are stripped (the first is kept, whatever its answer),
@@ -65,10 +67,8 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass
 
-from hpc.data.ifeval import ifeval_fields
-from hpc.data.mathdata import SHORT_ANSWER_TASKS, TEMPLATES, read_jsonl
+from hpc.data.mathdata import Preset, file_task, read_jsonl
 from hpc.models.hub import local_or_cached
 from hpc.runtime.atomic import write_bytes
 from hpc.runtime.errors import UserError
@@ -76,22 +76,9 @@ from hpc.runtime.errors import UserError
 SUFFIXES = (".parquet", ".jsonl", ".json")
 SPLITS = ("train", "test", "validation", "valid", "dev")
 _WORD = re.compile(r"[-_.]")
-_DOLLAR = re.compile(r"(?<!\\)\$")  # a math delimiter, not an escaped \$
 
-
-@dataclass(frozen=True)
-class Preset:
-    """What ``hpc-data prepare`` does to a task's rows after converting them."""
-
-    dedup: bool = False  # drop repeated questions (whitespace collapsed), keeping the first
-    max_prompt_tokens: int = 0  # drop longer prompts (0: no limit; --max-prompt-tokens)
-    task: str = ""  # the one task the preset is for ("" = the task of its name)
-    word_splits: bool = False  # a file's split: train or test where its name holds the word
-    drop_test_from_train: bool = False  # drop training problems that are also test problems
-
-
-PRESETS = {"deepscaler": Preset(dedup=True, max_prompt_tokens=1024),  # others: Preset()
-           "prm800k": Preset(dedup=True, task="math", word_splits=True,
+# the presets --preset names, in place of the task's own (FileTask.preset)
+PRESETS = {"prm800k": Preset(dedup=True, task="math", word_splits=True,
                              drop_test_from_train=True)}
 
 
@@ -139,75 +126,24 @@ def _first_char(path: str) -> str:
         return fh.read(4096).lstrip()[:1]
 
 
-def _pick(row: dict, names: tuple, where: str):
-    for name in names:
-        if row.get(name) not in (None, ""):
-            return row[name]
-    raise UserError(f"{where}: no field {' or '.join(map(repr, names))} (its fields: "
-                    f"{', '.join(sorted(row))[:200]})")
-
-
 def task_row(task: str, row: dict, where: str) -> dict:
-    """``row`` (keys lower-cased) as the fields task ``task`` reads (see the module)."""
-    if task == "ifeval":
-        return _ifeval_row(row, where)
-    if isinstance(row.get("question"), dict):  # PRM800K's labelled solutions
-        nested = {k.lower(): v for k, v in row["question"].items()}
-        answer = nested.get("ground_truth_answer")
-        row = {"problem": nested.get("problem"), "answer": answer,
-               "solution": nested.get("ground_truth_solution") or (
-                   f"$\\boxed{{{answer}}}$" if answer not in (None, "") else None)}
-    question = _pick(row, ("question", "problem"), where)
-    if task in SHORT_ANSWER_TASKS:
-        return _short_answer_row(question, row, where)
-    if task == "gsm8k":
-        return {"question": question, "answer": _pick(row, ("answer",), where)}
-    if task == "math":
-        if row.get("solution") not in (None, ""):
-            solution, gold = row["solution"], row.get("answer")
-            if gold not in (None, "") and "The answer is:" not in str(solution):
-                solution = f"{str(solution).rstrip()}\nThe answer is: {gold}"
-            return {"question": question, "solution": solution}
-        return {"question": question, "solution": _pick(row, ("answer",), where)}
-    out = {"question": question, "answer": _pick(row, ("answer",), where)}
-    if row.get("solution") not in (None, ""):
-        out["solution"] = row["solution"]
-    return out
+    """``row`` (keys lower-cased) as the fields task ``task`` reads (its ``convert``; the
+    module docstring)."""
+    return file_task(task).convert(row, where)
 
 
-def _ifeval_row(row: dict, where: str) -> dict:
-    """An IFEval row (module docstring): ``key`` where present, the checked fields of
-    :func:`hpc.data.ifeval.ifeval_fields` and ``response`` where present."""
-    prompt = _pick(row, ("prompt", "instruction"), where)
-    out = {"key": row["key"]} if row.get("key") is not None else {}
-    out.update(ifeval_fields({**row, "prompt": prompt}, where))
-    if row.get("response") not in (None, ""):
-        out["response"] = row["response"]
-    return out
-
-
-def _answer_text(value):
-    """A short answer: a list's items joined with ', ', ``$`` delimiters dropped (``$3$, $5$``
-    is ``3, 5``); numbers as they are."""
-    if isinstance(value, (list, tuple)):
-        value = ", ".join(str(_answer_text(v)) for v in value)
-    return _DOLLAR.sub("", value).strip() if isinstance(value, str) else value
-
-
-def _short_answer_row(question, row: dict, where: str) -> dict:
-    """A deepscaler, minerva or olympiadbench row (module docstring)."""
-    _pick(row, ("answer", "final_answer", "solution"), where)  # one of them, else UserError
-    out = {"question": question}
-    gold = next((_answer_text(row[n]) for n in ("answer", "final_answer")
-                 if row.get(n) not in (None, "", [])), "")
-    if gold not in (None, ""):
-        out["answer"] = gold
-    solution = row.get("solution")
-    if isinstance(solution, (list, tuple)):
-        solution = "\n\n".join(str(s) for s in solution)
-    if solution not in (None, ""):
-        out["solution"] = solution
-    return out
+def preset_of(task: str, preset: str | None) -> Preset:
+    """The preset :data:`PRESETS` names ``preset``, or task ``task``'s own where None;
+    UserError for a name it does not know or a preset of another task."""
+    if preset is None:
+        return file_task(task).preset
+    if preset not in PRESETS:
+        raise UserError(f"hpc-data prepare: --preset {preset}: no such preset (presets: "
+                        f"{', '.join(sorted(PRESETS))})")
+    if PRESETS[preset].task not in ("", task):
+        raise UserError(f"hpc-data prepare: --preset {preset} is for "
+                        f"task.name={PRESETS[preset].task}, not {task}")
+    return PRESETS[preset]
 
 
 def split_of(relative: str) -> str:
@@ -270,7 +206,8 @@ def prompt_lengths(questions: list, task: str, cfg) -> tuple:
                      for q in questions]
         else:
             tokenizer = load_tokenizer(model_folder(path))
-            texts = [(fmt.template or TEMPLATES[task]).format(question=q) for q in questions]
+            template = fmt.template or file_task(task).template
+            texts = [template.format(question=q) for q in questions]
     except UserError as err:
         raise UserError(f"hpc-data prepare: the prompt-length filter counts tokens with "
                         f"model.path's tokenizer ({err}); name the job's model (model.path= or "
@@ -302,7 +239,7 @@ def filter_rows(rows: list, task: str, cfg, max_prompt_tokens: int | None,
     needs the job config ``cfg`` (:func:`prompt_lengths`); ``test_rows``: the test split's
     rows, for a preset that drops training problems that are also test problems (only the
     train split's call passes them)."""
-    preset = PRESETS.get(task if preset is None else preset, Preset())
+    preset = preset_of(task, preset)
     limit = preset.max_prompt_tokens if max_prompt_tokens is None else max_prompt_tokens
     lines = []
     if preset.dedup:
@@ -339,13 +276,7 @@ def prepare(source: str, out_dir: str, task: str, subset: str | None = None, cfg
     a Hub dataset id in the local cache), each split filtered by preset ``preset`` (None: the
     task's; :func:`filter_rows`; ``cfg``: the job config whose model and prompt format count
     prompt tokens); returns ``[(file written, rows, files read, filter report lines)]``."""
-    chosen = PRESETS.get(task if preset is None else preset, Preset())
-    if preset is not None and preset not in PRESETS:
-        raise UserError(f"hpc-data prepare: --preset {preset}: no such preset (presets: "
-                        f"{', '.join(sorted(PRESETS))})")
-    if chosen.task and chosen.task != task:
-        raise UserError(f"hpc-data prepare: --preset {preset} is for task.name={chosen.task}, "
-                        f"not {task}")
+    chosen = preset_of(task, preset)
     path = local_or_cached(source, "hpc-data prepare", repo_type="dataset").path
     if os.path.isfile(path):
         splits = {split_of(os.path.basename(path)): [path]}

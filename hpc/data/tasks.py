@@ -1,18 +1,18 @@
 """Tasks: prompts, gold answers, SFT solutions, a prompt template and a reward function.
 
-``arith`` and ``wordprob`` are generated (no files; arith is the demo task); ``gsm8k``,
-``math``, ``aime``, ``amc``, the short-answer sets ``deepscaler``, ``minerva`` and
-``olympiadbench``, and ``ifeval`` (IFEval's instructions, :mod:`hpc.data.ifeval`) read jsonl
-files (:mod:`hpc.data.mathdata`, written by ``hpc-data prepare``). Rewards live in
-:mod:`hpc.data.rewards` and :mod:`hpc.data.ifeval`, the
-:class:`Split` and :class:`Task` containers in :mod:`hpc.data.split`.
+:func:`load_task` builds a job's task with the loader :data:`hpc.data.registry.TASKS` names for
+``task.name``. ``arith`` and ``wordprob`` are generated here (no files; arith is the demo
+task); ``gsm8k``, ``math``, ``aime``, ``amc``, the short-answer sets ``deepscaler``, ``minerva``
+and ``olympiadbench``, and ``ifeval`` (IFEval's instructions, :mod:`hpc.data.ifeval`) read
+jsonl files (:mod:`hpc.data.mathdata`, written by ``hpc-data prepare``). Rewards live in
+:mod:`hpc.data.rewards` and :mod:`hpc.data.ifeval`, the :class:`Split` and :class:`Task`
+containers in :mod:`hpc.data.split`. Torch-free until :func:`load_task` renders prompts.
 """
 from __future__ import annotations
 
 import random
 
-from hpc.data.mathdata import load_file_task
-from hpc.data.prompts import apply_prompt_format
+from hpc.data.registry import task_loader
 from hpc.data.rewards import math_reward, numeric_reward
 from hpc.data.split import Split, Task
 from hpc.data.wordproblems import WORDPROB_TEMPLATE, word_problems
@@ -70,6 +70,16 @@ def wordprob_task(n_train: int, n_eval: int, seed: int = 0) -> Task:
                 reward_fn=math_reward)
 
 
+def load_arith(cfg) -> Task:
+    """Task ``arith`` of the ``task`` section ``cfg`` (its loader in the registry)."""
+    return arith_task(cfg.n_train, cfg.n_eval, cfg.digits, cfg.ops, cfg.seed)
+
+
+def load_wordprob(cfg) -> Task:
+    """Task ``wordprob`` of the ``task`` section ``cfg`` (its loader in the registry)."""
+    return wordprob_task(cfg.n_train, cfg.n_eval, cfg.seed)
+
+
 def sft_split_indices(n: int, sft_split: float, seed: int) -> tuple[list, list]:
     """``(sft, rest)``: the indices of ``n`` training problems that ``task.sft_split`` holds
     apart for SFT and the others, disjoint, each in ascending order. The held-apart ones are
@@ -92,17 +102,14 @@ def sft_split_indices(n: int, sft_split: float, seed: int) -> tuple[list, list]:
 
 
 def load_task(cfg, model_path: str = "", part: str = "rest") -> Task:
-    """Build the task described by a :class:`hpc.runtime.config.TaskConfig` with its prompts in
+    """Build the task described by a :class:`hpc.data.config.TaskConfig` with its prompts in
     ``cfg.prompt_format`` (chat formats read the tokenizer of ``model_path``, the job's
     ``model.path``). With ``task.sft_split`` set, ``part`` picks its training problems:
     ``"sft"`` the held-apart ones (hpc-sft), ``"rest"`` the others (essa, fgrpo). UserError if
     unusable."""
-    if cfg.name == "arith":
-        task = arith_task(cfg.n_train, cfg.n_eval, cfg.digits, cfg.ops, cfg.seed)
-    elif cfg.name == "wordprob":
-        task = wordprob_task(cfg.n_train, cfg.n_eval, cfg.seed)
-    else:
-        task = load_file_task(cfg)
+    from hpc.data.prompts import apply_prompt_format  # torch: only when a job loads its task
+
+    task = task_loader(cfg.name)(cfg)
     if cfg.sft_split:
         sft, rest = sft_split_indices(len(task.train), cfg.sft_split, cfg.seed)
         task.train = task.train.subset(sft if part == "sft" else rest)

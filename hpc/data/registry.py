@@ -1,0 +1,41 @@
+"""The tasks ``task.name`` names: a plain-dict registry of where each task's loader lives.
+
+A task is one file plus one line in :data:`TASKS`. The file defines the task's *loader*, a
+callable ``load(task_cfg) -> hpc.data.split.Task`` that builds its problems (prompts, gold
+answers, SFT solutions, bare questions; both splits) and its reward from the job's ``task``
+section (:class:`hpc.data.config.TaskConfig`). A task read from jsonl files is a
+:class:`hpc.data.mathdata.FileTask`: a loader that also says how ``hpc-data prepare`` converts a
+public set's rows, filters them and how ``hpc-data check`` grades them.
+
+The registry holds import strings, so naming a task imports nothing: this module loads without
+torch, and the config section takes ``task.name``'s choices from it when it is imported (a task
+registered from outside the package is added before that, docs/data.md).
+"""
+from __future__ import annotations
+
+import importlib
+
+from hpc.runtime.errors import UserError
+
+# task.name -> "module:loader"
+TASKS = {
+    "arith": "hpc.data.tasks:load_arith",
+    "wordprob": "hpc.data.tasks:load_wordprob",
+    "gsm8k": "hpc.data.mathdata:GSM8K",
+    "math": "hpc.data.mathdata:MATH",
+    "aime": "hpc.data.mathdata:AIME",
+    "amc": "hpc.data.mathdata:AMC",
+    "deepscaler": "hpc.data.mathdata:DEEPSCALER",
+    "minerva": "hpc.data.mathdata:MINERVA",
+    "olympiadbench": "hpc.data.mathdata:OLYMPIADBENCH",
+    "ifeval": "hpc.data.ifeval:IFEVAL",
+}
+
+
+def task_loader(name: str):
+    """The loader of task ``name`` (its :data:`TASKS` entry imported); UserError naming the
+    tasks when there is none."""
+    if name not in TASKS:
+        raise UserError(f"config key 'task.name': {name!r} is not a task ({', '.join(TASKS)})")
+    module, attribute = TASKS[name].split(":")
+    return getattr(importlib.import_module(module), attribute)
