@@ -4,6 +4,7 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass, field
 
+from essa.optimizers import OPTIMIZERS
 from hpc.runtime.config import JobConfig, param, require_per_rank
 from hpc.runtime.errors import UserError
 
@@ -12,7 +13,7 @@ from hpc.runtime.errors import UserError
 class ESSAConfig:
     command: typing.ClassVar[str] = "essa"  # the console command of the method
     optimizer: str = param("cma", "cma (full covariance, pycma), sep-cma (diagonal), openai-es",
-                           choices=["cma", "sep-cma", "openai-es"])
+                           choices=list(OPTIMIZERS))
     space: str = param("sv", "sv: offsets to the adapter's singular values; lora: every "
                        "adapter entry (use with openai-es)", choices=["sv", "lora"])
     alpha: float = param(1.0, "searched fraction of each factor's singular values (top "

@@ -6,22 +6,26 @@ bitwise identical state, so solutions never cross the network. ``state_dict()`` 
 arrays, Python scalars, strings and containers of these only (no pickle, so a checkpoint
 cannot carry code); after ``load_state_dict`` in any process, ask/tell
 continue bitwise as if never stopped. Save between generations (after tell, before ask).
+
+:data:`OPTIMIZERS` names them (``essa.optimizer`` chooses among its keys): a new optimizer is
+its class, in a file of its own, and its line there. The config imports this module, so pycma
+is imported only when a CMA-ES is built (``essa --help`` stays fast).
 """
 import contextlib
 from typing import Protocol
 
 import numpy as np
 
-from essa.cma_import import cma
-from essa.cma_state import es_state, restore_es_state
 from hpc.runtime.errors import UserError
 from hpc.runtime.readback import amount, array, bad_field, count, finite
 
-OPTIMIZERS = ("cma", "sep-cma", "openai-es")
-
 
 class Optimizer(Protocol):
-    """The ask/tell interface. P = popsize members, dim = search space length."""
+    """The ask/tell interface. P = popsize members, dim = search space length. A registered
+    optimizer is built as ``OPTIMIZERS[name](dim, popsize, sigma0, seed, lr=, stds=)``:
+    sigma0 the initial step size, lr a learning rate (essa.lr) and stds None or the (dim,)
+    per-coordinate scale of the initial distribution (essa.sigma_scale=relative), each used by
+    the optimizers that have such a setting."""
 
     popsize: int
     dim: int
@@ -97,6 +101,8 @@ class CMAES:
                    "verbose": -9, "verb_log": 0, "verb_disp": 0}
         if stds is not None:
             options["CMA_stds"] = np.asarray(stds, dtype=np.float64)
+        from essa.cma_import import cma
+
         with self._own_rng():
             self._es = cma.CMAEvolutionStrategy(np.zeros(dim), sigma0, options)
 
@@ -140,6 +146,8 @@ class CMAES:
         processes, so a pending generation could not be told after a restart."""
         if self._asked:
             raise RuntimeError("CMAES.state_dict() between ask() and tell(); save after tell()")
+        from essa.cma_state import es_state
+
         _, keys, pos, has_gauss, cached = self._rng_state
         return {"kind": "sep-cma" if self.diagonal else "cma", "dim": self.dim,
                 "popsize": self.popsize, "es": es_state(self._es),
@@ -158,6 +166,8 @@ class CMAES:
                             minimum=-np.inf))
         if not rng_state[1].any():  # MT19937 never leaves the all-zero state: a hang
             raise bad_field(source, "rng_keys", "is all zeros, which MT19937 never reaches")
+        from essa.cma_state import restore_es_state
+
         restore_es_state(self._es, state["es"])
         self._rng_state = rng_state
         self._asked = False
@@ -259,17 +269,36 @@ class OpenAIES:
         self._mean, self._m, self._v = vectors
 
 
+def cma_es(dim: int, popsize: int, sigma0: float, seed: int, lr: float,
+           stds: np.ndarray | None) -> CMAES:
+    """Full-covariance CMA-ES; it adapts its own step size (no lr)."""
+    return CMAES(dim, popsize, sigma0, seed, stds=stds)
+
+
+def sep_cma_es(dim: int, popsize: int, sigma0: float, seed: int, lr: float,
+               stds: np.ndarray | None) -> CMAES:
+    """Separable (diagonal) CMA-ES, O(dim) memory per member."""
+    return CMAES(dim, popsize, sigma0, seed, diagonal=True, stds=stds)
+
+
+def openai_es(dim: int, popsize: int, sigma0: float, seed: int, lr: float,
+              stds: np.ndarray | None) -> OpenAIES:
+    """OpenAI-ES with Adam at ``lr``; its noise is isotropic (no stds: the config refuses
+    essa.sigma_scale=relative with it)."""
+    return OpenAIES(dim, popsize, sigma0, lr, seed)
+
+
+# essa.optimizer's choices: name -> what builds it (a class or function called as
+# Optimizer's docstring says). A new optimizer: its file and one line here.
+OPTIMIZERS = {"cma": cma_es, "sep-cma": sep_cma_es, "openai-es": openai_es}
+
+
 def make_optimizer(name: str, dim: int, popsize: int, sigma0: float, seed: int,
                    lr: float = 0.01, stds: np.ndarray | None = None) -> Optimizer:
-    """``name`` in OPTIMIZERS; ``lr`` is used by openai-es only, ``stds`` (per-coordinate
-    scale of the initial distribution) by the CMA variants only."""
-    if name == "cma":
-        return CMAES(dim, popsize, sigma0, seed, stds=stds)
-    if name == "sep-cma":
-        return CMAES(dim, popsize, sigma0, seed, diagonal=True, stds=stds)
-    if name == "openai-es":
-        return OpenAIES(dim, popsize, sigma0, lr, seed)
-    raise UserError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+    """The optimizer registered as ``name`` in :data:`OPTIMIZERS`."""
+    if name not in OPTIMIZERS:
+        raise UserError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+    return OPTIMIZERS[name](dim, popsize, sigma0, seed, lr=lr, stds=stds)
 
 
 def sanitize(fitness: np.ndarray) -> tuple:

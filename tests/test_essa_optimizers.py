@@ -192,3 +192,16 @@ def test_tracked_optimizer_ranks_nan_worst_and_keeps_the_best_member():
     again = Tracked(make_optimizer("sep-cma", 3, 4, 0.5, seed=0))
     again.load_state_dict(tracked.state_dict())
     assert np.array_equal(again.ask(), tracked.ask()) and again.best_fitness == 0.9
+
+
+@pytest.mark.subprocess
+def test_the_config_offers_the_registry_without_importing_pycma():
+    """essa.optimizer's choices are OPTIMIZERS' keys; the config imports the registry, and
+    pycma waits until a CMA-ES is built (essa --help stays fast)."""
+    code = ("import sys; from essa.config import ESSAConfig; from essa.optimizers import "
+            "OPTIMIZERS; from dataclasses import fields; "
+            "choices = {f.name: f.metadata['choices'] for f in fields(ESSAConfig)}['optimizer'];"
+            "print(choices == list(OPTIMIZERS), 'cma' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=REPO), timeout=60)
+    assert proc.stdout.split() == ["True", "False"], proc.stderr[-2000:]
