@@ -148,9 +148,10 @@ class LossKeys:
 
 # fgrpo.loss: LossKeys plus one nested section per registered surrogate that has parameters,
 # named as registered (fgrpo.loss.clip, fgrpo.loss.cispo), its class its own declaration.
+SURROGATE_SECTIONS = surrogate_sections()
 LossConfig = dataclasses.make_dataclass(
     "LossConfig", [(name, cls, field(default_factory=cls))
-                   for name, cls in surrogate_sections().items()], bases=(LossKeys,))
+                   for name, cls in SURROGATE_SECTIONS.items()], bases=(LossKeys,))
 LossConfig.__module__ = __name__
 
 
@@ -288,7 +289,7 @@ class FGRPOJobConfig(JobConfig):
             raise UserError(f"config key 'fgrpo.optim.mini_batch_prompts': {mini} prompts do not "
                             f"divide fgrpo.batch_prompts={f.batch_prompts} into whole "
                             f"optimizer updates (0 = one update of the whole batch)")
-        for name in surrogate_sections():
+        for name in SURROGATE_SECTIONS:
             section = getattr(f.loss, name)
             if hasattr(section, "check"):
                 section.check(f"fgrpo.loss.{name}")

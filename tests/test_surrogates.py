@@ -1,5 +1,7 @@
 """F-GRPO's surrogates are components: each one file with its formula and its own keys,
-registered by an entry point; the loss and the config find them there."""
+registered in fgrpo.surrogates.SURROGATES (another package's through an entry point); the loss
+and the config find them there."""
+import json
 import os
 import re
 import subprocess
@@ -11,7 +13,7 @@ import torch
 
 from conftest import REPO
 from fgrpo.config import FGRPOJobConfig
-from fgrpo.surrogates import from_config, surrogates
+from fgrpo.surrogates import SURROGATES, from_config, surrogates
 from fgrpo.surrogates.cispo import CISPO
 from fgrpo.surrogates.clip import Clip
 from hpc.runtime.config import load_config
@@ -21,7 +23,7 @@ from hpc.runtime.errors import UserError
 def test_each_surrogate_reads_its_own_section():
     """fgrpo.loss nests one section per registered surrogate, the surrogate's class itself;
     the loss calls the one fgrpo.loss.surrogate names, with its section's values."""
-    assert set(surrogates()) >= {"clip", "cispo"}
+    assert SURROGATES == {"clip": Clip, "cispo": CISPO} and set(surrogates()) >= set(SURROGATES)
     cfg = load_config(FGRPOJobConfig, None, ["fgrpo.loss.clip.epsilon=0.1",
                                              "fgrpo.loss.clip.epsilon_high=0.3",
                                              "fgrpo.loss.clip.ratio_c=3",
@@ -60,6 +62,8 @@ class Reinforce:
 '''
 
 PROBE = '''
+import json
+
 import torch
 from fgrpo.config import FGRPOJobConfig
 from fgrpo.loss import policy_loss
@@ -73,29 +77,33 @@ adv = torch.tensor([1.0, -2.0])
 loss, stats = policy_loss(logp, logp.detach() - 0.3, adv, torch.ones(2, 2), "token-mean",
                           from_config(cfg.loss))
 loss.backward()
-print(float(loss), logp.grad.tolist(), stats["clip_fraction"])
+default = load_config(FGRPOJobConfig, None, []).fgrpo.loss
+print(json.dumps([float(loss), logp.grad.tolist(), float(stats["clip_fraction"]),
+                  type(from_config(default)).__name__]))
 '''
 
 
 @pytest.mark.subprocess
-def test_a_new_surrogate_is_one_file_and_one_registration(tmp_path):
-    """A surrogate in a module of its own, registered as an entry point of fgrpo.surrogates
-    (here by a dist-info folder beside it, as pip would write for a plugin package): the config
+def test_another_package_plugs_a_surrogate_in_through_its_entry_point(tmp_path):
+    """A surrogate in another package's module, declared in its fgrpo.surrogates entry-point
+    group (here by a dist-info folder beside it, as pip would write for that package): the config
     accepts its name and its own key (fgrpo.loss.reinforce.scale), and the loss computes with
-    it, -scale * A * logp over the valid tokens."""
+    it, -scale * A * logp over the valid tokens. Its entry point named clip (as a stale
+    egg-info of this package would hold) does not replace the in-tree clip."""
     (tmp_path / "toyloss.py").write_text(TOY_LOSS)
     info = tmp_path / "toyloss-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toyloss\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[fgrpo.surrogates]\nreinforce = toyloss:Reinforce\n")
+    (info / "entry_points.txt").write_text("[fgrpo.surrogates]\nreinforce = toyloss:Reinforce\n"
+                                           "clip = toyloss:Reinforce\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), REPO]))
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(PROBE)], capture_output=True,
                           text=True, timeout=120, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    loss, grad, clipped = proc.stdout.split(" [")[0], "[" + proc.stdout.split(" [", 1)[1], 0
+    loss, grad, clipped, default = json.loads(proc.stdout)
     # token-mean of -2 * A * logp over 4 tokens: 2 * (1 + 2 - 2 * 0.5 - 2 * 0.1) / 4
-    assert float(loss) == pytest.approx(2 * (1.0 + 2.0 - 1.0 - 0.2) / 4)
-    assert grad.startswith("[[-0.5, -0.5], [1.0, 1.0]]") and clipped == 0
+    assert loss == pytest.approx(2 * (1.0 + 2.0 - 1.0 - 0.2) / 4)
+    assert grad == [[-0.5, -0.5], [1.0, 1.0]] and clipped == 0 and default == "Clip"
     help_text = subprocess.run([sys.executable, "-m", "fgrpo", "--help"], capture_output=True,
                                text=True, timeout=120, env=env, cwd=tmp_path).stdout
     assert "fgrpo.loss.surrogate = 'clip'  (one of cispo, clip, reinforce)" in help_text
@@ -104,7 +112,7 @@ def test_a_new_surrogate_is_one_file_and_one_registration(tmp_path):
 
 def test_the_loss_has_no_branch_per_surrogate():
     """fgrpo/loss.py and fgrpo/gradients.py pick no surrogate by name: each lives in its own
-    file and is found by its registration."""
+    file and is found through SURROGATES."""
     for name in ("loss.py", "gradients.py"):
         with open(os.path.join(REPO, "fgrpo", name)) as fh:
             text = fh.read()
