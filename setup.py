@@ -48,35 +48,12 @@ setup(
                 "filelock>=3", "tensorboard>=2.14", "wandb>=0.19"],
     },
     entry_points={
-        # the model.path names of the built-in models (hpc/models/loading.py)
-        "hpc.built_in_models": [
-            "toy=hpc.toys.toy:toy_model_path",
-            "toy-chat=hpc.toys.toy_chat:toy_chat_model_path",
-        ],
-        # F-GRPO's per-token surrogates, fgrpo.loss.surrogate (fgrpo/surrogates/__init__.py)
-        "fgrpo.surrogates": [
-            "clip=fgrpo.surrogates.clip:Clip",
-            "cispo=fgrpo.surrogates.cispo:CISPO",
-        ],
-        # each method's memory plan and checkpointing rule (hpc/plan/registry.py)
-        "hpc.method_plans": [
-            "sft=sft.plan",
-            "essa=essa.plan",
-            "fgrpo=fgrpo.plan",
-        ],
-        # each method's config section, checked in experiment files that other methods read
-        # (hpc/runtime/config.py)
-        "hpc.method_sections": [
-            "sft=sft.config:SFTConfig",
-            "essa=essa.config:ESSAConfig",
-            "fgrpo=fgrpo.config:FGRPOConfig",
-        ],
-        # each method's job config class: hpc-doctor checks every job's config on its rank
-        # count and its memory plan (hpc/doctor/)
-        "hpc.method_jobs": [
-            "sft=sft.config:SFTJobConfig",
-            "essa=essa.config:ESSAJobConfig",
-            "fgrpo=fgrpo.config:FGRPOJobConfig",
+        # the training methods, each one MethodSpec (hpc/runtime/methods.py): the one place the
+        # package's floors learn a method's config, job, plan and command
+        "hpc.methods": [
+            "sft=sft.method:METHOD",
+            "essa=essa.method:METHOD",
+            "fgrpo=fgrpo.method:METHOD",
         ],
         "console_scripts": [
             "essa=essa.__main__:main",
@@ -85,7 +62,7 @@ setup(
             "hpc-eval=hpc.commands:evaluate",
             "hpc-toy=hpc.toys.commands:toy",
             "hpc-toy-chat=hpc.toys.commands:toy_chat",
-            "hpc-report=hpc.analysis.report:main",
+            "hpc-report=compare.report:main",
             "hpc-scaling=compare.scaling:main",
             "hpc-plan=hpc.commands:plan",
             "hpc-data=hpc.data.check:main",

@@ -450,7 +450,7 @@ def quantized_decode(s: Setup, budget: PartBudget) -> dict:
 def _plan_config(s: Setup, folder: str):
     """The job config the plan and the measurement read: the cluster config with the random
     shape's ``config.json`` in ``folder`` as ``model.path`` (on CPU, smaller batches)."""
-    from hpc.plan.registry import plan_job_class
+    from hpc.job.config import plan_job_class
     from hpc.runtime.config import load_config
 
     with open(os.path.join(folder, "config.json"), "w") as fh:

@@ -53,7 +53,7 @@ def worker(out_path: str, population: int, repeats: int) -> None:
 
     from common import lora_model, model_path
     from essa.trainer import PHASES, gather_fitness
-    from hpc.runtime.config import RunConfig
+    from hpc.job.config import RunConfig
     from hpc.runtime.dist import all_reduce_mean_, init_process_group
     from hpc.runtime.timing import PhaseTimer, gather_timings
     from hpc.runtime.world import get_world, split_evenly

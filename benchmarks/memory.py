@@ -39,7 +39,7 @@ def _vm_hwm_mib() -> float:
 
 
 def _essa_generation(model, tok, task, world, k: int, population: int, minibatch: int) -> None:
-    from essa.population import owners, score_members
+    from essa.population import ScoringRequest, owners, score_members
     from hpc.models.adapter_space import SingularValueSpace
     from essa.trainer import PHASES
     from hpc.engine.engine_backend import EngineBackend
@@ -49,8 +49,9 @@ def _essa_generation(model, tok, task, world, k: int, population: int, minibatch
     members = np.random.default_rng(0).normal(0.0, 0.1, (population, space.dim))
     mine = members[owners(population, world.size) == world.rank]
     prompts = task.train.prompts[:minibatch]
-    score_members(model, tok, space, mine, task, prompts, task.train.answers[:minibatch],
-                  8, 64, PhaseTimer(PHASES), EngineBackend(), k)
+    score_members(model, tok, space, task,
+                  ScoringRequest(mine, prompts, task.train.answers[:minibatch], 8, 64, k),
+                  decoder=EngineBackend(), timer=PhaseTimer(PHASES))
 
 
 def _fgrpo_step(model, tok, task, world, device, prompts: int, num_generations: int) -> None:
@@ -58,7 +59,7 @@ def _fgrpo_step(model, tok, task, world, device, prompts: int, num_generations: 
 
     from fgrpo.advantages import group_advantages
     from fgrpo.config import FGRPOJobConfig
-    from fgrpo.rollout import sample_rollouts
+    from fgrpo.rollout import RolloutRequest, sample_rollouts
     from fgrpo.gradients import accumulate_gradients
     from fgrpo.trainer import PHASES
     from hpc.engine.config import EngineConfig
@@ -74,11 +75,12 @@ def _fgrpo_step(model, tok, task, world, device, prompts: int, num_generations: 
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=f.optim.learning_rate, weight_decay=f.optim.weight_decay)
     mine = range(f.batch_prompts)[my_slice(f.batch_prompts, world)]
-    rollouts = sample_rollouts(model, tok, task, [task.train.prompts[i] for i in mine],
-                               [task.train.answers[i] for i in mine], f,
-                               cfg.task.max_new_tokens, cfg.eval.batch_size, world.rank,
-                               PhaseTimer(PHASES),
-                               EngineBackend(EngineConfig.from_model(cfg.model, "engine")))
+    request = RolloutRequest([task.train.prompts[i] for i in mine],
+                             [task.train.answers[i] for i in mine], cfg.task.max_new_tokens,
+                             cfg.model.decode_batch, world.rank)
+    rollouts = sample_rollouts(model, tok, task, f, request,
+                               decoder=EngineBackend(EngineConfig.from_model(cfg.model, "engine")),
+                               timer=PhaseTimer(PHASES))
     adv = group_advantages(rollouts.rewards, f.advantage.scale_rewards, f.advantage.gamma)
     model.train()
     opt.zero_grad()

@@ -28,10 +28,10 @@ leaf that needs a gradient aborts the process) and runs, under
 ``torch.distributed._tools.mem_tracker.MemTracker``, what a job runs:
 
 * ``essa``: one scoring pass as :func:`essa.population.score_members` drives the decoding
-  engine: ``engine_for`` with ``eval.batch_size * k`` slots of ``plan.max_prompt_tokens +
-  task.max_new_tokens`` positions and k stacked members, one prefill of as many prompts as the
-  scheduler admits at once (``PREFILL_TOKENS``), then one decode step over every slot at the
-  full context;
+  engine: ``engine_for`` with ``min(model.decode_batch, essa.minibatch) * k`` slots of
+  ``plan.max_prompt_tokens + task.max_new_tokens`` positions and k stacked members, one
+  prefill of as many prompts as the scheduler admits at once (``PREFILL_TOKENS``), then one
+  decode step over every slot at the full context;
 * ``evaluation``: the held-out evaluation's sampled pass (``eval.batch_size * eval.n_samples``
   rows) on the job's own adapter (k = 1);
 * ``after_evaluation``: the evaluation, then an ESSA scoring pass: what the job holds once the
@@ -44,7 +44,7 @@ leaf that needs a gradient aborts the process) and runs, under
   each phase's parts (an engine's build, a prefill, a decode step) are measured apart so
   that each part's peak is one event, affine in the layer count;
 * ``fgrpo``: one F-GRPO step on one rank as :mod:`fgrpo.trainer` runs it from its second step
-  on: the rollout's engine pass (``min(eval.batch_size, prompts per rank) * G`` rows), then (gradients and AdamW moments allocated): AdamW on the trainable parameters (fgrpo.policy.build_model's LoRA or full fine-tuning),
+  on: the rollout's engine pass (``min(model.decode_batch, prompts per rank) * G`` rows), then (gradients and AdamW moments allocated): AdamW on the trainable parameters (fgrpo.policy.build_model's LoRA or full fine-tuning),
   :func:`fgrpo.gradients.accumulate_gradients` over two micro-batches of full-length rows, the
   gradient all-reduce (:func:`hpc.runtime.dist.all_reduce_mean_` over torch's fake process
   group when ``--ranks`` > 1) and the AdamW step of
@@ -148,6 +148,7 @@ def fake_model(config: dict, cfg, case: str, ranks: int, stack: contextlib.ExitS
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from hpc.models.loading import DTYPES, attach_lora, enable_activation_checkpointing
+    from hpc.job.config import plan_job_class
     from hpc.plan.registry import activation_checkpointing
     from hpc.models.parallelize import load_dtype, shard_model
 
@@ -268,7 +269,7 @@ def essa_scoring_rows(cfg, ranks: int) -> tuple:
     from essa.plan import members_per_pass as essa_members_per_pass
 
     k = essa_members_per_pass(cfg, ranks)
-    return min(cfg.eval.batch_size, cfg.essa.minibatch) * k, k
+    return min(cfg.model.decode_batch, cfg.essa.minibatch) * k, k
 
 
 def essa_pass(decoder, model, cfg, ranks: int) -> None:
@@ -823,7 +824,7 @@ def planned_for(phase: str, planned: dict) -> int:
 
 
 def main(argv=None):
-    from hpc.plan.registry import plan_job_class
+    from hpc.job.config import plan_job_class
     from hpc.engine.shape import QWEN25
     from hpc.runtime.config import load_config
 

@@ -29,20 +29,20 @@ from scipy.stats import spearmanr
 
 from common import LORA_ALPHA, LORA_RANK, TARGETS, machine
 
-from essa.population import score_members  # common.py put the repository on sys.path
+from essa.population import ScoringRequest, score_members  # common.py put the repo on sys.path
 from hpc.engine.engine_backend import EngineBackend
 from hpc.data.tasks import load_task
 from hpc.models.adapter_space import SingularValueSpace
 from hpc.engine.generate import generate_tokens
 from hpc.models.loading import attach_lora, load_model, randomize_lora_b
 from hpc.models.quantize import quantize_base
-from hpc.runtime.config import TaskConfig
+from hpc.data.config import TaskConfig
 from hpc.runtime.timing import PhaseTimer
 from hpc.toys.builtin import model_folder
 
 # model: (task, prompt format, new tokens), as configs/demo and configs/demo-chat
 TASKS = {"toy": ("arith", "plain", 8), "toy-chat": ("wordprob", "chat", 144)}
-BATCH = 64  # eval.batch_size default
+BATCH = 64  # eval.batch_size and model.decode_batch default
 ADAPTER_STD = 0.02  # LoRA B entries: a small random adapter, as after a short SFT
 
 
@@ -62,8 +62,9 @@ def population(space, size: int, sigma: float) -> np.ndarray:
 
 def fitness(model, tok, space, members, task, n: int, max_new: int, k: int) -> np.ndarray:
     timer = PhaseTimer(["rebuild", "generate", "reward"])
-    return score_members(model, tok, space, members, task, task.train.prompts[:n],
-                         task.train.answers[:n], max_new, BATCH, timer, EngineBackend(), k)
+    request = ScoringRequest(members, task.train.prompts[:n], task.train.answers[:n], max_new,
+                             BATCH, k)
+    return score_members(model, tok, space, task, request, decoder=EngineBackend(), timer=timer)
 
 
 def compare(name: str, n_eval: int, minibatch: int, args) -> None:

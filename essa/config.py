@@ -1,17 +1,16 @@
 """ESSA job configuration (the ``essa`` section plus the shared sections)."""
 from __future__ import annotations
 
-import typing
 from dataclasses import dataclass, field
 
 from essa.optimizers import OPTIMIZERS
-from hpc.runtime.config import JobConfig, param, require_per_rank
+from hpc.job.config import JobConfig
+from hpc.runtime.config import param, require_per_rank
 from hpc.runtime.errors import UserError
 
 
 @dataclass
 class ESSAConfig:
-    command: typing.ClassVar[str] = "essa"  # the console command of the method
     optimizer: str = param("cma", "cma (full covariance, pycma), sep-cma (diagonal), openai-es",
                            choices=list(OPTIMIZERS))
     space: str = param("sv", "sv: offsets to the adapter's singular values; lora: every "

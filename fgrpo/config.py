@@ -11,7 +11,8 @@ import typing
 from dataclasses import dataclass, field
 
 from fgrpo.surrogates import surrogate_sections, surrogates
-from hpc.runtime.config import JobConfig, get_key, param, set_key
+from hpc.job.config import JobConfig
+from hpc.runtime.config import get_key, param, set_key
 from hpc.runtime.errors import UserError
 
 # Aggregations of the policy loss (implemented in fgrpo.loss; declared here so that the config,
@@ -225,7 +226,6 @@ RENAMED = {
 
 @dataclass
 class FGRPOConfig:
-    command: typing.ClassVar[str] = "fgrpo"  # the console command of the method
     RENAMED: typing.ClassVar[dict] = RENAMED
     algorithm: str = param("grpo", "preset of the loss, sampling and gamma keys (each still "
                            "overridable; the resolved values are in the run file's config). "

@@ -1,6 +1,6 @@
 """Console entry points of the shared floor: ``hpc-eval`` (its ``--help`` from the torch-free
 config classes, the job imported only to run) and ``hpc-plan``, whose config carries the
-sections of every planned method (:func:`hpc.plan.registry.plan_job_class`). Each method has its
+sections of every planned method (:func:`hpc.job.config.plan_job_class`). Each method has its
 own command in its ``__main__.py``. :func:`config_reference` writes the config reference page,
 ``docs/config.md``, from the same config classes, every installed method's section found by its
 registration."""
@@ -12,10 +12,11 @@ import sys
 
 from hpc.models.hub import local_or_cached
 from hpc.runtime.cli import EXIT_CODES_HELP, JOB_INPUTS, OneLineParser, job_command
-from hpc.runtime.config import JobConfig, load_config
+from hpc.job.config import JobConfig
+from hpc.runtime.config import load_config
 from hpc.runtime.errors import UserError, user_errors_exit
 
-evaluate = job_command("hpc-eval", "hpc.runtime.config:JobConfig", "hpc.evaluate:main",
+evaluate = job_command("hpc-eval", "hpc.job.config:JobConfig", "hpc.evaluate:main",
                        "Greedy accuracy and pass@k of model.path (+ lora.adapter) on the "
                        "task's held-out split: writes eval.h5.",
                        check_ref=JOB_INPUTS, method="eval")
@@ -27,22 +28,19 @@ def plan(argv=None):
     (:mod:`hpc.plan.registry`)."""
     parser = OneLineParser(
         prog="hpc-plan", epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Memory per GPU of ESSA and F-GRPO for model.path (a folder, or a Hub id "
-                    "in the local Hugging Face cache), from its config.json alone (no weights "
-                    "are read).\nKeys used: model.path, model.dtype, lora.rank, "
-                    "lora.targets, task.max_new_tokens, eval.batch_size,\nplan.gpu_memory_gib, "
-                    "plan.max_prompt_tokens, essa.population, essa.minibatch,\n"
-                    "essa.members_per_pass, fgrpo.batch_prompts, fgrpo.sampling.num_generations, "
-                    "fgrpo.optim.micro_batch,\nfgrpo.full_finetune, fgrpo.loss.beta, "
-                    "fgrpo.algorithm, fgrpo.sampling.dynamic_sampling, "
-                    "fgrpo.sampling.max_refills, fgrpo.sampling.filtered_share.")
+        description="Memory per GPU of every planned method (ESSA, F-GRPO) for model.path (a "
+                    "folder, or a Hub id in the local Hugging Face cache), from its config.json "
+                    "alone (no weights are read).\nKeys used: the shared sections' model, lora, "
+                    "task, eval, plan and reward keys, and each planned method's own section "
+                    "(docs/config.md).")
     parser.add_argument("items", nargs="*", metavar="CONFIG.yaml | section.key=value")
     parser.add_argument("--ranks", type=int, default=1,
                         help="ranks of the job (ESSA members and F-GRPO prompts per rank)")
     args = parser.parse_intermixed_args(argv)  # keys may follow --ranks
     if args.ranks < 1:
         raise UserError(f"--ranks must be >= 1, got {args.ranks}")
-    from hpc.plan.registry import plan_job_class, plan_text
+    from hpc.job.config import plan_job_class
+    from hpc.plan.registry import plan_text
 
     config_path = next((i for i in args.items if "=" not in i), None)
     renamed = []
@@ -62,7 +60,7 @@ out-of-range value ends the job with one line naming the key and exit code 2 on 
 before any model is loaded. A job takes `[CONFIG.yaml] [section.key=value ...] [--resume]`;
 one YAML file may hold the sections of every method (a job skips the other methods' sections).
 The effective config is stored in the run file (attribute `config`) and can be passed back as a
-config file. `hpc-plan` reads the shared sections and both `essa` and `fgrpo`.
+config file. `hpc-plan` reads the shared sections and those of every planned method.
 
 This page is generated from the config classes, the same source as each job's `--help`
 (`make docs` rewrites it; `tests/test_docs.py` fails when it is out of date).
@@ -73,18 +71,19 @@ def config_reference() -> str:
     """The text of ``docs/config.md``: the sections every job shares once, then one table per
     installed method of its own section (:func:`hpc.runtime.config.reference_markdown`, the
     rows ``--help`` prints), headed by the method's command. ``make docs`` writes it."""
-    from hpc.runtime.config import method_sections, reference_markdown
+    from hpc.runtime.config import reference_markdown
+    from hpc.runtime.methods import methods
 
     shared = [f.name for f in dataclasses.fields(JobConfig)]
     parts = [CONFIG_REFERENCE_INTRO,
              f"## Shared sections (every job: {', '.join(f'`{name}`' for name in shared)})\n",
              "`hpc-eval` has these sections only.\n", reference_markdown(JobConfig) + "\n"]
-    for name, entry in method_sections().items():
-        section = entry.load()
+    for name, spec in methods().items():
+        section = spec.section_class()
         job_cls = dataclasses.make_dataclass(
             f"{name}Job", [(name, section, dataclasses.field(default_factory=section))],
             bases=(JobConfig,))
-        parts += [f"## `{section.command}`: `{name}`\n", reference_markdown(job_cls, [name]) + "\n"]
+        parts += [f"## `{spec.command}`: `{name}`\n", reference_markdown(job_cls, [name]) + "\n"]
     return "\n".join(parts)
 
 

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from hpc.runtime.config import EvalConfig, JobConfig
+from hpc.job.config import EvalConfig, JobConfig
 from hpc.runtime.errors import user_errors_exit
 from hpc.runtime.results import EvalResult, format_table, log_eval
 from hpc.runtime.world import World, split_evenly

@@ -2,15 +2,14 @@
 ``hpc-sft --help`` answers without loading torch."""
 from __future__ import annotations
 
-import typing
 from dataclasses import dataclass, field
 
-from hpc.runtime.config import JobConfig, param
+from hpc.job.config import JobConfig
+from hpc.runtime.config import param
 
 
 @dataclass
 class SFTConfig:
-    command: typing.ClassVar[str] = "hpc-sft"  # the console command of the method
     steps: int = param(40, "optimizer steps (unless sft.epochs is set)", min=1, max=1_000_000)
     epochs: int = param(0, "train whole epochs of the training set (of task.sft_split's part "
                         "when set) instead of sft.steps, which it then replaces: ceil(problems "

@@ -12,7 +12,7 @@ from hpc.engine import backend as registry
 from hpc.engine.backend import BACKENDS, make_backend, resolve_backend
 from hpc.engine.generate import generate_tokens
 from hpc.engine.hf_backend import HFBackend
-from hpc.runtime.config import DECODE_BACKENDS
+from hpc.models.config import DECODE_BACKENDS
 from hpc.runtime.errors import UserError
 from hpc.toys.toy import architecture_config, tiny_model
 
@@ -125,7 +125,7 @@ def test_the_plan_charges_vllm_its_whole_budget_and_its_own_weights(tmp_path):
     where the engine holds what its rows need."""
     from essa.plan import plan as essa_plan
     from hpc.engine.shape import QWEN25, ModelShape
-    from hpc.plan.registry import plan_job_class
+    from hpc.job.config import plan_job_class
     from hpc.runtime.config import load_config
 
     folder = _folder(tmp_path / "7b", **QWEN25["7B"], model_type="qwen2",

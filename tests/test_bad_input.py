@@ -350,7 +350,7 @@ def test_deeply_nested_data_row_under_mpirun(tmp_path):
 
 def test_byte_order_mark_data_file_is_read_as_utf8(tmp_path):
     from hpc.data.mathdata import load_file_task
-    from hpc.runtime.config import TaskConfig
+    from hpc.data.config import TaskConfig
 
     data = tmp_path / "bom.jsonl"
     data.write_bytes(b"\xef\xbb\xbf" + b'{"question": "1+1?", "answer": "1+1=2\\n#### 2"}\n')

@@ -1,8 +1,7 @@
 """Config: YAML + overrides, validation errors naming the key, reference table."""
 import pytest
 
-from hpc.runtime.config import (config_to_yaml, get_key, load_config, reference_markdown,
-                               stored_config)
+from hpc.runtime.config import (config_to_yaml, get_key, load_config, reference_markdown, stored_config)
 from hpc.runtime.errors import UserError
 from hpc.evaluate import EvalJobConfig
 
@@ -67,7 +66,8 @@ def test_every_method_declares_its_sections():
 
     from essa.config import ESSAJobConfig
     from fgrpo.config import FGRPOJobConfig
-    from hpc.runtime.config import JobConfig, method_sections
+    from hpc.job.config import JobConfig
+    from hpc.runtime.methods import methods
     from sft.config import SFTJobConfig
 
     shared = {f.name for f in dataclasses.fields(JobConfig)}
@@ -76,9 +76,11 @@ def test_every_method_declares_its_sections():
         for f in dataclasses.fields(job):
             if f.name not in shared:
                 declared[f.name] = type(getattr(job(), f.name))
-    assert declared.keys() == method_sections().keys()
+    assert declared.keys() == methods().keys()
     for name, cls in declared.items():
-        assert method_sections()[name].load() is cls
+        assert methods()[name].section_class() is cls
+        assert dataclasses.fields(methods()[name].job_class()) == dataclasses.fields(
+            {"sft": SFTJobConfig, "essa": ESSAJobConfig, "fgrpo": FGRPOJobConfig}[name])
 
 
 def test_other_methods_sections_are_checked_then_skipped(tmp_path):

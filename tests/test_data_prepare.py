@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO, hf_cached as cached, hpc_data as run
 from hpc.data.mathdata import load_file_task
 from hpc.data.prepare import split_of, task_row
-from hpc.runtime.config import TaskConfig
+from hpc.data.config import TaskConfig
 
 
 def rows(path) -> list:

@@ -11,7 +11,7 @@ import pytest
 from conftest import hpc_data as run
 from hpc.data.mathdata import load_file_task
 from hpc.data.rewards import math_reward
-from hpc.runtime.config import TaskConfig
+from hpc.data.config import TaskConfig
 
 CHAT_TEMPLATE = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
                  "{% if add_generation_prompt %}[assistant]{% endif %}")

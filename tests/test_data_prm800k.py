@@ -7,7 +7,7 @@ import json
 
 from conftest import hpc_data as run, our_lines
 from hpc.data.tasks import load_task
-from hpc.runtime.config import TaskConfig
+from hpc.data.config import TaskConfig
 
 
 def labelled(problem, answer, solution="", rating=1):

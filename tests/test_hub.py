@@ -14,7 +14,8 @@ from conftest import REPO, hf_cached as cached, run_cli
 from hpc.job.inputs import check_inputs, recorded_sources, resolve_sources
 from hpc.models.base_model import check_base, record_base
 from hpc.models.hub import hub_id, local_or_cached
-from hpc.runtime.config import JobConfig, load_config
+from hpc.job.config import JobConfig
+from hpc.runtime.config import load_config
 from hpc.runtime.errors import UserError
 from hpc.runtime.runstore import RunStore
 

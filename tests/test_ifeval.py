@@ -9,7 +9,7 @@ import pytest
 
 from conftest import hf_cached, hpc_data, our_lines, require, run_cli, run_mpi
 from hpc.data.mathdata import load_file_task
-from hpc.runtime.config import TaskConfig
+from hpc.data.config import TaskConfig
 from hpc.runtime.errors import UserError
 
 

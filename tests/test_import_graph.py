@@ -18,8 +18,8 @@ FLOORS = (
     ("toys", ("hpc.toys",)),  # the built-in toy models, built with models and data
     ("job", ("hpc.job",)),  # a job's lifecycle and step loop
     ("methods", ("hpc.evaluate", "hpc.gradient_method", "sft", "essa", "fgrpo")),
-    ("commands", ("hpc.commands", "hpc.analysis", "hpc.doctor", "sft.__main__", "essa.__main__",
-                  "fgrpo.__main__", "compare")),
+    ("commands", ("hpc.commands", "hpc.analysis", "hpc.doctor", "hpc.data.check", "sft.__main__",
+                  "essa.__main__", "fgrpo.__main__", "compare")),
 )
 
 
@@ -145,23 +145,54 @@ def test_essa_and_fgrpo_never_import_each_other():
         assert not any(bad.values()), {m: t for m, t in bad.items() if t}
 
 
+DISTRIBUTION = "essa-hpc"  # the package's name on disk and in metadata, not the method
+
+
+def _method_names() -> set:
+    """The registered methods' names (setup.py's one ``hpc.methods`` group)."""
+    from hpc.runtime.methods import methods
+
+    return set(methods())
+
+
+def _named_methods(path: str, names: set) -> list:
+    """``line: text`` of each string in the code of the file at ``path`` (docstrings aside)
+    that holds a method's name as a word, and of each ``cfg.<method>`` reference."""
+    source = open(path).read()
+    tree = ast.parse(source, path)
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                       ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)
+                  and isinstance(node.body[0].value, ast.Constant)}
+    found = [f"{node.lineno}: {node.value[:60]!r}" for node in ast.walk(tree)
+             if isinstance(node, ast.Constant) and isinstance(node.value, str)
+             and id(node) not in docstrings
+             and names & set(re.findall(r"[A-Za-z0-9_]+", node.value.replace(DISTRIBUTION, "")))]
+    word = "|".join(sorted(names))
+    found += [f"{i}: {line.strip()[:60]}" for i, line in enumerate(source.splitlines(), 1)
+              if re.search(rf"cfg\.({word})\b", line)]
+    return found
+
+
+def test_the_method_names_come_from_the_registry():
+    assert _method_names() >= {"sft", "essa", "fgrpo"}
+    assert _named_methods.__doc__ and _named_methods(__file__, {"fgrpo"})  # this file names it
+
+
 def test_the_shared_floor_names_no_method():
-    """hpc/ imports no method and reads no method's config section: the methods register
-    their sections, plans and built-in names (setup.py entry points) and stand on it."""
-    methods = ("sft", "essa", "fgrpo", "compare")
+    """hpc/ imports no method, and spells no method's name in its code: each method registers
+    one MethodSpec (hpc/runtime/methods.py, setup.py's hpc.methods) and stands on hpc/, which
+    reads whatever it needs of a method from that registry."""
+    names = _method_names()
     graph = _graph()
     up = sorted(f"{m} -> {t}" for m, ts in graph.items() if m.split(".")[0] == "hpc"
-                for t in ts if t.split(".")[0] in methods)
+                for t in ts if t.split(".")[0] in names | {"compare"})
     assert up == [], up
-    named = []
-    for folder, _, files in os.walk(os.path.join(REPO, "hpc")):
-        for name in files:
-            if name.endswith(".py"):
-                path = os.path.join(folder, name)
-                with open(path) as fh:
-                    named += [f"{os.path.relpath(path, REPO)}:{i}" for i, line in enumerate(fh, 1)
-                              if re.search(r"cfg\.(sft|essa|fgrpo)\b", line)]
-    assert named == [], named
+    named = [f"{os.path.relpath(path, REPO)}:{hit}"
+             for module, path in sorted(_module_files().items()) if module.startswith("hpc")
+             for hit in _named_methods(path, names)]
+    assert named == [], "\n".join(named)
 
 
 def test_every_module_stands_on_a_floor():

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from hpc.runtime.config import TaskConfig
+from hpc.data.config import TaskConfig
 from hpc.runtime.errors import UserError
 from hpc.data.mathdata import GSM8K_TEMPLATE, MATH_TEMPLATE, load_file_task
 from hpc.data.rewards import math_reward, numeric_reward

@@ -14,7 +14,8 @@ from fgrpo.plan import plan as fgrpo_plan, rollout_offload
 from hpc.commands import plan as main
 from hpc.engine.memory import GIB
 from hpc.engine.shape import QWEN25, ModelShape
-from hpc.plan.registry import job_plan as plan_of_job, plan_job_class
+from hpc.job.config import plan_job_class
+from hpc.plan.registry import job_plan as plan_of_job
 from hpc.plan.terms import DTYPE_BYTES, weight_bytes
 from hpc.runtime.config import load_config
 from hpc.runtime.errors import UserError
@@ -60,7 +61,7 @@ def test_parameters_by_hand_and_by_transformers(size):
 
 def test_7b_figures_by_hand(tmp_path):
     """Qwen2.5-7B at the cluster config, 16 ranks: bf16, LoRA r=8 on q/k/v/o, 512 + 512 tokens,
-    eval.batch_size 64 x eval.n_samples 16, population 96."""
+    model.decode_batch and eval.batch_size 64, eval.n_samples 16, population 96."""
     cfg = cluster_config(model_folder(tmp_path, "7B"))
     shape = ModelShape.from_folder(cfg.model.path)
     lora = 28 * 8 * ((3584 + 3584) + 2 * (3584 + 512) + (3584 + 3584))
@@ -520,9 +521,9 @@ def test_gpu_check_of_the_handover_in_its_cpu_form(tmp_path, capsys):
     write_tiny_config(tmp_path)
     out = tmp_path / "handover.json"
     tracker_main([f"model.path={tmp_path}", "plan.max_prompt_tokens=8", "task.max_new_tokens=8",
-                  "eval.batch_size=4", "eval.n_samples=4", "essa.population=4",
-                  "essa.minibatch=4", "--ranks", "1", "--cases", "essa_job", "--job-steps", "1",
-                  "--device", "cpu", "--json", str(out)])
+                  "eval.batch_size=4", "model.decode_batch=4", "eval.n_samples=4",
+                  "essa.population=4", "essa.minibatch=4", "--ranks", "1", "--cases",
+                  "essa_job", "--job-steps", "1", "--device", "cpu", "--json", str(out)])
     rows = json.loads(out.read_text())["results"]
     assert [r["phase"] for r in rows] == ["start evaluation", "step 1 scoring",
                                           "periodic evaluation", "final evaluation", "export",

@@ -12,7 +12,7 @@ from hpc.engine.hf_backend import members_that_fit
 from hpc.engine.memory import ENGINE_MEMORY_SHARE, engine_memory
 from hpc.engine.shape import QWEN25, ModelShape
 from hpc.plan.terms import engine_parts
-from hpc.plan.registry import plan_job_class
+from hpc.job.config import plan_job_class
 from hpc.runtime.config import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -45,7 +45,7 @@ def toy_eval(monkeypatch, chunk: int, n: int = 6) -> tuple:
     from hpc.engine.engine_backend import EngineBackend
     from hpc.evaluate import evaluate
     from hpc.models.loading import load_model
-    from hpc.runtime.config import EvalConfig
+    from hpc.job.config import EvalConfig
     from hpc.runtime.world import World
     from hpc.toys.toy import toy_model_path
 

@@ -11,7 +11,7 @@ from hpc.data.tasks import load_task
 from hpc.data.wordproblems import word_problems
 from hpc.models.chat import end_of_turn_id, stop_token_ids
 from hpc.engine.generate import eos_ids
-from hpc.runtime.config import TaskConfig
+from hpc.data.config import TaskConfig
 from hpc.toys.toy import tiny_model
 from hpc.toys.toy_chat import IM_END, build_chat_tokenizer, chat_qwen2_config
 

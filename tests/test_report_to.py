@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from conftest import REPO, run_mpi
-from hpc.runtime.config import JobConfig, RunConfig, load_config
+from hpc.job.config import JobConfig, RunConfig
+from hpc.runtime.config import load_config
 from hpc.runtime.errors import UserError
 from hpc.runtime.report_to import TensorBoard, check_report_to, scalars
 from hpc.runtime.runstore import RunStore, committed_rows

@@ -199,7 +199,7 @@ def test_both_plans_charge_the_weights_in_every_phase_and_a_batch_where_they_dec
     from essa.plan import plan as essa_plan
     from fgrpo.plan import plan as fgrpo_plan
     from hpc.engine.shape import QWEN25, ModelShape
-    from hpc.plan.registry import plan_job_class
+    from hpc.job.config import plan_job_class
     from hpc.runtime.config import load_config
 
     folder = tmp_path / "policy"

@@ -8,7 +8,8 @@ import pytest
 
 from conftest import our_lines, run_cli, run_mpi
 from hpc.data.tasks import load_task, sft_split_indices
-from hpc.runtime.config import TaskConfig, load_config
+from hpc.data.config import TaskConfig
+from hpc.runtime.config import load_config
 from hpc.runtime.errors import UserError
 from sft.config import SFTJobConfig
 from sft.trainer import epoch_batch

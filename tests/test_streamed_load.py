@@ -214,7 +214,7 @@ def test_doctor_weighs_the_loads_host_memory_on_each_node(tmp_path):
 
     from hpc.doctor.inputs import host_memory_for_load
     from hpc.engine.shape import QWEN25
-    from hpc.plan.registry import plan_job_class
+    from hpc.job.config import plan_job_class
     from hpc.runtime.config import load_config
 
     folder = tmp_path / "32B"

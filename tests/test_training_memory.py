@@ -13,7 +13,8 @@ from conftest import REPO, run_mpi
 
 from hpc.models.loading import attach_lora, enable_activation_checkpointing, randomize_lora_b
 from hpc.models.logprobs import masked_mean, sequence_logprobs
-from hpc.plan.registry import activation_checkpointing, plan_job_class
+from hpc.job.config import plan_job_class
+from hpc.plan.registry import activation_checkpointing
 from hpc.toys.toy import qwen2_config
 from hpc.runtime.config import load_config
 from hpc.runtime.runstore import RunFile

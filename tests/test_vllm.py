@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import run_cli, run_mpi, vllm_python
-from hpc.runtime.config import DECODE_BACKENDS
+from hpc.models.config import DECODE_BACKENDS
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,9 @@ import dataclasses
 import sys
 
 from hpc.runtime.cli import EXIT_CODES_HELP, OneLineParser, plain
-from hpc.runtime.config import JobConfig, load_config, method_jobs, method_sections
+from hpc.job.config import JobConfig
+from hpc.runtime.config import load_config
+from hpc.runtime.methods import methods
 from hpc.runtime.errors import UserError, user_errors_exit
 
 EXIT_HELP = (f"{EXIT_CODES_HELP}; 2 also when a check fails (one line each, naming the node "
@@ -39,19 +41,19 @@ def build_parser() -> OneLineParser:
 
 def doctor_job_class():
     """A job config with the sections every job shares and those of every installed method
-    (setup.py's ``hpc.method_sections``), so one experiment file and any job's key are read."""
+    (:func:`hpc.runtime.methods.methods`), so one experiment file and any job's key are read."""
     fields = [(name, cls, dataclasses.field(default_factory=cls))
-              for name, cls in ((name, ep.load()) for name, ep in method_sections().items())]
+              for name, cls in ((name, spec.section_class()) for name, spec in methods().items())]
     return dataclasses.make_dataclass("DoctorJobConfig", fields, bases=(JobConfig,))
 
 
 def method_configs(cfg) -> tuple:
     """({method: its job config, with ``cfg``'s sections}, {method: the line its job would
-    refuse this config with}), for every method of setup.py's ``hpc.method_jobs``. A refusal
+    refuse this config with}), for every installed method (:func:`hpc.runtime.methods.methods`). A refusal
     is a note, not a failed check: an ESSA config names an adapter that SFT writes later."""
     configs, refusals = {}, {}
-    for method, entry in method_jobs().items():
-        job = entry.load()()
+    for method, spec in methods().items():
+        job = spec.job_class()()
         for f in dataclasses.fields(job):
             setattr(job, f.name, copy.deepcopy(getattr(cfg, f.name)))
         try:

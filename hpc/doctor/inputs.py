@@ -16,7 +16,7 @@ from hpc.doctor.findings import Finding
 from hpc.engine.shape import ModelShape
 from hpc.models.folders import TOKENIZER_FILES, WEIGHT_FILES, check_model_folder
 from hpc.plan.registry import job_plan
-from hpc.runtime.config import BUILT_IN_MODEL_NAMES
+from hpc.models.folders import BUILT_IN_MODELS
 from hpc.runtime.errors import UserError
 
 HASHED = ("config.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -31,7 +31,7 @@ SFT_KEEP = 3  # checkpoints a method without a keep_checkpoints key keeps (hpc.j
 def model_folder_here(path: str) -> tuple:
     """(folder, findings): the folder ``model.path`` names on this rank; a built-in model's
     cached folder, never built here (a job would build it on every node that lacks it)."""
-    if path not in BUILT_IN_MODEL_NAMES:
+    if path not in BUILT_IN_MODELS:
         try:
             check_model_folder(path)
         except UserError as err:

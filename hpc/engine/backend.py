@@ -11,7 +11,6 @@ model's ``config.json`` (:meth:`DecodeBackend.refuses`) decodes the job.
 """
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import json
 import os
@@ -20,6 +19,7 @@ from typing import ClassVar
 
 from hpc.engine.config import EngineConfig
 from hpc.runtime.errors import UserError
+from hpc.runtime.methods import load_ref
 
 # The backends that hold, from their start, their whole memory budget as a KV pool and a copy
 # of the base weights of their own (vLLM): what the memory plan charges them
@@ -116,8 +116,7 @@ def backend_class(name: str) -> type:
     """The backend class registered as ``name`` (imported now)."""
     if name not in BACKENDS:
         raise ValueError(f"decoding backend {name!r} is not one of {tuple(BACKENDS)}")
-    module, cls = BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    return load_ref(BACKENDS[name])
 
 
 def make_backend(config: EngineConfig | str | None = None) -> DecodeBackend:

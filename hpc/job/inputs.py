@@ -18,7 +18,8 @@ from hpc.job.run_folder import check_run_folder
 from hpc.models.folders import check_adapter_folder, check_model_folder
 from hpc.models.hub import Source, hub_id, local_or_cached
 from hpc.plan.terms import reward_model_folder
-from hpc.runtime.config import BUILT_IN_MODEL_NAMES, stored_config
+from hpc.models.folders import BUILT_IN_MODELS
+from hpc.runtime.config import stored_config
 from hpc.runtime.errors import UserError
 from hpc.runtime.report_to import check_report_to
 
@@ -42,7 +43,7 @@ class InputSources:
     def attrs(self) -> dict:
         """Run-file attributes: each folder (absolute; a built-in model's name) and the commit
         of its cached snapshot ('' for a folder of the user's)."""
-        out = {"model_folder": (self.model.path if self.model.path in BUILT_IN_MODEL_NAMES
+        out = {"model_folder": (self.model.path if self.model.path in BUILT_IN_MODELS
                                 else os.path.abspath(self.model.path)),
                "model_revision": self.model.revision}
         if self.adapter is not None:
@@ -61,7 +62,7 @@ def resolve_sources(cfg, recorded: dict | None = None) -> InputSources:
     recorded = recorded or {}
     path = cfg.model.path
     adapter = getattr(getattr(cfg, "lora", None), "adapter", "")
-    model, model_note = ((Source(path, path), "") if path in BUILT_IN_MODEL_NAMES else
+    model, model_note = ((Source(path, path), "") if path in BUILT_IN_MODELS else
                          _source("model.path", path, recorded.get("model.path")))
     lora, lora_note = (_source("lora.adapter", adapter, recorded.get("lora.adapter"))
                        if adapter else (None, ""))
@@ -152,7 +153,7 @@ def check_inputs(cfg, method: str = "", resume: bool = False) -> None:
     check_report_to(cfg.run.report_to)
     check_task_files(cfg)
     sources = resolve_sources(cfg)
-    if sources.model.path not in BUILT_IN_MODEL_NAMES:
+    if sources.model.path not in BUILT_IN_MODELS:
         check_model_folder(sources.model.path)
     if sources.adapter is not None:
         check_adapter_folder(sources.adapter.path)

@@ -62,7 +62,7 @@ from hpc.runtime.report_to import open_reporters
 from hpc.runtime.results import EvalResult, log_eval
 from hpc.runtime.runstore import RunStore, check_snapshot, environment_attrs
 from hpc.runtime.timing import PhaseTimer, gather_timings
-from hpc.runtime.config import BUILT_IN_MODEL_NAMES
+from hpc.models.folders import BUILT_IN_MODELS
 from hpc.toys.cache import build_words
 
 # What a phase's seconds are spent on, for readers of the run file (hpc-report, hpc-scaling):
@@ -180,7 +180,7 @@ def run_attrs(job: Job, method: Method) -> dict:
 def model_build(path: str) -> str:
     """The build of a built-in model (:func:`hpc.toys.cache.build_words` of its cached folder,
     loaded by now), '' for a model of the user's: results files name the toy build they ran."""
-    return build_words(model_folder(path)) if path in BUILT_IN_MODEL_NAMES else ""
+    return build_words(model_folder(path)) if path in BUILT_IN_MODELS else ""
 
 
 def resume_fields(state: dict, path: str) -> dict:
@@ -245,7 +245,7 @@ def _check_parallelism(ckpt_dir: str, method: Method, fields: dict) -> None:
                         f"shards of an earlier version ({fields['shard_ranks']} ranks); resume "
                         f"it with the version that wrote it")
     if (fields["sharded"] is not None) != method.sharded:
-        written = "sharded (fgrpo.parallel.strategy=fsdp2)" if fields["sharded"] else \
+        written = "sharded (fsdp2)" if fields["sharded"] else \
             "replicated (ddp)"
         raise UserError(f"the checkpoint of step {fields['step']} in {ckpt_dir} holds a "
                         f"{written} state; resume with the parallelism that wrote it")

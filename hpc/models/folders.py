@@ -12,6 +12,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
                    "spiece.model")
 ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
+# The built-in models: ``{model.path name: 'module:function' that returns its folder, built and
+# cached on first use}``. The toys stand a floor above this one and are imported only when a
+# job names one (:func:`hpc.models.loading.model_folder`), so a tool that reads only a model
+# folder's files knows the names without building anything.
+BUILT_IN_MODELS = {
+    "toy": "hpc.toys.toy:toy_model_path",
+    "toy-chat": "hpc.toys.toy_chat:toy_chat_model_path",
+}
+
 
 def check_folder(path: str, what: str, needs: list) -> None:
     """UserError unless ``path`` is a folder holding, for each ``(description, file names)`` of

@@ -6,8 +6,6 @@ instead of a library traceback. Nothing is ever downloaded (``local_files_only``
 """
 from __future__ import annotations
 
-import functools
-import importlib.metadata
 import os
 import warnings
 
@@ -18,11 +16,13 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hpc.models.base_model import record_base
-from hpc.models.folders import ADAPTER_WEIGHT_FILES, check_adapter_folder, check_model_folder
+from hpc.models.folders import (ADAPTER_WEIGHT_FILES, BUILT_IN_MODELS, check_adapter_folder,
+                                check_model_folder)
 from hpc.models.quantize import GenerationCopy, QuantizeInPlace, arrive_all
 from hpc.models.streaming import streamed_model
 from hpc.runtime.atomic import replaced_dir
 from hpc.runtime.errors import UserError, first_line
+from hpc.runtime.methods import load_ref
 
 # Jobs print on rank 0 only, and only what the user asked for: no per-rank weight-loading bars
 # or library deprecation notices.
@@ -39,23 +39,10 @@ def _resolve_device(device) -> torch.device:
     return torch.device(device)
 
 
-# The built-in models register here (setup.py): the toys stand above this floor, which so
-# names none of them; a toy is imported only when a job names it.
-BUILT_IN_MODELS_GROUP = "hpc.built_in_models"
-
-
-@functools.cache
-def built_in_models() -> dict[str, importlib.metadata.EntryPoint]:
-    """``{model.path name: entry point of the function that returns its folder}`` ('toy',
-    'toy-chat': built and cached on first use)."""
-    return {ep.name: ep for ep in importlib.metadata.entry_points(group=BUILT_IN_MODELS_GROUP)}
-
-
 def model_folder(path: str) -> str:
     """The folder for ``model.path``: a built-in model's cached folder (built if absent;
     UserError if its cached build is not the intended one), else ``path`` as it is."""
-    models = built_in_models()
-    return models[path].load()() if path in models else path
+    return load_ref(BUILT_IN_MODELS[path])() if path in BUILT_IN_MODELS else path
 
 
 LOADS = ("streamed", "transformers")  # model.load

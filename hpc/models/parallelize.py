@@ -57,7 +57,7 @@ def decoder_layers(model) -> list:
     names = set(getattr(_hf_model(model), "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
-        raise UserError(f"fgrpo.parallel.strategy=fsdp2: found no decoder layers in "
+        raise UserError(f"FSDP2 sharding: found no decoder layers in "
                         f"{type(_hf_model(model)).__name__} to shard")
     return layers
 

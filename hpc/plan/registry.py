@@ -1,6 +1,6 @@
-"""The methods' plans, found by registration: each method declares its plan module as an entry
-point of ``hpc.method_plans`` (setup.py), beside its config section, so this floor names none
-of them and adding a method adds its own ``plan.py``.
+"""The methods' plans, found by registration: each method's spec names its plan module
+(:class:`hpc.runtime.methods.MethodSpec`, ``plan``), so this floor names none of them and
+adding a method adds its own ``plan.py``.
 
 A plan module may define ``plan(shape, cfg, ranks, advise=True) -> MethodPlan`` (its phases on
 one GPU; ``hpc-plan`` prints it and a job checks it at start),
@@ -17,38 +17,25 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.metadata
 import json
 import os
 
 from hpc.engine.shape import ModelShape
 from hpc.plan.terms import gib, job_has_plan, model_summary, resolve_checkpointing
-from hpc.runtime.config import JobConfig, method_sections
 from hpc.runtime.errors import UserError
-
-METHOD_PLANS_GROUP = "hpc.method_plans"
+from hpc.runtime.methods import methods
 
 
 @functools.cache
 def method_plans() -> dict:
-    """``{method name: its plan module}`` of the installed methods."""
-    return {ep.name: ep.load()
-            for ep in importlib.metadata.entry_points(group=METHOD_PLANS_GROUP)}
+    """``{method name: its plan module}`` of the installed methods that have one."""
+    return {name: spec.plan_module() for name, spec in methods().items() if spec.plan}
 
 
 def planned_methods() -> dict:
     """``{method name: plan function}`` of the methods that plan their phases."""
     return {name: module.plan for name, module in sorted(method_plans().items())
             if hasattr(module, "plan")}
-
-
-def plan_job_class():
-    """A job config with the sections of every planned method (``hpc-plan``,
-    ``hpc-scaling``)."""
-    sections = method_sections()
-    fields = [(name, sections[name].load(), dataclasses.field(
-        default_factory=sections[name].load())) for name in planned_methods()]
-    return dataclasses.make_dataclass("PlanJobConfig", fields, bases=(JobConfig,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +108,7 @@ def activation_checkpointing(cfg, method: str, ranks: int, device_type: str) -> 
 
 
 def plan_text(cfg, ranks: int) -> str:
-    """The full plan of every planned method for ``cfg`` (a :func:`plan_job_class` config)."""
+    """The full plan of every planned method for ``cfg`` (a :func:`hpc.job.config.plan_job_class` config)."""
     if not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
         raise UserError(f"model.path={cfg.model.path!r} is not a folder with a config.json")
     shape = ModelShape.from_folder(cfg.model.path)

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import re
 import sys
 import textwrap
+import typing
 
 from hpc.runtime.config import config_keys, load_config, rule_text
 from hpc.runtime.errors import (EXIT_USER_ERROR, PeerFailed, UserError, exit_agreed,
                                 exit_user_error, launched)
+from hpc.runtime.methods import load_ref
 from hpc.runtime.preempt import EXIT_PREEMPTED, stop_signals
 
 EXIT_CODES_HELP = (f"exit codes: 0 done; {EXIT_USER_ERROR} user error (one line on stderr naming "
@@ -44,12 +45,6 @@ def tool_parser(prog: str, doc: str) -> tuple:
     parser = OneLineParser(prog=prog, description=plain(doc), epilog=EXIT_CODES_HELP,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     return parser, parser.add_subparsers(dest="command", required=True)
-
-
-def _load(ref: str):
-    """The object named by ``'module:attribute'`` (imported now, not at start-up)."""
-    module, name = ref.split(":")
-    return getattr(importlib.import_module(module), name)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -124,22 +119,29 @@ def job_command(prog: str, config_ref: str, run_ref: str, about: str,
     def main(argv=None):
         argv = sys.argv[1:] if argv is None else list(argv)
         if any(arg in HELP_FLAGS for arg in argv):
-            print(job_help(prog, about, _load(config_ref)))
+            print(job_help(prog, about, load_ref(config_ref)))
             return 0
         stop_signals()
         cfg, failed = None, None
         try:
             config_path, overrides, resume = parse_args(prog, argv)
-            cfg = load_config(_load(config_ref), config_path, overrides)
+            cfg = load_config(load_ref(config_ref), config_path, overrides)
             if check_ref:
-                _load(check_ref)(cfg, method, resume)
+                load_ref(check_ref)(cfg, method, resume)
         except UserError as err:
             failed = err
         agree_on_inputs(failed, cfg)
-        return _load(run_ref)(argv)
+        return load_ref(run_ref)(argv)
 
     main.__doc__ = f"``{prog}``: {about}"
     return main
+
+
+def method_command(spec) -> typing.Callable:
+    """The console entry point of a training method, from its
+    :class:`hpc.runtime.methods.MethodSpec`: :func:`job_command` with the job's input checks."""
+    return job_command(spec.command, spec.job, spec.trainer, spec.about, check_ref=JOB_INPUTS,
+                       method=spec.name)
 
 
 def agree_on_inputs(err: UserError | None, cfg=None) -> None:

@@ -14,6 +14,7 @@ import math
 import numpy as np
 
 from hpc.runtime.errors import UserError
+from hpc.runtime.methods import methods
 
 MAX_JSON_BYTES = 256 * 2 ** 20  # a checkpoint skeleton of a 32B model's optimizer: a few MiB
 MAX_JSON_DEPTH = 64             # a checkpoint skeleton nests ~3 levels per level of its state
@@ -222,9 +223,6 @@ def adam_state(value, source: str, shapes: list, dtypes: list) -> dict:
     return value
 
 
-TRAINING_METHODS = ("essa", "fgrpo", "sft")  # the jobs that keep checkpoints/ in their folder
-
-
 def run_folder_entries(out_dir: str, method: str) -> None:
     """UserError (one line) unless the entries a job of ``method`` reads and writes in
     ``out_dir`` are of the kind it expects: ``out_dir`` itself not a symbolic link (a link to
@@ -253,9 +251,10 @@ def run_folder_entries(out_dir: str, method: str) -> None:
                             f"is not a {method} run folder: remove it or give run.out another "
                             f"folder")
     ckpts = os.path.join(out_dir, "checkpoints")
-    others = [m for m in TRAINING_METHODS if m != method and
+    keeping = [name for name, spec in methods().items() if spec.keeps_checkpoints]
+    others = [m for m in keeping if m != method and
               os.path.lexists(os.path.join(out_dir, f"{m}.h5"))]
-    if method in TRAINING_METHODS and others and os.path.isdir(ckpts) and os.listdir(ckpts):
+    if method in keeping and others and os.path.isdir(ckpts) and os.listdir(ckpts):
         raise UserError(f"run folder {out_dir} holds a {others[0]} run ({others[0]}.h5 and "
                         f"checkpoints/); this {method} job would read or delete its "
                         f"checkpoints there: give run.out another folder")

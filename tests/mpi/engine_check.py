@@ -87,7 +87,7 @@ def check_members(world) -> None:
 def main(out_path: str, members: bool) -> None:
     from hpc.data.tasks import arith_task
     from hpc.evaluate import evaluate
-    from hpc.runtime.config import EvalConfig
+    from hpc.job.config import EvalConfig
     from hpc.runtime.world import get_world
 
     world = get_world()

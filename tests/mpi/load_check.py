@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from hpc.engine.shape import ModelShape
 from hpc.models.loading import attach_lora, load_adapter, load_model
 from hpc.models.parallelize import settle, shard_units
-from hpc.plan.registry import plan_job_class
+from hpc.job.config import plan_job_class
 from hpc.runtime.config import load_config
 from hpc.runtime.dist import init_process_group
 from hpc.runtime.world import get_world
