@@ -21,5 +21,5 @@ for n in 1 2 4; do
     fgrpo.steps=120 run.max_time_s=0 eval.every=10 eval.n_samples=2 run.progress=false \
     "run.out=$OUT/fgrpo-$n"
 done
-$PY -m hpc.analysis.report summary "$OUT"/*/*.h5 --csv "$OUT/report/summary.csv" \
+$PY -m compare.report summary "$OUT"/*/*.h5 --csv "$OUT/report/summary.csv" \
   --plots "$OUT/report" --target "$TARGET"

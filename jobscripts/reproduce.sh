@@ -144,7 +144,7 @@ print(PRESETS['$algo']['advantage.gamma'])")
 done
 
 stage "summary"
-$PY -m hpc.analysis.report reproduce "$OUT" --plots "$OUT/plots" --json "$OUT/summary.json" |
+$PY -m compare.report reproduce "$OUT" --plots "$OUT/plots" --json "$OUT/summary.json" |
   tee "$OUT/summary.txt"
 # 16-128 GPUs from the wall/ runs' steps to a target both methods reach: at the runs' own
 # workload with their CPU costs, then at the paper's (population 128 x 256 prompts, GRPO 512

@@ -6,9 +6,9 @@ import json
 import numpy as np
 import pytest
 
-from hpc.analysis import reproduce
-from hpc.analysis.report import main as report_main
-from hpc.analysis.reproduce import PAPER_RULE, Evaluation, Run, choose_paper
+from compare import reproduce
+from compare.report import main as report_main
+from compare.reproduce_runs import PAPER_RULE, Evaluation, Run, choose_paper
 from hpc.runtime.runstore import RunStore
 
 CONFIG = "run:\n  seed: {seed}\nfgrpo:\n  algorithm: {algorithm}\n  advantage:\n" \

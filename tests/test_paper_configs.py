@@ -21,7 +21,7 @@ TOY = ["model.path=toy", "task.name=arith", "task.train_path=",
        "task.eval_path=", "task.prompt_format=plain", "task.n_train=64", "task.n_eval=8",
        "task.max_new_tokens=8", "plan.max_prompt_tokens=16", "fgrpo.steps=2",
        "fgrpo.batch_prompts=8", "fgrpo.optim.mini_batch_prompts=2", "eval.every=0",
-       "eval.n_samples=2", "eval.batch_size=8", "run.progress=false"]
+       "eval.n_samples=2", "eval.batch_size=8", "model.decode_batch=8", "run.progress=false"]
 
 
 def test_the_three_configs_are_the_papers_table_5_and_7():
@@ -65,7 +65,7 @@ def test_the_fgrpo_config_runs_on_the_toy(tmp_path):
     full fine-tuning under FSDP2 on 2 ranks, 4 mini-batch updates a step, the warm-up; with
     eval.sampled_every=1 a full evaluation after step 1 beside the end's, the checkpoints
     hpc-report reproduce --checkpoint paper chooses from."""
-    from hpc.analysis.reproduce import Run
+    from compare.reproduce_runs import Run
     out = tmp_path / "run"
     proc = run_mpi(2, ["-m", "fgrpo", PAPER["fgrpo"], *TOY, "eval.sampled_every=1",
                        f"run.out={out}"], timeout=600)

@@ -5,11 +5,13 @@ import os
 import subprocess
 import sys
 
+import h5py
 import numpy as np
 import pytest
 
 from conftest import REPO
-from hpc.analysis.report import PLOTS, main, scaling_points, summarize
+from compare.report import main
+from hpc.analysis.report import PLOTS, scaling_points, summarize
 from hpc.runtime.runstore import RunStore
 
 WRITER = """
@@ -34,7 +36,8 @@ FGRPO_PHASES = ["generation", "reward", "forward_backward", "allreduce", "optimi
 def essa_two_ranks(path, close=True):
     """Two steps on two ranks with hand-checkable numbers (see test_summary_values)."""
     store = RunStore(str(path), active=True, attrs={
-        "method": "essa", "world_size": 2, "config": "model:\n  path: toy-llm\n"})
+        "method": "essa", "world_size": 2,
+        "config": "model:\n  path: toy-llm\nlora:\n  adapter: runs/sft/adapter\n"})
     store.write_row("eval", -1, accuracy=0.3, pass_at_k=[0.3, 0.4], avg_at_n=0.3, seconds=1.0)
     for step, gen, wait in ((1, [2.0, 4.0], [2.0, 0.0]), (2, [3.0, 3.0], [0.0, 0.0])):
         timings = {p: np.zeros(2) for p in ESSA_PHASES}
@@ -189,6 +192,10 @@ def test_compare_still_works_and_user_errors(tmp_path, capsys):
     main(["compare", str(path)])
     out = capsys.readouterr().out
     assert "essa start" in out and "65.0%" in out
+    with h5py.File(path, "r+") as f:  # a run from the model alone, as SFT's from the base model
+        f.attrs["config"] = "model:\n  path: toy-llm\nlora:\n  adapter: ''\n"
+    main(["compare", str(path)])
+    assert capsys.readouterr().out.splitlines()[1].split()[:2] == ["base", "30.0%"]
     with pytest.raises(SystemExit) as err:
         main(["summary", str(tmp_path / "missing.h5")])
     assert err.value.code == 2

@@ -13,7 +13,8 @@ import pytest
 from scipy import stats
 
 from conftest import REPO
-from hpc.analysis.reproduce import PLOTS, gamma_summary, method_summary
+from compare.reproduce_plots import PLOTS
+from compare.reproduce_tables import gamma_summary, method_summary
 from hpc.runtime.runstore import RunFile
 from hpc.toys import TOY_VERSION
 
@@ -110,7 +111,7 @@ def test_method_table_uses_welch_t_test():
 def test_family_table_has_cis_and_pairs_each_focal_arm_with_its_plain_one():
     """Three seeds per arm: pass@k mean ± the Student-t 95% half-width, and a paired t-test
     of F-X against X by seed (scipy's ttest_rel), for each algorithm present."""
-    from hpc.analysis.reproduce import family_summary
+    from compare.reproduce_tables import family_summary
     runs = []
     for algo, shift in (("grpo", 0.0), ("dapo", 0.1)):
         for gamma, gain in ((0.0, 0.0), (1.0, 0.05)):
@@ -133,7 +134,7 @@ def test_family_table_has_cis_and_pairs_each_focal_arm_with_its_plain_one():
 def test_family_states_each_arms_change_over_its_own_seeds_sft_start():
     """Each arm minus the start evaluation of the same seed (not the mean start): the mean
     and the Student-t 95% half-width of those differences, in the text and the record."""
-    from hpc.analysis.reproduce import family_summary
+    from compare.reproduce_tables import family_summary
     runs = []
     for seed, start, end in ((0, 0.40, 0.50), (1, 0.30, 0.36), (2, 0.35, 0.47)):
         r = _run(seed, 0.6, [end, 0.9])

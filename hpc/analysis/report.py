@@ -1,4 +1,6 @@
-"""Reports over run files.
+"""Reports over run files: the subcommands of ``hpc-report`` that read any run file
+(:func:`add_commands`, :func:`run`); the command itself, which adds the papers' reproduction
+experiment to them, is :mod:`compare.report`.
 
 ``hpc-report compare FILE.h5 ...`` prints one table comparing the start and end of each run:
 held-out accuracy, pass@k, wall time and bytes communicated.
@@ -8,9 +10,6 @@ run, where the time of a step goes (seconds, per phase), the payload bytes, the 
 communicating or waiting, the straggler spread across ranks, the best held-out accuracy and
 the wall-clock seconds to a target accuracy; writes the same table as CSV and draws PNG plots.
 Both work on files of jobs still running (rows not yet complete are skipped).
-
-``hpc-report reproduce ROOT [--plots DIR] [--json OUT.json] [--checkpoint final|paper]``
-summarises the papers' reproduction experiment (jobscripts/reproduce.sh).
 """
 # Nothing here knows a method: each run file names its phases with their kind (``phases``, see
 # hpc.job.loop.PHASE_KINDS) and the held-out column its accuracy curve follows
@@ -25,9 +24,7 @@ import textwrap
 import numpy as np
 import yaml
 
-from hpc.analysis import reproduce
-from hpc.runtime.cli import tool_parser
-from hpc.runtime.errors import UserError, user_errors_exit
+from hpc.runtime.errors import UserError
 from hpc.runtime.results import EvalResult, format_table
 from hpc.runtime.runstore import RunFile
 
@@ -73,8 +70,7 @@ def compare_rows(paths: list) -> list:
             raise UserError(f"{path} has no start and final evaluation (is the run finished?)")
         method = run.attrs.get("method", "?")
         if i == 0:
-            rows.append(("base" if method == "sft" else f"{method} start", _result(ev, 0),
-                         {"wall s": "", "bytes/rank": ""}))
+            rows.append((start_label(run), _result(ev, 0), {"wall s": "", "bytes/rank": ""}))
         wall = run.attrs.get("wall_seconds", run.attrs.get("train_seconds", float("nan")))
         rows.append((method, _result(ev, len(ev["step"]) - 1),
                      {"wall s": f"{wall:.0f}", "ranks": str(run.attrs.get("world_size", "")),
@@ -144,13 +140,27 @@ def time_to_target(run: RunFile, target: float) -> float:
     return float(wall[hit[0]]) if hit.size else float("nan")
 
 
-def _model(run: RunFile) -> str:
+def _section(run: RunFile, name: str) -> dict:
+    """Section ``name`` of the run's stored config ({} where the file has none or it is not
+    readable YAML)."""
     try:
         cfg = yaml.safe_load(run.attrs.get("config", "")) or {}
     except yaml.YAMLError:
-        return "?"
-    model = cfg.get("model", {}) if isinstance(cfg, dict) else {}
-    return str(model.get("path", "?")) if isinstance(model, dict) else "?"
+        return {}
+    section = cfg.get(name, {}) if isinstance(cfg, dict) else {}
+    return section if isinstance(section, dict) else {}
+
+
+def _model(run: RunFile) -> str:
+    return str(_section(run, "model").get("path", "?"))
+
+
+def start_label(run: RunFile) -> str:
+    """The name of a run's start evaluation in ``compare``: ``base`` where the run started
+    from the model alone (its config's ``lora.adapter`` empty), else ``<method> start`` (the
+    adapter it started from, an earlier run's)."""
+    adapter = _section(run, "lora").get("adapter")
+    return f"{run.attrs.get('method', '?')} start" if adapter else "base"
 
 
 def summarize(path: str, target: float | None = None) -> dict:
@@ -439,9 +449,8 @@ def timeline(plt, t: dict, colour: dict, n_steps: int, path: str, title: str) ->
     plt.close(fig)
 
 
-@user_errors_exit
-def main(argv=None):
-    parser, sub = tool_parser("hpc-report", __doc__)
+def add_commands(sub) -> None:
+    """The ``compare`` and ``summary`` subcommands on ``hpc-report``'s subparsers ``sub``."""
     cmp_parser = sub.add_parser("compare", help="start vs end of runs, side by side")
     cmp_parser.add_argument("files", nargs="+")
     sum_parser = sub.add_parser("summary", help="time split, communication, stragglers, "
@@ -453,17 +462,10 @@ def main(argv=None):
                             help="held-out accuracy (0-1) for the time-to-target column")
     sum_parser.add_argument("--timeline-steps", type=int, default=5, metavar="N",
                             help="steps drawn in timeline.png (run with the most ranks)")
-    rep_parser = sub.add_parser("reproduce", help="the papers' reproduction experiment "
-                                "(jobscripts/reproduce.sh): pass@k against gamma, ESSA against "
-                                "F-GRPO at equal time and tokens; tests and plots")
-    rep_parser.add_argument("root", help="the experiment's folder (OUT of reproduce.sh)")
-    rep_parser.add_argument("--plots", metavar="DIR", help="write " + ", ".join(reproduce.PLOTS))
-    rep_parser.add_argument("--json", metavar="OUT.json", help="write every figure as JSON")
-    reproduce.add_arguments(rep_parser)  # --checkpoint
-    args = parser.parse_args(argv)
-    if args.command == "reproduce":
-        reproduce.main(args)
-        return
+
+
+def run(args) -> None:
+    """Run the ``compare`` or ``summary`` subcommand that ``args`` (parsed) names."""
     if args.command == "compare":
         print(format_table(compare_rows(args.files)))
         return
@@ -479,7 +481,3 @@ def main(argv=None):
         for path in draw_plots(rows, args.files, args.plots, args.timeline_steps, args.target):
             note = notes.get(os.path.basename(path))
             print(f"plot: {path}" + (f" (shows nothing: {note})" if note else ""))
-
-
-if __name__ == "__main__":
-    main()

@@ -4,6 +4,6 @@ tasks and use the generation path), which never import them; ``model.path`` find
 through setup.py's ``hpc.built_in_models`` entry points (:func:`hpc.models.loading.model_folder`)."""
 
 # The toy's build (its cache folder's name, toy_info.json's ``version``), here rather than in
-# hpc.toys.toy so that readers of results files (hpc.analysis.pages) name it without torch.
+# hpc.toys.toy so that readers of results files (tools.docs.pages) name it without torch.
 TOY_VERSION = "toy-model-v3"
 TOY_CHAT_VERSION = "toy-chat-v2"  # the chat toy's (hpc.toys.toy_chat)
