@@ -12,7 +12,7 @@ from hpc.runtime.errors import UserError
 @dataclass
 class ESSAConfig:
     optimizer: str = param("cma", "cma (full covariance, pycma), sep-cma (diagonal), openai-es",
-                           choices=list(OPTIMIZERS))
+                           choices=OPTIMIZERS)
     space: str = param("sv", "sv: offsets to the adapter's singular values; lora: every "
                        "adapter entry (use with openai-es)", choices=["sv", "lora"])
     alpha: float = param(1.0, "searched fraction of each factor's singular values (top "

@@ -43,7 +43,7 @@ class SFT(GradientMethod):
     def __init__(self, job):
         super().__init__(job)
         cfg, world = job.cfg, job.world
-        self.task = on_all_ranks(world, lambda: load_task(cfg.task, cfg.model.path, "sft"))
+        self.task = on_all_ranks(world, lambda: load_task(cfg.task, cfg.model.path, "held"))
         if len(self.task.train) < cfg.sft.batch_size:
             raise UserError(f"the training set has {len(self.task.train)} problems, fewer than "
                             f"sft.batch_size={cfg.sft.batch_size}")

@@ -65,7 +65,7 @@ def test_the_preset_writes_the_problems_once_and_test_problems_only_in_test(tmp_
     # the paper's split, scaled: n_train of the problems, sft_split of them held apart for SFT
     cfg = TaskConfig(name="math", train_path=str(out / "train.jsonl"),
                      eval_path=str(out / "test.jsonl"), n_train=25, n_eval=0, sft_split=8)
-    sft, rest = load_task(cfg, part="sft"), load_task(cfg)
+    sft, rest = load_task(cfg, part="held"), load_task(cfg)
     assert (len(sft.train), len(rest.train), len(rest.eval)) == (8, 17, 3)
     assert not set(sft.train.questions) & set(rest.train.questions)
     assert not set(rest.train.questions) & set(rest.eval.questions)

@@ -27,7 +27,7 @@ def test_the_split_is_disjoint_complete_and_deterministic():
 
 def test_sft_trains_on_the_held_apart_part_and_the_others_on_the_rest():
     cfg = TaskConfig(n_train=100, n_eval=8, sft_split=0.25, seed=3)
-    sft, rest, again = load_task(cfg, part="sft"), load_task(cfg), load_task(cfg, part="rest")
+    sft, rest, again = load_task(cfg, part="held"), load_task(cfg), load_task(cfg, part="rest")
     assert len(sft.train) == 25 and len(rest.train) == 75
     assert not set(sft.train.prompts) & set(rest.train.prompts)
     assert rest.train.prompts == again.train.prompts

@@ -11,7 +11,7 @@ from hpc.runtime.config import param
 
 @dataclass
 class TaskConfig:
-    name: str = param("arith", "task", choices=list(TASKS))
+    name: str = param("arith", "task", choices=TASKS)
     prompt_format: str = param("plain", "plain: the task's text template; chat: the model's "
                                "chat template; presets: qwen25-math-cot (chat + Qwen2.5-Math "
                                "system prompt), gsm8k-plain, math-plain",

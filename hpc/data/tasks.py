@@ -105,12 +105,12 @@ def load_task(cfg, model_path: str = "", part: str = "rest") -> Task:
     """Build the task described by a :class:`hpc.data.config.TaskConfig` with its prompts in
     ``cfg.prompt_format`` (chat formats read the tokenizer of ``model_path``, the job's
     ``model.path``). With ``task.sft_split`` set, ``part`` picks its training problems:
-    ``"sft"`` the held-apart ones (hpc-sft), ``"rest"`` the others (essa, fgrpo). UserError if
-    unusable."""
+    ``"held"`` the held-apart ones (the warm start's, SFT), ``"rest"`` the others (ESSA,
+    F-GRPO). UserError if unusable."""
     from hpc.data.prompts import apply_prompt_format  # torch: only when a job loads its task
 
     task = task_loader(cfg.name)(cfg)
     if cfg.sft_split:
-        sft, rest = sft_split_indices(len(task.train), cfg.sft_split, cfg.seed)
-        task.train = task.train.subset(sft if part == "sft" else rest)
+        held, rest = sft_split_indices(len(task.train), cfg.sft_split, cfg.seed)
+        task.train = task.train.subset(held if part == "held" else rest)
     return apply_prompt_format(task, cfg, model_path)

@@ -18,7 +18,9 @@ def param(default, help: str, *, min=None, max=None, above=None, choices=None, f
     """Declare a config field with its default, help text and validation rule: ``min`` and
     ``max`` inclusive, ``above`` a strict lower bound (e.g. a step size that must be > 0).
     Every number has an upper bound too, sized by memory and sense, so a typo such as 1e9
-    ends as one line before anything is allocated. ``follows``: the dotted key this one was
+    ends as one line before anything is allocated. ``choices``: the allowed values, a list or
+    a registry dict (its keys, read each time a value is checked: a name registered after the
+    section was declared is accepted). ``follows``: the dotted key this one was
     split from; a config that sets that key and not this one keeps its old meaning (this key
     takes that value, with a note line: :func:`hpc.runtime.config.load_config`)."""
     meta = {"help": help, "min": min, "max": max, "above": above, "choices": choices,
@@ -95,7 +97,7 @@ def coerce(key: str, value, ftype, meta):
         for item in out if isinstance(out, list) else [out]:
             if item not in meta["choices"]:
                 raise UserError(f"config key '{key}': {shown(item)} is not one of "
-                                f"{meta['choices']}")
+                                f"{list(meta['choices'])}")
     if meta.get("min") is not None and out < meta["min"]:
         raise UserError(f"config key '{key}': {out} is below the minimum {meta['min']}")
     if meta.get("above") is not None and not out > meta["above"]:
