@@ -5,7 +5,7 @@
 
 Part 1 scores the same ``--members`` members with ``essa.population.score_members`` at each k
 (k members per batched generation; fp32, greedy, 8 new tokens, chunks of 64 prompts as with
-``eval.batch_size``) and prints members/s and the ratio to k = 1 for each minibatch size. Each
+``model.decode_batch``) and prints members/s and the ratio to k = 1 for each minibatch size. Each
 figure is the best of ``--repeats`` rounds; the k values are interleaved within a round so
 that load from other processes hits them alike.
 
@@ -37,7 +37,7 @@ from hpc.data.tasks import arith_task
 from hpc.runtime.timing import PhaseTimer
 
 MAX_NEW_TOKENS = 8  # task.max_new_tokens default
-CHUNK = 64  # eval.batch_size default: prompts per generate call and member
+CHUNK = 64  # model.decode_batch default: prompts per generate call and member
 LOOP_PHASES = ["rebuild", "generate", "reward", "waiting", "communication", "update"]
 
 
@@ -68,7 +68,7 @@ def essa_phase_shares(model_dir, adapter, minibatch, k, population, generations,
            "model.device=cpu", "task.n_eval=16", f"essa.population={population}",
            f"essa.minibatch={minibatch}", f"essa.generations={generations}",
            f"essa.members_per_pass={k}", "eval.every=0", "eval.n_samples=1",
-           f"eval.batch_size={CHUNK}", f"task.max_new_tokens={MAX_NEW_TOKENS}",
+           f"model.decode_batch={CHUNK}", f"task.max_new_tokens={MAX_NEW_TOKENS}",
            "run.progress=false", f"run.out={out}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     if proc.returncode != 0:

@@ -9,7 +9,7 @@ passes of k members (``essa.members_per_pass``) and the held-out evaluation, fro
   adapter (fp32), a reward model's weights (``reward.model``) and the search space's float64
   copies of the adapter (and its SVD);
 * scoring: the LoRA factors of this rank's members (fp32), a reward model's scoring batch and
-  an engine of k members x ``min(eval.batch_size, essa.minibatch)`` rows;
+  an engine of k members x ``min(model.decode_batch, essa.minibatch)`` rows;
 * evaluation: an engine of ``eval.batch_size x eval.n_samples`` rows on the job's own adapter;
   the scoring engine is given back first.
 """
@@ -68,7 +68,7 @@ def scoring_phase(shape: ModelShape, cfg, ranks: int, k: int) -> Phase:
     members = math.ceil(cfg.essa.population / ranks)
     lora = shape.lora_parameters(cfg.lora.rank, cfg.lora.targets) * LORA_BYTES_PER_PARAM
     resident = resident_parts(shape, cfg)
-    rows = min(cfg.eval.batch_size, cfg.essa.minibatch) * k
+    rows = min(cfg.model.decode_batch, cfg.essa.minibatch) * k
     return Phase("ESSA scoring", resident + [
         (f"LoRA factors of this rank's {members} members (fp32)", members * lora),
         *reward_model_scoring(cfg),
@@ -80,7 +80,7 @@ def members_that_fit(shape: ModelShape, cfg, ranks: int) -> int:
     """The most members per pass whose scoring phase fits with every row in one wave (0: not
     even one), at most this rank's members."""
     k, most = 0, math.ceil(cfg.essa.population / ranks)
-    rows = min(cfg.eval.batch_size, cfg.essa.minibatch)
+    rows = min(cfg.model.decode_batch, cfg.essa.minibatch)
     while k < most:
         phase = scoring_phase(shape, cfg, ranks, k + 1)
         if phase.peak > usable_bytes(cfg) or "in waves" in phase.parts[-2][0]:

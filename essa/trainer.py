@@ -78,7 +78,7 @@ class ESSA(Method):
         batch = minibatch_indices(len(task.train), self.e.minibatch, cfg.run.seed, i)
         request = ScoringRequest(X[self.my_members], [task.train.prompts[j] for j in batch],
                                  [task.train.answers[j] for j in batch],
-                                 cfg.task.max_new_tokens, cfg.eval.batch_size,
+                                 cfg.task.max_new_tokens, cfg.model.decode_batch,
                                  self.e.members_per_pass)
         mine = score_members(self.model, self.tok, self.space, task, request,
                              decoder=self.job.decoder, timer=timer)
@@ -102,9 +102,9 @@ class ESSA(Method):
                         seed=cfg.run.seed, sampled=sampled, next_decode=self.next_decode())
 
     def step_decode(self) -> tuple:
-        """A scoring pass: k members x min(eval.batch_size, essa.minibatch) rows."""
+        """A scoring pass: k members x min(model.decode_batch, essa.minibatch) rows."""
         k = max(1, min(self.e.members_per_pass, len(self.my_members)))
-        return min(self.job.cfg.eval.batch_size, self.e.minibatch) * k, k
+        return min(self.job.cfg.model.decode_batch, self.e.minibatch) * k, k
 
     def evaluate(self, sampled: bool):
         return self._evaluate(self.opt.mean, sampled)

@@ -13,7 +13,7 @@ adds its weights to every phase and a scoring batch to the rollout and the evalu
   layer's gradients during training. Gradients live from a step's first backward to its
   optimizer step only. While decoding, ``fgrpo.parallel.offload`` moves the moments and DDP's
   masters (optimizer), or also FSDP2's shards (state), to host memory.
-* the rollout's engine (``min(eval.batch_size, prompts per rank) x G`` rows) stays on the model
+* the rollout's engine (``min(model.decode_batch, prompts per rank) x G`` rows) stays on the model
   through training under DDP where the plan fits so, else it is released after each rollout
   (:func:`rollout_engine_kept`); FSDP2's gathered copy and its engine are freed after it.
 * training, one micro-batch of ``fgrpo.optim.micro_batch`` sequences: without activation
@@ -267,7 +267,8 @@ def held_rollout_parts(cfg, ranks: int) -> list:
 
 
 def fgrpo_rollout_rows(cfg, ranks: int) -> int:
-    return min(cfg.eval.batch_size, math.ceil(cfg.fgrpo.batch_prompts / ranks)) * \
+    """Rows of a rollout's engine pass: min(model.decode_batch, prompts per rank) x G."""
+    return min(cfg.model.decode_batch, math.ceil(cfg.fgrpo.batch_prompts / ranks)) * \
         cfg.fgrpo.sampling.num_generations
 
 

@@ -96,7 +96,7 @@ class TrainedPolicy(GradientMethod):
                 stack.close()
 
     def step_decode(self) -> tuple:
-        """A rollout: min(eval.batch_size, this rank's prompts) x G rows, the own adapter."""
+        """A rollout: min(model.decode_batch, this rank's prompts) x G rows, the own adapter."""
         cfg = self.job.cfg
         return fgrpo_rollout_rows(cfg, self.job.world.size), 0 if self.f.full_finetune else 1
 

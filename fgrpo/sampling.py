@@ -61,7 +61,7 @@ def sample_step(model, tok, task, cfg, world, step: int, timer, decoder) -> Step
         mine = batch[share]
         request = RolloutRequest([task.train.prompts[j] for j in mine],
                                  [task.train.answers[j] for j in mine], cfg.task.max_new_tokens,
-                                 cfg.eval.batch_size, shared_step_seed(seed, step, r),
+                                 cfg.model.decode_batch, shared_step_seed(seed, step, r),
                                  first_index=share.start)
         rollouts = sample_rollouts(model, tok, task, f, request, decoder=decoder, timer=timer)
         first = rollouts if first is None else first
