@@ -3,19 +3,22 @@
 ``hpc-plan`` never disagree on what
 fits: the weight bytes a decode step reads and the sequences a GPU decodes at once, per method.
 
-The configuration is the plan's (:func:`hpc.plan.registry.plan_job_class`): ``--config`` (default:
+The configuration is the plan's (:func:`hpc.job.config.plan_job_class`): ``--config`` (default:
 the package's defaults) with the scaling model's workload on top: the model shape, LoRA rank on
 all seven linears, prompt and completion lengths, the GPU's memory (``plan.gpu_memory_gib`` =
 the GPU's GB, as ``hpc-plan`` is given it for 80 GB GPUs), ESSA's ``model.quantize``, one
 member a pass with all its ``minibatch`` prompts asked at once (``eval.batch_size``), and for
 GRPO ``fgrpo.full_finetune`` / ``fgrpo.parallel.strategy`` as the scaling model's flags say.
+The same plan decides what sharded full-parameter F-GRPO moves to host memory around a rollout
+(:func:`host_offload`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from essa.plan import plan as essa_plan
-from fgrpo.plan import checkpointing_needed, offload_that_fits, plan as fgrpo_plan
+from fgrpo.plan import (checkpointing_needed, offload_that_fits, offloaded_bytes,
+                        plan as fgrpo_plan)
 from hpc.engine.memory import GIB
 from hpc.engine.shape import QWEN25, ModelShape
 from hpc.plan.terms import engine_slots, weight_bytes
@@ -64,7 +67,7 @@ def plan_config(config: str | None, *, lora_rank: int, prompt: int, max_new: int
                 sharded: bool, micro_batch: int):
     """The plan's job config of the scaling model's setting (module docstring);
     ``essa_quantize`` None: the config's ``model.quantize``."""
-    from hpc.plan.registry import plan_job_class
+    from hpc.job.config import plan_job_class
     from hpc.runtime.config import load_config
 
     cfg = load_config(plan_job_class(), config, [
@@ -101,7 +104,7 @@ def essa_decoding(shape: ModelShape, cfg, gpus: int) -> Decoding:
                     engine_slots(shape, cfg, PLENTY, 1, budget), budget)
 
 
-def grpo_decoding(shape: ModelShape, cfg, gpus: int) -> Decoding:
+def fgrpo_decoding(shape: ModelShape, cfg, gpus: int) -> Decoding:
     """F-GRPO's rollout: bf16 weights (the gathered model under FSDP2), the slots of its
     engine (its own adapter, or none when every weight trains) within the plan's budget."""
     plain = cfg.model.quantize
@@ -114,3 +117,37 @@ def grpo_decoding(shape: ModelShape, cfg, gpus: int) -> Decoding:
                         engine_slots(shape, cfg, PLENTY, k, budget), budget)
     finally:
         cfg.model.quantize = plain
+
+
+def host_offload(shape: ModelShape, gpus: list, *, gpu_gb: float, micro_batch: int,
+                 batch_prompts: int, generations: int, max_new: int, prompt: int) -> tuple:
+    """(((GPUs, seconds a GPU moves its training state to host memory and back around each
+    rollout), ...), a note saying so) of sharded full-parameter F-GRPO, as the job's memory
+    plan decides it (``fgrpo.parallel.offload=auto``: the first of none, optimizer, state that
+    fits ``gpu_gb`` GB), at the plan's ``plan.host_gb_per_s``."""
+    from hpc.job.config import plan_job_class
+    from hpc.runtime.config import load_config
+
+    cfg = load_config(plan_job_class(), None, [
+        "model.dtype=bfloat16", "fgrpo.full_finetune=true", "fgrpo.parallel.strategy=fsdp2",
+        "model.activation_checkpointing=on",
+        f"fgrpo.optim.micro_batch={micro_batch}", f"fgrpo.batch_prompts={batch_prompts}",
+        f"fgrpo.sampling.num_generations={generations}", f"task.max_new_tokens={max_new}",
+        f"plan.max_prompt_tokens={prompt}", f"plan.gpu_memory_gib={gpu_gb:g}"])
+    bandwidth = cfg.plan.host_gb_per_s * 1e9
+    moved, modes = [], []
+    for n in sorted(set(gpus)):
+        for mode in ("none", "optimizer", "state"):
+            cfg.fgrpo.parallel.offload = mode
+            if fgrpo_plan(shape, cfg, n, advise=False).fits:
+                nbytes = offloaded_bytes(shape, cfg, n, mode)
+                moved.append((n, 2 * nbytes / bandwidth))
+                modes.append(f"{n} GPUs: {mode} ({nbytes / 2 ** 30:.1f} GiB)")
+                break
+        else:
+            modes.append(f"{n} GPUs: does not fit even with state")
+    return tuple(moved), (
+        f"host offload (fgrpo.parallel.offload=auto as the job's memory plan picks it on "
+        f"{gpu_gb:g} GB with activation checkpointing, the job's other defaults): "
+        + "; ".join(modes) + f"; there and back at {cfg.plan.host_gb_per_s:g} GB/s a GPU "
+        "(plan.host_gb_per_s)")

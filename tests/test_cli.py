@@ -68,8 +68,9 @@ def test_a_mistyped_subcommand_or_flag_is_one_line(name, argv, words):
 
 @pytest.mark.subprocess
 def test_hpc_scaling_takes_its_config_first_like_every_command():
-    proc = subprocess.run([sys.executable, "-c", "from compare.scaling import build_parser, "
-                           "main; print(build_parser().parse_args(['c.yaml']).config_file); "
+    proc = subprocess.run([sys.executable, "-c", "from compare.options import build_parser; "
+                           "from compare.scaling import main; "
+                           "print(build_parser().parse_args(['c.yaml']).config_file); "
                            "main(['a.yaml', '--config', 'b.yaml'])"], cwd=REPO,
                           capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=REPO))

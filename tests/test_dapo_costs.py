@@ -3,7 +3,9 @@
 import numpy as np
 import pytest
 
-from compare.scaling import LINKS, Network, Workload, _rollout_rounds, grpo_step
+from compare.measured import _rollout_rounds
+from compare.model import Workload, fgrpo_step
+from compare.network import LINKS, Network
 from fgrpo.plan import expected_rounds, plan as fgrpo_plan
 from hpc.engine.shape import ModelShape
 from test_memory_plan import cluster_config, model_folder
@@ -37,9 +39,9 @@ def test_memory_plan_counts_the_kept_rollouts_and_says_the_extra_rollouts(tmp_pa
 
 def test_scaling_model_decodes_every_round_and_trains_one_batch():
     cost, net = paper_costs(), Network(LINKS["infiniband-ndr"], LINKS["nvlink-h100"], 8)
-    plain = grpo_step(64, PAPER_W, cost, net)
-    w = Workload(**{**PAPER_W.__dict__, "grpo_rounds": 2.0})
-    refilled = grpo_step(64, w, cost, net)
+    plain = fgrpo_step(64, PAPER_W, cost, net)
+    w = Workload(**{**PAPER_W.__dict__, "fgrpo_rounds": 2.0})
+    refilled = fgrpo_step(64, w, cost, net)
     assert refilled["generate"] == pytest.approx(2 * plain["generate"])
     assert refilled["forward_backward"] == plain["forward_backward"]
     assert refilled["allreduce"] == plain["allreduce"]

@@ -7,7 +7,7 @@ import re
 import pytest
 from transformers import Qwen2Config
 
-from compare.scaling import Model
+from compare.roofline import Model
 from hpc.engine.hf_backend import members_that_fit
 from hpc.engine.memory import ENGINE_MEMORY_SHARE, engine_memory
 from hpc.engine.shape import QWEN25, ModelShape

@@ -6,18 +6,24 @@ import numpy as np
 import pytest
 
 from hpc.runtime.runstore import RunStore
-from compare.scaling import (GPUS, LINKS, PAPER_MINUTES, QWEN25_32B, GpuCheck, Link,
-                             LoraFsdp, Measured, Network, Roofline, Sharding, Workload,
-                             allgather, build_parser, essa_step, grpo_step,
-                             implied_fixed_cost, main, planned_decoding, predict,
-                             ring_allgather, ring_allreduce)
+from compare.gpu_check import GpuCheck
+from compare.measured import Measured
+from compare.model import Workload, essa_step, fgrpo_step, predict
+from compare.network import (GPUS, LINKS, Link, Network, allgather, ring_allgather,
+                             ring_allreduce)
+from compare.options import parse_options
+from compare.paper import PAPER_MINUTES, implied_fixed_cost
+from compare.roofline import QWEN25_32B, Roofline
+from compare.scaling import main
+from compare.setting import planned_decoding
+from compare.sharding import LoraFsdp, Sharding
 
 GPU_CHECK = str(Path(__file__).resolve().parents[1] / "benchmarks" / "results" /
                 "gpu_check-h200-2026-11-30.json")
 
 NDR = Network(LINKS["infiniband-ndr"], LINKS["nvlink-h100"], 8)
-PAPER_W = Workload(population=128, minibatch=256, grpo_batch=512, grpo_generations=8,
-                   grpo_minibatch=64, essa_steps=100, grpo_steps=100, essa_update_s=2.0)
+PAPER_W = Workload(population=128, minibatch=256, fgrpo_batch=512, fgrpo_generations=8,
+                   fgrpo_minibatch=64, essa_steps=100, fgrpo_steps=100, essa_update_s=2.0)
 
 
 def paper_costs(**kw):
@@ -73,7 +79,7 @@ def test_generation_floor_and_granularity():
     assert e32["generate"] == pytest.approx(e16["generate"] / 2)
     big = essa_step(256, PAPER_W, cost, NDR)  # N > P: one member per GPU, no further gain
     assert big["generate"] == essa_step(128, PAPER_W, cost, NDR)["generate"]
-    g = grpo_step(128, PAPER_W, cost, NDR)
+    g = fgrpo_step(128, PAPER_W, cost, NDR)
     assert g["generate"] == pytest.approx(cost.generate(4 * 8))
     assert g["allreduce"] == pytest.approx(8 * NDR.allreduce(4 * QWEN25_32B.lora_params, 128))
 
@@ -81,20 +87,20 @@ def test_generation_floor_and_granularity():
 def test_trends_with_gpu_count():
     rows = predict([16, 32, 64, 128], PAPER_W, paper_costs(), NDR)
     essa = [r["essa_step"] for r in rows]
-    grpo = [r["grpo_step"] for r in rows]
+    fgrpo = [r["fgrpo_step"] for r in rows]
     assert all(a > b for a, b in zip(essa, essa[1:]))
-    assert all(a > b for a, b in zip(grpo, grpo[1:]))
+    assert all(a > b for a, b in zip(fgrpo, fgrpo[1:]))
     comm = [r["essa"]["communication"] for r in rows]
-    allred = [r["grpo"]["allreduce"] for r in rows]
+    allred = [r["fgrpo"]["allreduce"] for r in rows]
     assert all(a < b for a, b in zip(comm, comm[1:]))
     assert all(a < b for a, b in zip(allred, allred[1:]))
     assert comm[-1] < 1e-3 < allred[0]  # ESSA's traffic is tiny next to GRPO's
     assert rows[-1]["ratio"] > rows[0]["ratio"]  # ESSA gains on GRPO as N grows
     for r in rows:
         assert r["essa_ttt"] == pytest.approx(100 * r["essa_step"])
-        assert r["ratio"] == pytest.approx(r["grpo_ttt"] / r["essa_ttt"])
+        assert r["ratio"] == pytest.approx(r["fgrpo_ttt"] / r["essa_ttt"])
     slow = predict([128], PAPER_W, paper_costs(), Network(LINKS["ethernet-100g"], None))
-    assert slow[0]["grpo"]["allreduce"] > rows[-1]["grpo"]["allreduce"]
+    assert slow[0]["fgrpo"]["allreduce"] > rows[-1]["fgrpo"]["allreduce"]
 
 
 def test_paper_preset_prints_table_assumptions_and_figures(capsys):
@@ -107,7 +113,7 @@ def test_paper_preset_prints_table_assumptions_and_figures(capsys):
     assert "hierarchical" in out and "not taken from the paper" in out
     assert "2x faster than GRPO on 16 GPUs and 6-7.8x" in out
     # the paper's GRPO is the default: LoRA on an FSDP-sharded base, weight sync each step
-    cost = paper_costs(decoding=planned_decoding(build_parser().parse_args([]), 256))
+    cost = paper_costs(decoding=planned_decoding(parse_options([]), 256))
     lora = LoraFsdp(QWEN25_32B.params, QWEN25_32B.lora_params)
     rows = predict([16, 128], PAPER_W, cost, NDR, lora)
     assert f"prediction: {rows[0]['ratio']:.2f}x at 16 GPUs, {rows[1]['ratio']:.2f}x at 128" in out
@@ -137,7 +143,7 @@ def test_model_concurrency_is_the_plans(quantize):
     from fgrpo.plan import plan as fgrpo_plan
     from hpc.plan.terms import weight_bytes
 
-    args = build_parser().parse_args(["--essa-quantize", quantize])
+    args = parse_options(["--essa-quantize", quantize])
     cost = paper_costs(decoding=planned_decoding(args, 256))
     shape = model_shape(64, 5120, 27648, 1024)
     cfg = plan_config(None, lora_rank=16, prompt=256, max_new=1024, gpu_gb=80, minibatch=256,
@@ -149,18 +155,18 @@ def test_model_concurrency_is_the_plans(quantize):
     cfg.model.quantize = "none"
     cfg.fgrpo.batch_prompts = 4096  # a rollout asking more rows than the engine holds
     rollout = fgrpo_plan(shape, cfg, 16).phase("rollout").parts[-2][0]
-    assert cost.terms("grpo")[1] == int(rollout.split(": ")[2].split(" slots")[0])
-    assert cost.terms("grpo")[0] == weight_bytes(shape, cfg) / 3.35e12
+    assert cost.terms("fgrpo")[1] == int(rollout.split(": ")[2].split(" slots")[0])
+    assert cost.terms("fgrpo")[0] == weight_bytes(shape, cfg) / 3.35e12
     if quantize != "none":  # fewer weight bytes leave the engine more room
         assert cost.terms("essa")[1] > paper_costs(decoding=planned_decoding(
-            build_parser().parse_args([]), 256)).terms("essa")[1]
+            parse_options([]), 256)).terms("essa")[1]
 
 
 def test_kv_reference_keeps_one_bf16_concurrency():
-    args = build_parser().parse_args(["--concurrency", "kv"])
+    args = parse_options(["--concurrency", "kv"])
     assert planned_decoding(args, 256) == {}
     cost = paper_costs()
-    assert cost.terms("essa") == cost.terms("grpo") == (cost.step_fixed, cost.max_batch)
+    assert cost.terms("essa") == cost.terms("fgrpo") == (cost.step_fixed, cost.max_batch)
 
 
 def test_ring_allgather_and_sharded_step_by_hand():
@@ -189,19 +195,19 @@ def test_ring_allgather_and_sharded_step_by_hand():
 
 def test_sharded_32b_rows_exist_and_sum(capsys):
     cost = Roofline(QWEN25_32B, GPUS["h100"], 256, 512, 1024, True, decoding=planned_decoding(
-        build_parser().parse_args(["--sharded"]), 256))
+        parse_options(["--sharded"]), 256))
     shard = Sharding(QWEN25_32B.params)
     rows = predict([16, 32, 64, 128], PAPER_W, cost, NDR, shard)
     for r in rows:
-        g = r["grpo"]
+        g = r["fgrpo"]
         assert set(g) == {"generate", "forward_backward", "gather_forward", "gather_backward",
                           "reduce_scatter", "rollout_gather", "host_offload", "optimizer"}
         assert g["host_offload"] == 0  # none given
-        assert r["grpo_step"] == pytest.approx(sum(g.values()))
+        assert r["fgrpo_step"] == pytest.approx(sum(g.values()))
         assert r["essa_step"] == pytest.approx(sum(r["essa"].values()))
         assert g["optimizer"] == pytest.approx(8 * cost.optimizer_s / r["gpus"])
     plain = predict([16], PAPER_W, cost, NDR)[0]
-    assert rows[0]["grpo"]["generate"] == plain["grpo"]["generate"]
+    assert rows[0]["fgrpo"]["generate"] == plain["fgrpo"]["generate"]
     main(["--paper", "--sharded"])
     out = capsys.readouterr().out
     assert "sharded full-parameter GRPO (FSDP2" in out
@@ -254,10 +260,10 @@ def test_lora_fsdp_terms_by_hand():
     full = Sharding(32.5e9).step(16, PAPER_W, NDR)
     assert sum(terms.values()) < sum(full.values()) - full["reduce_scatter"] / 2
     cost = paper_costs()
-    g = grpo_step(16, PAPER_W, cost, NDR, lora)
+    g = fgrpo_step(16, PAPER_W, cost, NDR, lora)
     assert g["optimizer"] == pytest.approx(8 * cost.optimizer_s / 16)
-    fixed = grpo_step(16, Workload(**{**PAPER_W.__dict__, "grpo_fixed_s": 30.0}), cost, NDR,
-                      lora)
+    fixed = fgrpo_step(16, Workload(**{**PAPER_W.__dict__, "fgrpo_fixed_s": 30.0}), cost,
+                       NDR, lora)
     assert fixed["fixed"] == 30.0 and sum(fixed.values()) == pytest.approx(
         sum(g.values()) + 30.0)
     assert "fixed" not in g
@@ -271,27 +277,27 @@ def test_implied_fixed_cost_from_two_points():
     assert (100 + f) / (12.5 + f) == pytest.approx(400 / 150)
     # a step that already shrinks less than the times: no positive fixed cost fits
     assert implied_fixed_cost({16: 100.0, 128: 50.0}, (16, 400.0), (128, 150.0)) < 0
-    assert PAPER_MINUTES["grpo"] == ((16, 400.0), (128, 150.0))
+    assert PAPER_MINUTES["fgrpo"] == ((16, 400.0), (128, 150.0))
     assert PAPER_MINUTES["essa"] == ((16, 200.0), (128, 20.0))
 
 
 def test_paper_prints_the_implied_fixed_cost_and_its_prediction(capsys):
     main(["--paper"])
     out = capsys.readouterr().out
-    cost = paper_costs(decoding=planned_decoding(build_parser().parse_args([]), 256))
+    cost = paper_costs(decoding=planned_decoding(parse_options([]), 256))
     lora = LoraFsdp(QWEN25_32B.params, QWEN25_32B.lora_params)
     a, b = predict([16, 128], PAPER_W, cost, NDR, lora)
-    f = implied_fixed_cost({16: a["grpo_step"], 128: b["grpo_step"]}, (16, 400.0),
+    f = implied_fixed_cost({16: a["fgrpo_step"], 128: b["fgrpo_step"]}, (16, 400.0),
                            (128, 150.0))
     assert f > 0
     line = next(x for x in out.splitlines() if x.startswith("fixed cost implied"))
     assert f"{f:.1f} s a step (--grpo-fixed-s {f:.1f})" in line
-    c, d = predict([16, 128], Workload(**{**PAPER_W.__dict__, "grpo_fixed_s": f}),
+    c, d = predict([16, 128], Workload(**{**PAPER_W.__dict__, "fgrpo_fixed_s": f}),
                    cost, NDR, lora)
     assert f"prediction with it: GRPO/ESSA {c['ratio']:.2f}x at 16 GPUs, {d['ratio']:.2f}x " \
         "at 128" in out
     # given back as the option, the fixed cost is a term of every GRPO step
-    c, d = predict([16, 128], Workload(**{**PAPER_W.__dict__, "grpo_fixed_s": round(f, 1)}),
+    c, d = predict([16, 128], Workload(**{**PAPER_W.__dict__, "fgrpo_fixed_s": round(f, 1)}),
                    cost, NDR, lora)
     main(["--paper", "--grpo-fixed-s", f"{f:.1f}"])
     out = capsys.readouterr().out
@@ -306,20 +312,21 @@ def test_paper_prints_the_implied_fixed_cost_and_its_prediction(capsys):
     (["--paper", "--grpo", "replica"], "generates in-process, no weight sync"),
     ([], "generates in-process, no weight sync"),
 ])
-def test_grpo_modes(argv, mode, capsys):
+def test_fgrpo_layouts(argv, mode, capsys):
     main(argv)
     assert mode in capsys.readouterr().out
 
 
-def test_grpo_mode_contradictions_exit_2(seeds, capsys):
+def test_fgrpo_layout_contradictions_exit_2(seeds, capsys):
     assert "contradicts --grpo lora-fsdp" in one_error_line(
         ["--sharded", "--grpo", "lora-fsdp"], capsys)
     assert "contradicts --grpo full" in one_error_line(
         ["--full-finetune", "--grpo", "full"], capsys)
-    assert "--grpo-fixed-s must be >= 0" in one_error_line(["--grpo-fixed-s", "-1"], capsys)
-    essa, grpo = seeds
+    assert "--fgrpo-fixed-s: -1 is below the minimum 0" in one_error_line(
+        ["--grpo-fixed-s", "-1"], capsys)
+    essa, fgrpo = seeds
     assert "measured ones" in one_error_line(
-        ["--runs", *essa, *grpo, "--grpo", "lora-fsdp"], capsys)
+        ["--runs", *essa, *fgrpo, "--grpo", "lora-fsdp"], capsys)
 
 
 def write_run(path, method, ranks, config, phases, heldout_key, accuracy=(0.2, 0.4, 0.6),
@@ -343,28 +350,49 @@ def test_measured_costs_from_run_files(tmp_path, capsys):
                      "essa:\n  population: 8\n  minibatch: 10\n",
                      {"rebuild": 0.5, "generate": 3.0, "reward": 0.5, "update": 0.25,
                       "eval": 9.0}, "mean_accuracy")
-    grpo = write_run(tmp_path / "fgrpo.h5", "fgrpo", 2,
+    fgrpo = write_run(tmp_path / "fgrpo.h5", "fgrpo", 2,
                      "fgrpo:\n  batch_prompts: 4\n  num_generations: 4\n  num_iterations: 2\n",
                      {"generation": 1.0, "reward": 0.0, "forward_backward": 2.0,
                       "optimizer": 0.1}, "accuracy")
-    cost = Measured([essa, grpo])
+    cost = Measured([essa, fgrpo])
     assert cost.s_essa == pytest.approx(2 * 4.0 / 80)  # rank-seconds per scored completion
     assert cost.s_gen == pytest.approx(2 * 1.0 / 16)
     assert cost.s_train == pytest.approx(2 * 2.0 / 16)
     assert cost.essa_update_s == pytest.approx(0.25)
     assert cost.optimizer_s == pytest.approx(0.05) and cost.grad_bytes == 2000
     assert cost.steps_to_target(0.5)[:3] == (3, 3, 0.5)
-    w = Workload(**cost.workload_defaults(), essa_steps=3, grpo_steps=3)
+    w = Workload(**cost.workload_defaults(), essa_steps=3, fgrpo_steps=3)
     assert essa_step(4, w, cost, NDR)["generate"] == pytest.approx(2 * 10 * cost.s_essa)
-    assert grpo_step(4, w, cost, NDR)["forward_backward"] == pytest.approx(4 * cost.s_train)
-    main(["--runs", essa, grpo, "--target", "0.5", "--gpus", "1", "2", "4"])
+    assert fgrpo_step(4, w, cost, NDR)["forward_backward"] == pytest.approx(4 * cost.s_train)
+    main(["--runs", essa, fgrpo, "--target", "0.5", "--gpus", "1", "2", "4"])
     out = capsys.readouterr().out
     assert "costs measured in" in out and "held-out accuracy 0.5 (as given by --target" in out
     with pytest.raises(SystemExit) as err:
-        main(["--runs", essa, grpo, "--target", "0.9"])
+        main(["--runs", essa, fgrpo, "--target", "0.9"])
     assert err.value.code == 2
-    main(["--runs", grpo, essa])  # sorted by the files' method attribute, not their order
+    main(["--runs", fgrpo, essa])  # sorted by the files' method attribute, not their order
     assert "costs measured in 1 ESSA run(s) (" + essa in capsys.readouterr().out
+
+
+def test_options_out_of_their_declared_range_end_in_one_line(capsys):
+    """Every number is checked against its declaration (compare.options.ScalingOptions): one
+    line naming the flag, exit 2; dynamic sampling's share takes fgrpo.sampling's range."""
+    assert one_error_line(["--population", "0"], capsys) == \
+        "error: --population: 0 is below the minimum 1"
+    assert one_error_line(["--gpus", "16", "0"], capsys) == \
+        "error: --gpus: 0 is below the minimum 1"
+    assert one_error_line(["--decode-mfu", "0"], capsys) == \
+        "error: --decode-mfu: 0 must be greater than 0"
+    assert one_error_line(["--filtered-share", "0.995"], capsys) == \
+        "error: --filtered-share: 0.995 is above the maximum 0.99"
+    assert "invalid choice: 'x100'" in one_error_line(["--gpu", "x100"], capsys)
+
+
+def test_fgrpo_flags_keep_their_grpo_spelling(capsys):
+    main(["--fgrpo", "replica", "--fgrpo-batch", "256", "--fgrpo-fixed-s", "5", "--gpus", "16"])
+    new = capsys.readouterr().out
+    main(["--grpo", "replica", "--grpo-batch", "256", "--grpo-fixed-s", "5", "--gpus", "16"])
+    assert capsys.readouterr().out == new and "GRPO: 256 prompts" in new
 
 
 def test_user_errors_exit_2():
@@ -392,31 +420,31 @@ def seeds(tmp_path):
             for i, (gen, acc) in enumerate([(3.0, (0.1, 0.3, 0.5, 0.7)),
                                             (5.0, (0.2, 0.5, 0.6, 0.6)),
                                             (4.0, (0.5, 0.5, 0.55, 0.8))])]
-    grpo = [write_run(tmp_path / "fgrpo0.h5", "fgrpo", 2, GRPO_CONFIG, GRPO_PHASES,
+    fgrpo = [write_run(tmp_path / "fgrpo0.h5", "fgrpo", 2, GRPO_CONFIG, GRPO_PHASES,
                       "accuracy", (0.3, 0.6, 0.9), {"heldout_accuracy": "accuracy"}),
             write_run(tmp_path / "fgrpo1.h5", "fgrpo", 2, GRPO_CONFIG,
                       dict(GRPO_PHASES, generation=3.0), "score", (0.1, 0.2, 0.65),
                       {"heldout_accuracy": "score"})]
-    return essa, grpo
+    return essa, fgrpo
 
 
 def test_several_seeds_and_automatic_target(seeds, capsys):
-    essa, grpo = seeds
-    cost = Measured([grpo[0], essa[0], essa[1], grpo[1], essa[2]])  # any order
+    essa, fgrpo = seeds
+    cost = Measured([fgrpo[0], essa[0], essa[1], fgrpo[1], essa[2]])  # any order
     assert cost.s_essa == pytest.approx(2 * (1.0 + 4.0) / 80)  # generate 3, 5, 4 -> mean 4
     assert cost.s_gen == pytest.approx(2 * 2.0 / 16)  # generation 1 and 3 -> mean 2
     assert cost.s_train == pytest.approx(2 * 2.0 / 16)
-    essa_steps, grpo_steps, target, lines = cost.steps_to_target()
+    essa_steps, fgrpo_steps, target, lines = cost.steps_to_target()
     assert target == pytest.approx(0.6)  # the lowest of the runs' best accuracies
-    assert (essa_steps, grpo_steps) == (4, 2.5)  # medians of (4, 3, 4) and (2, 3)
-    assert f"{essa[1]} 3" in lines[1] and f"{grpo[1]} 3" in lines[2]
+    assert (essa_steps, fgrpo_steps) == (4, 2.5)  # medians of (4, 3, 4) and (2, 3)
+    assert f"{essa[1]} 3" in lines[1] and f"{fgrpo[1]} 3" in lines[2]
     assert cost.steps_to_target(0.3)[:2] == (2, 2)  # medians of (2, 2, 1) and (1, 3)
-    main(["--runs", *essa, *grpo, "--gpus", "1", "2", "--paper"])
+    main(["--runs", *essa, *fgrpo, "--gpus", "1", "2", "--paper"])
     out = capsys.readouterr().out
     assert "chosen automatically" in out and "3 ESSA run(s)" in out
     assert "ESSA 4 generations, GRPO 2.5 steps" in out
     assert "(the paper comparison needs 16 and 128 in --gpus)" in out
-    main(["--runs", *essa, *grpo, "--paper"])
+    main(["--runs", *essa, *fgrpo, "--paper"])
     out = capsys.readouterr().out
     assert [line.split()[0] for line in out.split("\n\n")[0].splitlines()[2:]] == \
         ["16", "32", "64", "128"]
@@ -434,13 +462,13 @@ def one_error_line(argv, capsys) -> str:
 
 
 def test_target_never_reached_names_the_run(seeds, capsys):
-    essa, grpo = seeds
-    line = one_error_line(["--runs", *essa, *grpo, "--target", "0.62"], capsys)
+    essa, fgrpo = seeds
+    line = one_error_line(["--runs", *essa, *fgrpo, "--target", "0.62"], capsys)
     assert line.startswith("error: never reached held-out accuracy 0.62: ")
     assert f"{essa[1]} (its best: 0.6)" in line and all(p not in line for p in
-                                                        (essa[0], essa[2], *grpo))
-    line = one_error_line(["--runs", *essa, *grpo, "--target", "0.7"], capsys)
-    assert f"{essa[1]} (its best: 0.6), {grpo[1]} (its best: 0.65)" in line
+                                                        (essa[0], essa[2], *fgrpo))
+    line = one_error_line(["--runs", *essa, *fgrpo, "--target", "0.7"], capsys)
+    assert f"{essa[1]} (its best: 0.6), {fgrpo[1]} (its best: 0.65)" in line
 
 
 def test_costs_from_the_gpu_check_json(seeds, capsys):
@@ -468,8 +496,8 @@ def test_costs_from_the_gpu_check_json(seeds, capsys):
     assert cost.call_seconds(256, adapter=False) == by_rows[256]["base"]["s"]
     assert GpuCheck(GPU_CHECK, second["model"]).s_train == pytest.approx(
         second["fgrpo_step"]["phases_s"]["forward_backward"] / 256)
-    essa, grpo = seeds
-    main(["--runs", *essa, *grpo, "--gpu-check", GPU_CHECK, "--gpu-check-model",
+    essa, fgrpo = seeds
+    main(["--runs", *essa, *fgrpo, "--gpu-check", GPU_CHECK, "--gpu-check-model",
           second["model"], "--paper"])
     out = capsys.readouterr().out
     assert f"per-step costs from the GPU check {GPU_CHECK}" in out and second["model"] in out
@@ -479,8 +507,8 @@ def test_costs_from_the_gpu_check_json(seeds, capsys):
     assert "rows a GPU holds: 16 GPUs: ESSA 10, F-GRPO 4; 128 GPUs: ESSA 10, F-GRPO 4" in out
     assert "not in the table, the decode batch effect" in out
     rows = out.split("\n\n")[0].splitlines()[2:]
-    w = Workload(population=8, minibatch=10, grpo_batch=4, grpo_generations=4,
-                 grpo_minibatch=2, essa_steps=4, grpo_steps=2.5, essa_update_s=0.25)
+    w = Workload(population=8, minibatch=10, fgrpo_batch=4, fgrpo_generations=4,
+                 fgrpo_minibatch=2, essa_steps=4, fgrpo_steps=2.5, essa_update_s=0.25)
     expected = predict([16], w, GpuCheck(GPU_CHECK, second["model"]), NDR)[0]
     assert rows[0].split()[3] == f"{expected['essa_step']:.3f}"
     main(["--gpu-check", GPU_CHECK, "--essa-steps", "50", "--grpo-steps", "200"])
@@ -489,17 +517,17 @@ def test_costs_from_the_gpu_check_json(seeds, capsys):
 
 
 def test_bad_inputs_exit_2_with_one_line(seeds, tmp_path, capsys):
-    essa, grpo = seeds
+    essa, fgrpo = seeds
     assert "at least one F-GRPO run" in one_error_line(["--runs", *essa], capsys)
-    assert "at least one ESSA run" in one_error_line(["--runs", grpo[0]], capsys)
+    assert "at least one ESSA run" in one_error_line(["--runs", fgrpo[0]], capsys)
     other = write_run(tmp_path / "other.h5", "essa", 2, ESSA_CONFIG.replace("8", "16"),
                       dict(ESSA_PHASES, generate=1.0), "mean_accuracy")
-    assert "differ in essa.population" in one_error_line(["--runs", *essa, other, *grpo],
+    assert "differ in essa.population" in one_error_line(["--runs", *essa, other, *fgrpo],
                                                          capsys)
     sft = write_run(tmp_path / "sft.h5", "sft", 1, "", {"forward_backward": 1.0}, "accuracy")
-    assert "neither an ESSA nor an F-GRPO" in one_error_line(["--runs", sft, *grpo], capsys)
-    assert "not found" in one_error_line(["--runs", str(tmp_path / "no.h5"), *grpo], capsys)
-    assert "more than once" in one_error_line(["--runs", essa[0], essa[0], *grpo], capsys)
+    assert "neither an ESSA nor an F-GRPO" in one_error_line(["--runs", sft, *fgrpo], capsys)
+    assert "not found" in one_error_line(["--runs", str(tmp_path / "no.h5"), *fgrpo], capsys)
+    assert "more than once" in one_error_line(["--runs", essa[0], essa[0], *fgrpo], capsys)
     assert "--gpu-check-model" in one_error_line(["--gpu-check-model", "x"], capsys)
     assert "calibrate the roofline" in one_error_line(
         ["--gpu-check", GPU_CHECK, "--gen-tps", "1000"], capsys)
