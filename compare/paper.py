@@ -13,6 +13,7 @@ from compare.model import Workload, communication, predict
 from compare.network import Network
 from compare.sharding import FGRPO_MODES
 from compare.tables import seconds_text
+from hpc.runtime.errors import UserError
 
 # the paper's large setting, the workload's defaults without --runs
 PAPER_WORKLOAD = {"population": 128, "minibatch": 256, "fgrpo_batch": 512,

@@ -7,7 +7,7 @@ The configuration is the plan's (:func:`hpc.job.config.plan_job_class`): ``--con
 the package's defaults) with the scaling model's workload on top: the model shape, LoRA rank on
 all seven linears, prompt and completion lengths, the GPU's memory (``plan.gpu_memory_gib`` =
 the GPU's GB, as ``hpc-plan`` is given it for 80 GB GPUs), ESSA's ``model.quantize``, one
-member a pass with all its ``minibatch`` prompts asked at once (``eval.batch_size``), and for
+member a pass with all its ``minibatch`` prompts asked at once (``model.decode_batch``), and for
 GRPO ``fgrpo.full_finetune`` / ``fgrpo.parallel.strategy`` as the scaling model's flags say.
 The same plan decides what sharded full-parameter F-GRPO moves to host memory around a rollout
 (:func:`host_offload`).
@@ -75,7 +75,7 @@ def plan_config(config: str | None, *, lora_rank: int, prompt: int, max_new: int
         "lora.targets=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]",
         f"plan.max_prompt_tokens={prompt}", f"task.max_new_tokens={max_new}",
         f"plan.gpu_memory_gib={gpu_gb:g}", f"essa.minibatch={minibatch}",
-        "essa.members_per_pass=1", f"eval.batch_size={minibatch}",
+        "essa.members_per_pass=1", f"model.decode_batch={minibatch}",
         f"fgrpo.full_finetune={str(full or sharded).lower()}",
         f"fgrpo.parallel.strategy={'fsdp2' if sharded else 'ddp'}",
         f"fgrpo.optim.micro_batch={micro_batch}"]

@@ -122,9 +122,9 @@ def fgrpo_layout(o: ScalingOptions, mode: str, w: Workload, cost) -> tuple:
             f"model a GPU) is fed {sharding.sync_bytes / 1e9:.3g} GB of new weights "
             + ("(the whole model with the LoRA folded in, gathered from the shards)" if
                o.weight_sync == "model" else "(the adapter alone)") +
-            f" and copies them in at HBM speed (--weight-sync); ring cost (N-1)/N bytes/bw + "
-            f"(N-1) latency over the slowest link; the old log-probs' forward pass is in the "
-            f"training FLOPs but gathers nothing more; nothing overlapped with compute"]
+            " and copies them in at HBM speed (--weight-sync); ring cost (N-1)/N bytes/bw + "
+            "(N-1) latency over the slowest link; the old log-probs' forward pass is in the "
+            "training FLOPs but gathers nothing more; nothing overlapped with compute"]
     return None, []
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from essa.config import ESSAJobConfig
+from essa.method import METHOD
 from essa.optimizers import Tracked, make_optimizer
 from essa.population import ScoringRequest, minibatch_indices, owners, score_members
 from hpc.models.adapter_space import LoraEntrySpace, SingularValueSpace
@@ -40,7 +40,7 @@ def gather_fitness(world, mine: np.ndarray, population: int, timer,
 class ESSA(Method):
     """CMA-ES (or OpenAI-ES) over the adapter's singular values; a step is a generation."""
 
-    name, step_name, phases, heldout_accuracy = "essa", "generation", PHASES, "mean_accuracy"
+    step_name, phases, heldout_accuracy = "generation", PHASES, "mean_accuracy"
 
     def __init__(self, job):
         super().__init__(job)
@@ -132,5 +132,5 @@ class ESSA(Method):
 @user_errors_exit
 def main(argv=None):
     """``essa [CONFIG.yaml] [key=value ...] [--resume]`` under mpirun/srun (or alone)."""
-    job = start_job(ESSAJobConfig, "essa", "essa", argv)
+    job = start_job(METHOD, argv)
     finish(job, run_loop(job, ESSA(job)), "sft start", "essa mean")

@@ -16,7 +16,7 @@ fine-tuning: a ``save_pretrained`` folder).
 """
 from __future__ import annotations
 
-from fgrpo.config import FGRPOJobConfig
+from fgrpo.method import METHOD
 from fgrpo.metrics import METRICS, local_sums, step_metrics
 from fgrpo.policy import TrainedPolicy
 from fgrpo.sampling import sample_step
@@ -36,7 +36,7 @@ PHASES = {"gather_weights": "communication", "generate": "rollout", "reward": "r
 class FGRPO(TrainedPolicy):
     """GRPO with focal-weighted group advantages, gradients all-reduced over ranks."""
 
-    name, phases, metrics = "fgrpo", PHASES, METRICS
+    phases, metrics = PHASES, METRICS
 
     def __init__(self, job):
         super().__init__(job)
@@ -79,5 +79,5 @@ class FGRPO(TrainedPolicy):
 @user_errors_exit
 def main(argv=None):
     """``fgrpo [CONFIG.yaml] [key=value ...] [--resume]`` under mpirun/srun (or alone)."""
-    job = start_job(FGRPOJobConfig, "fgrpo", "fgrpo", argv)
+    job = start_job(METHOD, argv)
     finish(job, run_loop(job, FGRPO(job)), "start", "f-grpo")

@@ -11,15 +11,13 @@ import dataclasses
 import sys
 
 from hpc.models.hub import local_or_cached
-from hpc.runtime.cli import EXIT_CODES_HELP, JOB_INPUTS, OneLineParser, job_command
+from hpc.evaluate import EVAL
+from hpc.runtime.cli import EXIT_CODES_HELP, OneLineParser, method_command
 from hpc.job.config import JobConfig
 from hpc.runtime.config import load_config
 from hpc.runtime.errors import UserError, user_errors_exit
 
-evaluate = job_command("hpc-eval", "hpc.job.config:JobConfig", "hpc.evaluate:main",
-                       "Greedy accuracy and pass@k of model.path (+ lora.adapter) on the "
-                       "task's held-out split: writes eval.h5.",
-                       check_ref=JOB_INPUTS, method="eval")
+evaluate = method_command(EVAL)
 
 
 @user_errors_exit

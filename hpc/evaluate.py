@@ -18,8 +18,9 @@ import time
 
 import numpy as np
 
-from hpc.job.config import EvalConfig, JobConfig
+from hpc.job.config import EvalConfig
 from hpc.runtime.errors import user_errors_exit
+from hpc.runtime.methods import MethodSpec
 from hpc.runtime.results import EvalResult, format_table, log_eval
 from hpc.runtime.world import World, split_evenly
 
@@ -135,7 +136,14 @@ def evaluate(model, tokenizer, task, split, eval_cfg: EvalConfig, max_new_tokens
                       greedy_correct=all_correct)
 
 
-EvalJobConfig = JobConfig  # hpc-eval needs only the shared sections
+# hpc-eval: a job of the shared sections only, which keeps no checkpoints; a spec like a
+# method's, not registered among them (it trains nothing)
+EVAL = MethodSpec(
+    name="eval", command="hpc-eval",
+    about="Greedy accuracy and pass@k of model.path (+ lora.adapter) on the task's held-out "
+          "split: writes eval.h5.",
+    section="", job="hpc.job.config:JobConfig", trainer="hpc.evaluate:main",
+    keeps_checkpoints=False)
 
 
 @user_errors_exit
@@ -149,7 +157,7 @@ def main(argv=None):
     from hpc.data.tasks import load_task
     from hpc.data.reward_model import with_reward_model
 
-    job = start_job(EvalJobConfig, "eval", "hpc-eval", argv)
+    job = start_job(EVAL, argv)
     cfg, world = job.cfg, job.world
     task = on_all_ranks(world, lambda: with_reward_model(
         load_task(cfg.task, cfg.model.path), cfg.reward, cfg.model.dtype, job.device))

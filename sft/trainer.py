@@ -30,7 +30,7 @@ from hpc.job.lifecycle import finish, on_all_ranks, start_job, stop_if_preempted
 from hpc.job.loop import run_loop
 from hpc.runtime.readback import bad_field
 from hpc.runtime.world import my_slice
-from sft.config import SFTJobConfig
+from sft.method import METHOD
 
 PHASES = {"forward_backward": "train", "allreduce": "communication", "optimizer": "update"}
 
@@ -38,7 +38,7 @@ PHASES = {"forward_backward": "train", "allreduce": "communication", "optimizer"
 class SFT(GradientMethod):
     """Completion-only cross-entropy on ``task.train`` solutions, a fresh LoRA trained."""
 
-    name, phases, metrics = "sft", PHASES, ("loss",)
+    phases, metrics = PHASES, ("loss",)
 
     def __init__(self, job):
         super().__init__(job)
@@ -135,7 +135,7 @@ def completion_loss(model, input_ids, attention_mask, labels, chunk: int):
 @user_errors_exit
 def main(argv=None):
     """``hpc-sft [CONFIG.yaml] [key=value ...] [--resume]`` under mpirun/srun (or alone)."""
-    job = start_job(SFTJobConfig, "sft", "hpc-sft", argv)
+    job = start_job(METHOD, argv)
     finish(job, run_loop(job, SFT(job)), "base", "sft")
     if job.world.is_root:
         print(f"adapter: {job.out_dir}/adapter")

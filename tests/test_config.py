@@ -1,21 +1,21 @@
 """Config: YAML + overrides, validation errors naming the key, reference table."""
 import pytest
 
-from hpc.runtime.config import (config_to_yaml, get_key, load_config, reference_markdown, stored_config)
+from hpc.job.config import JobConfig
+from hpc.runtime.config import config_to_yaml, get_key, load_config, reference_markdown, stored_config
 from hpc.runtime.errors import UserError
-from hpc.evaluate import EvalJobConfig
 
 
 def test_yaml_then_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("lora:\n  rank: 4\n  targets: [q_proj, v_proj]\ntask:\n  n_eval: 10\n")
-    cfg = load_config(EvalJobConfig, str(path), ["lora.rank=16", "eval.temperature=5e-1",
+    cfg = load_config(JobConfig, str(path), ["lora.rank=16", "eval.temperature=5e-1",
                                                  "lora.targets=q_proj,k_proj"])
     assert cfg.lora.rank == 16 and cfg.task.n_eval == 10 and cfg.eval.temperature == 0.5
     assert cfg.lora.targets == ["q_proj", "k_proj"]
     again = tmp_path / "again.yaml"
     again.write_text(config_to_yaml(cfg))
-    assert load_config(EvalJobConfig, str(again)) == cfg
+    assert load_config(JobConfig, str(again)) == cfg
 
 
 @pytest.mark.parametrize("override, words", [
@@ -33,7 +33,7 @@ def test_yaml_then_overrides(tmp_path):
 ])
 def test_bad_values_name_the_key(override, words):
     with pytest.raises(UserError) as info:
-        load_config(EvalJobConfig, None, [override])
+        load_config(JobConfig, None, [override])
     message = str(info.value)
     assert "\n" not in message
     for word in words:
@@ -42,19 +42,19 @@ def test_bad_values_name_the_key(override, words):
 
 def test_bad_files(tmp_path):
     with pytest.raises(UserError, match="not found"):
-        load_config(EvalJobConfig, str(tmp_path / "missing.yaml"))
+        load_config(JobConfig, str(tmp_path / "missing.yaml"))
     bad = tmp_path / "bad.yaml"
     bad.write_text("lora: [unclosed\n")
     with pytest.raises(UserError, match="not valid YAML"):
-        load_config(EvalJobConfig, str(bad))
+        load_config(JobConfig, str(bad))
     flat = tmp_path / "flat.yaml"
     flat.write_text("rank: 4\n")
     with pytest.raises(UserError, match="must be a mapping"):
-        load_config(EvalJobConfig, str(flat))
+        load_config(JobConfig, str(flat))
 
 
 def test_reference_lists_every_key():
-    table = reference_markdown(EvalJobConfig)
+    table = reference_markdown(JobConfig)
     for key in ("model.path", "lora.rank", "task.name", "eval.n_samples", "run.out"):
         assert f"`{key}`" in table
 

@@ -27,7 +27,7 @@ def test_memory_plan_counts_the_kept_rollouts_and_says_the_extra_rollouts(tmp_pa
     plan = fgrpo_plan(shape, cfg, ranks=16)
     rollout = plan.phase("rollout")
     kept = dict(rollout.parts)["rollouts kept over 3 sampling rounds"]
-    rows = (min(cfg.eval.batch_size, -(-cfg.fgrpo.batch_prompts // 16))
+    rows = (min(cfg.model.decode_batch, -(-cfg.fgrpo.batch_prompts // 16))
             * cfg.fgrpo.sampling.num_generations)
     assert kept == rows * (cfg.plan.max_prompt_tokens + cfg.task.max_new_tokens) * 20 * 2
     extra = 2 * cfg.fgrpo.batch_prompts * cfg.fgrpo.sampling.num_generations

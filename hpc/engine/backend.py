@@ -11,7 +11,6 @@ model's ``config.json`` (:meth:`DecodeBackend.refuses`) decodes the job.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from abc import ABC, abstractmethod

@@ -26,6 +26,7 @@ from hpc.plan.terms import sequence_tokens
 from hpc.models.quantize import check_quantize
 from hpc.runtime.cli import parse_args
 from hpc.runtime.config import config_to_yaml, load_config
+from hpc.runtime.methods import MethodSpec
 from hpc.runtime.errors import UserError
 from hpc.runtime.preempt import EXIT_PREEMPTED, any_rank_signalled, startup_delay, stop_signals
 from hpc.runtime.readback import run_folder_entries
@@ -87,8 +88,10 @@ class Job:
         return os.path.join(self.out_dir, f"{self.method}.h5")
 
 
-def start_job(job_cls, method: str, prog: str, argv=None) -> Job:
-    """Parse, validate and prepare a job on every rank (see the module docstring)."""
+def start_job(spec: MethodSpec, argv=None) -> Job:
+    """Parse, validate and prepare a job of the method ``spec`` describes on every rank (see
+    the module docstring)."""
+    job_cls, method, prog = spec.job_class(), spec.name, spec.command
     # First of all (if the entry point has not already): a preemption signal during start-up
     # (model loading can take minutes) must not kill the ranks; stop_if_preempted honours it.
     signals = stop_signals()

@@ -91,7 +91,6 @@ class Method(abc.ABC):
     phases with ``self.timer.phase(name)`` and may write rows of its own groups to the store.
     """
 
-    name: str = ""               # run file <run.out>/<name>.h5, progress bar, attribute method
     step_name: str = "step"      # what one step is called in the method's own words
     phases: dict = {}            # {phase: kind in PHASE_KINDS}, in the order of a step
     heldout_accuracy: str = "accuracy"  # the held-out column that accuracy curves follow
@@ -167,9 +166,9 @@ def run_attrs(job: Job, method: Method) -> dict:
     phases = dict(method.phases, **LOOP_PHASES)
     unknown = set(phases.values()) - set(PHASE_KINDS)
     if unknown:
-        raise ValueError(f"{method.name}: phase kinds {sorted(unknown)} not in {PHASE_KINDS}")
+        raise ValueError(f"{job.method}: phase kinds {sorted(unknown)} not in {PHASE_KINDS}")
     return dict(environment_attrs(job.world, job.device), **job.sources.attrs(),
-                method=method.name, config=job.config_text, step_name=method.step_name,
+                method=job.method, config=job.config_text, step_name=method.step_name,
                 phases=json.dumps(phases), metrics=json.dumps(list(method.metrics) + list(LOOP_METRICS)),
                 heldout_accuracy=method.heldout_accuracy, preempted_before_first_step=False,
                 model_build=model_build(job.cfg.model.path), **job.plan.attrs(),
@@ -335,10 +334,10 @@ def run_loop(job: Job, method: Method) -> dict:
     agree_on_resume_step(world, start)
     attrs = run_attrs(job, method)
     store = on_all_ranks(world, lambda: RunStore(
-        f"{job.out_dir}/{method.name}.h5", world.is_root, attrs, resume=job.resume,
+        f"{job.out_dir}/{job.method}.h5", world.is_root, attrs, resume=job.resume,
         backup=resumed["run_file"]))
     store.reporters = on_all_ranks(world, lambda: open_reporters(
-        cfg.run.report_to, job.out_dir, method.name, job.config_text,
+        cfg.run.report_to, job.out_dir, job.method, job.config_text,
         start if job.resume else None) if world.is_root else [])
     store.truncate_after(start if start else None)
     if job.resume:
@@ -355,7 +354,7 @@ def run_loop(job: Job, method: Method) -> dict:
         log_eval(store, -1, start_eval)
     stop_if_preempted(job, "resuming" if start_eval is None else "the start evaluation", store)
     total = method.total_steps
-    progress = progress_bar(job, total, f"{method.name} [{job.decoder.name}]", initial=start)
+    progress = progress_bar(job, total, f"{job.method} [{job.decoder.name}]", initial=start)
     t0 = time.perf_counter() - elapsed0
     step, preempted, graphs_off = start, False, False
     world.take_bytes()  # start-up traffic (bootstrap, start evaluation) is not a step's

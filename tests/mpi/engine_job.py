@@ -16,7 +16,7 @@ import dataclasses
 import json
 import sys
 
-from essa.config import ESSAJobConfig
+from essa.method import METHOD
 from essa.trainer import ESSA
 from hpc.engine.graphs import GraphedDecode
 from hpc.job.lifecycle import finish, start_job
@@ -74,7 +74,7 @@ def ends_of_evaluations(decoder):
 
 def main():
     prefix, mode, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
-    job = start_job(ESSAJobConfig, "essa", "essa", argv)
+    job = start_job(METHOD, argv)
     method = ESSA(job)
     report = {}
     if mode == "memory":
