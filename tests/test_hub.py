@@ -114,12 +114,34 @@ def test_a_resumed_run_keeps_the_snapshot_it_began_with(tmp_path, monkeypatch):
                                      "began with") and f"--revision {'9' * 40}`" in str(err.value)
 
 
+def test_a_reward_model_id_is_recorded_and_kept_at_its_snapshot_on_resume(tmp_path, monkeypatch):
+    """reward.model as model.path: its snapshot folder and revision go into the run file, and a
+    resumed run scores with the snapshot it began with although refs/main moved since."""
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    placeholder_model(tmp_path, "org/base")
+    old = placeholder_model(tmp_path, "org/rm", revision="4" * 40)
+    new = placeholder_model(tmp_path, "org/rm", revision="5" * 40)
+    cfg = load_config(JobConfig, None, ["model.path=org/base", "reward.model=org/rm"])
+    sources = resolve_sources(cfg)
+    assert (sources.attrs()["reward_model_folder"], sources.attrs()["reward_model_revision"]) \
+        == (new, "5" * 40)
+    run_file = str(tmp_path / "fgrpo.h5")
+    RunStore(run_file, True, dict(sources.attrs(), config="reward:\n  model: org/rm\n")).close()
+    kept = resolve_sources(load_config(JobConfig, None, ["model.path=org/base",
+                                                         "reward.model=org/rm"]),
+                           {"reward.model": ("org/rm", "4" * 40)})
+    assert recorded_sources(run_file)["reward.model"] == ("org/rm", "5" * 40)
+    assert kept.reward.path == old and "reward.model=org/rm stays at revision" in kept.notes[0]
+    kept.apply(cfg)
+    assert cfg.reward.model == old
+
+
 def test_the_run_file_records_what_a_resumed_run_keeps(tmp_path):
     config = "model:\n  path: org/name\nlora:\n  adapter: ''\n"
     RunStore(str(tmp_path / "sft.h5"), True, {"config": config, "model_revision": "1" * 40,
                                               "model_folder": "x"}).close()
     assert recorded_sources(str(tmp_path / "sft.h5")) == {
-        "model.path": ("org/name", "1" * 40), "lora.adapter": ("", "")}
+        "model.path": ("org/name", "1" * 40), "lora.adapter": ("", ""), "reward.model": ("", "")}
     assert recorded_sources(str(tmp_path / "none.h5")) == {}
 
 

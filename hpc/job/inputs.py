@@ -26,19 +26,24 @@ from hpc.runtime.report_to import check_report_to
 
 @dataclass(frozen=True)
 class InputSources:
-    """Where ``model.path`` and ``lora.adapter`` lie (adapter None: a fresh LoRA); ``notes``:
-    lines for rank 0 to print (a resumed run's id kept at the snapshot it began with)."""
+    """Where ``model.path``, ``lora.adapter`` and ``reward.model`` lie (adapter None: a fresh
+    LoRA; reward None: the task's own reward); ``notes``: lines for rank 0 to print (a resumed
+    run's id kept at the snapshot it began with)."""
 
     model: Source
     adapter: Source | None
+    reward: Source | None = None
     notes: tuple = ()
 
     def apply(self, cfg) -> None:
-        """Point ``cfg.model.path`` and ``cfg.lora.adapter`` at the folders (a Hub id becomes
-        its snapshot folder; what the loaders and the memory plan read)."""
+        """Point ``cfg.model.path``, ``cfg.lora.adapter`` and ``cfg.reward.model`` at the
+        folders (a Hub id becomes its snapshot folder; what the loaders and the memory plan
+        read)."""
         cfg.model.path = self.model.path
         if self.adapter is not None:
             cfg.lora.adapter = self.adapter.path
+        if self.reward is not None:
+            cfg.reward.model = self.reward.path
 
     def attrs(self) -> dict:
         """Run-file attributes: each folder (absolute; a built-in model's name) and the commit
@@ -49,6 +54,9 @@ class InputSources:
         if self.adapter is not None:
             out.update(adapter_folder=os.path.abspath(self.adapter.path),
                        adapter_revision=self.adapter.revision)
+        if self.reward is not None:
+            out.update(reward_model_folder=os.path.abspath(self.reward.path),
+                       reward_model_revision=self.reward.revision)
         return out
 
 
@@ -66,7 +74,11 @@ def resolve_sources(cfg, recorded: dict | None = None) -> InputSources:
                          _source("model.path", path, recorded.get("model.path")))
     lora, lora_note = (_source("lora.adapter", adapter, recorded.get("lora.adapter"))
                        if adapter else (None, ""))
-    return InputSources(model, lora, tuple(note for note in (model_note, lora_note) if note))
+    scorer = getattr(getattr(cfg, "reward", None), "model", "")
+    reward, reward_note = (_source("reward.model", scorer, recorded.get("reward.model"))
+                           if scorer else (None, ""))
+    return InputSources(model, lora, reward, tuple(
+        note for note in (model_note, lora_note, reward_note) if note))
 
 
 def _source(key: str, given: str, recorded: tuple | None) -> tuple:
@@ -97,8 +109,8 @@ def _recorded(run_file: str) -> tuple:
 
     try:
         with h5py.File(run_file, "r", locking=False) as f:
-            attrs = {key: f.attrs.get(key, "") for key in ("config", "model_revision",
-                                                            "adapter_revision")}
+            attrs = {key: f.attrs.get(key, "") for key in (
+                "config", "model_revision", "adapter_revision", "reward_model_revision")}
         attrs = {k: v.decode() if isinstance(v, bytes) else str(v) for k, v in attrs.items()}
         config = yaml.safe_load(attrs["config"]) or {}
     except (OSError, RuntimeError, KeyError, ValueError, yaml.YAMLError):
@@ -107,8 +119,8 @@ def _recorded(run_file: str) -> tuple:
 
 
 def recorded_sources(run_file: str) -> dict:
-    """``{config key: (as given, revision)}`` of ``model.path`` and ``lora.adapter`` as the run
-    file of a run to resume records them (:func:`resolve_sources` keeps that snapshot); empty
+    """``{config key: (as given, revision)}`` of ``model.path``, ``lora.adapter`` and
+    ``reward.model`` as the run file of a run to resume records them (:func:`resolve_sources` keeps that snapshot); empty
     where there is no readable run file."""
     config, attrs = _recorded(run_file)
     if not attrs:
@@ -119,7 +131,8 @@ def recorded_sources(run_file: str) -> dict:
         return str(part.get(key) or "") if isinstance(part, dict) else ""
 
     return {"model.path": (given("model", "path"), attrs["model_revision"]),
-            "lora.adapter": (given("lora", "adapter"), attrs["adapter_revision"])}
+            "lora.adapter": (given("lora", "adapter"), attrs["adapter_revision"]),
+            "reward.model": (given("reward", "model"), attrs["reward_model_revision"])}
 
 
 def _flat(config: dict, prefix: str = "") -> dict:
