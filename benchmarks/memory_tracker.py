@@ -148,7 +148,6 @@ def fake_model(config: dict, cfg, case: str, ranks: int, stack: contextlib.ExitS
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from hpc.models.loading import DTYPES, attach_lora, enable_activation_checkpointing
-    from hpc.job.config import plan_job_class
     from hpc.plan.registry import activation_checkpointing
     from hpc.models.parallelize import load_dtype, shard_model
 

@@ -1,4 +1,4 @@
-"""ESSA's memory plan on one GPU (registered in setup.py's ``hpc.method_plans``): its scoring
+"""ESSA's memory plan on one GPU (named by its method's spec, ``method.py``): its scoring
 passes of k members (``essa.members_per_pass``) and the held-out evaluation, from the terms of
 :mod:`hpc.plan.terms`.
 

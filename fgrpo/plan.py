@@ -1,4 +1,4 @@
-"""F-GRPO's memory plan on one GPU (registered in setup.py's ``hpc.method_plans``): the rollout,
+"""F-GRPO's memory plan on one GPU (named by its method's spec, ``method.py``): the rollout,
 the training (micro-batch forward/backward), the gradient reduction and AdamW step, and the
 held-out evaluation, from the terms of :mod:`hpc.plan.terms`; a reward model (``reward.model``)
 adds its weights to every phase and a scoring batch to the rollout and the evaluation.

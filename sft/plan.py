@@ -1,4 +1,4 @@
-"""SFT's memory rule (registered in setup.py's ``hpc.method_plans``): when
+"""SFT's memory rule (named by its method's spec, ``method.py``): when
 ``model.activation_checkpointing=auto`` turns checkpointing on for the SFT stage."""
 from __future__ import annotations
 

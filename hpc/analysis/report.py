@@ -1,15 +1,8 @@
-"""Reports over run files: the subcommands of ``hpc-report`` that read any run file
-(:func:`add_commands`, :func:`run`); the command itself, which adds the papers' reproduction
-experiment to them, is :mod:`compare.report`.
-
-``hpc-report compare FILE.h5 ...`` prints one table comparing the start and end of each run:
-held-out accuracy, pass@k, wall time and bytes communicated.
-
-``hpc-report summary FILE.h5 ... [--csv OUT.csv] [--plots DIR] [--target ACC]`` prints, per
-run, where the time of a step goes (seconds, per phase), the payload bytes, the share spent
-communicating or waiting, the straggler spread across ranks, the best held-out accuracy and
-the wall-clock seconds to a target accuracy; writes the same table as CSV and draws PNG plots.
-Both work on files of jobs still running (rows not yet complete are skipped).
+"""Reports over run files: ``hpc-report compare`` (each run's start and end, side by side) and
+``hpc-report summary`` (where a step's time and bytes go, per phase and rank; CSV and plots),
+the subcommands that read any run file (:func:`add_commands`, :func:`run`). The command itself,
+its --help and its reproduction subcommand are :mod:`compare.report`. Both read files of jobs
+still running (rows not yet complete are skipped).
 """
 # Nothing here knows a method: each run file names its phases with their kind (``phases``, see
 # hpc.job.loop.PHASE_KINDS) and the held-out column its accuracy curve follows

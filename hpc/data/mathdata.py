@@ -282,11 +282,16 @@ def _competition(row: dict, path: str, number: int):
     if isinstance(answer, float) and not math.isfinite(answer):  # JSON 1e400 reads as inf
         raise UserError(f"{path} line {number}: the gold answer {answer} is not a finite number")
     gold = _numeric_gold(_number_text(answer), path, number)
+    return _boxed_row(row, gold, path, number)
+
+
+def _boxed_row(row: dict, gold: str, path: str, number: int):
+    """(question, MATH_TEMPLATE, gold, SFT solution) of a row whose gold answer is ``gold``: its
+    worked ``solution`` (if any) followed by the boxed answer."""
     worked = str(row.get("solution") or "").strip()
     final = f"The answer is \\boxed{{{gold}}}."
     solution = f" {worked}\n{final}" if worked else f" {final}"
-    question = _text(row, ("question", "problem"), path, number)
-    return question, MATH_TEMPLATE, gold, solution
+    return _text(row, ("question", "problem"), path, number), MATH_TEMPLATE, gold, solution
 
 
 def _short_answer(row: dict, path: str, number: int):
@@ -300,13 +305,7 @@ def _short_answer(row: dict, path: str, number: int):
                         f"{type(answer).__name__}")
     text = answer.strip() if isinstance(answer, str) else _number_text(answer)  # '3.83e35' kept
     gold = _math_gold(text, path, number)
-    worked = str(row.get("solution") or "").strip()
-    final = f"The answer is \\boxed{{{gold}}}."
-    solution = f" {worked}\n{final}" if worked else f" {final}"
-    question = _text(row, ("question", "problem"), path, number)
-    return question, MATH_TEMPLATE, gold, solution
-
-
+    return _boxed_row(row, gold, path, number)
 
 
 def row_field(row: dict, names: tuple, where: str):

@@ -8,14 +8,13 @@ section (:class:`hpc.data.config.TaskConfig`). A task read from jsonl files is a
 public set's rows, filters them and how ``hpc-data check`` grades them.
 
 The registry holds import strings, so naming a task imports nothing: this module loads without
-torch, and the config section takes ``task.name``'s choices from it when it is imported (a task
-registered from outside the package is added before that, docs/data.md).
+torch, and ``task.name``'s choices are this dict, read when a value is checked (a task
+registered from outside the package is added before the job reads its config, docs/data.md).
 """
 from __future__ import annotations
 
-import importlib
-
 from hpc.runtime.errors import UserError
+from hpc.runtime.methods import load_ref
 
 # task.name -> "module:loader"
 TASKS = {
@@ -37,5 +36,4 @@ def task_loader(name: str):
     tasks when there is none."""
     if name not in TASKS:
         raise UserError(f"config key 'task.name': {name!r} is not a task ({', '.join(TASKS)})")
-    module, attribute = TASKS[name].split(":")
-    return getattr(importlib.import_module(module), attribute)
+    return load_ref(TASKS[name])

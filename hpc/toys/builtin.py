@@ -1,7 +1,7 @@
 """The built-in models as ``model.path`` names: 'toy' and 'toy-chat' become their cached folders
 (built on first use) through :func:`hpc.models.loading.model_folder`, which finds them by
-setup.py's ``hpc.built_in_models`` entry points (hpc.models and hpc.data never import the
-toys, which stand above both); :func:`check_cached` checks a cached build at job start."""
+the import strings of ``hpc.models.folders.BUILT_IN_MODELS`` (hpc.models and hpc.data never
+import the toys, which stand above both); :func:`check_cached` checks a cached build at job start."""
 from __future__ import annotations
 
 import os
