@@ -215,3 +215,20 @@ def test_a_stored_config_of_an_old_run_file_reads_in_todays_layout():
     new = config_to_yaml(load_config(FGRPOJobConfig, None, ["fgrpo.advantage.gamma=0.5"]))
     assert stored_config(new)["fgrpo"]["advantage"]["gamma"] == 0.5
     assert stored_config("") == {}
+
+
+def test_a_config_of_eval_batch_size_alone_keeps_its_old_meaning_with_a_note(tmp_path):
+    """model.decode_batch was split off eval.batch_size (param(follows=...)): a config that
+    sets only the old key decodes training batches of that size, as before, and says so in
+    one line; one that sets both keeps them apart, without a line."""
+    old = tmp_path / "old.yaml"
+    old.write_text("eval:\n  batch_size: 32\n")
+    notes = []
+    cfg = load_config(JobConfig, str(old), [], notes=notes)
+    assert (cfg.model.decode_batch, cfg.eval.batch_size) == (32, 32)
+    assert notes == ["note: model.decode_batch=32, from eval.batch_size as before "
+                     "model.decode_batch existed; give model.decode_batch to set the two apart"]
+    notes = []
+    cfg = load_config(JobConfig, str(old), ["model.decode_batch=8"], notes=notes)
+    assert (cfg.model.decode_batch, cfg.eval.batch_size, notes) == (8, 32, [])
+    assert load_config(JobConfig, None, []).model.decode_batch == 64
