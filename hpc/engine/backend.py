@@ -1,12 +1,13 @@
-"""Decoding backends: the one interface every decoding call goes through, a plain-dict registry
-of the backends, and ``model.engine=auto``.
+"""Decoding backends: the one interface every decoding call goes through, and
+``model.engine=auto``.
 
 Methods, evaluation and the job loop hold a :class:`DecodeBackend` (a job's ``Job.decoder``,
 built once by :func:`make_backend`) and call only :meth:`DecodeBackend.decode` and its phase
-methods. A backend is one file plus one line in :data:`BACKENDS`; the registry holds import
-strings, so naming a backend imports nothing (this module loads without torch).
+methods. A backend is one file plus one line in the plain-dict registry
+:data:`hpc.engine.config.BACKENDS`, whose names ``model.engine`` takes; the registry holds
+import strings, so naming a backend imports nothing (this module loads without torch).
 
-:data:`BACKENDS` is also the order ``auto`` prefers: the first installed backend that runs the
+``BACKENDS`` is also the order ``auto`` prefers: the first installed backend that runs the
 model's ``config.json`` (:meth:`DecodeBackend.refuses`) decodes the job.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
-from hpc.engine.config import EngineConfig
+from hpc.engine.config import BACKENDS, EngineConfig
 from hpc.runtime.errors import UserError
 from hpc.runtime.methods import load_ref
 
@@ -24,14 +25,6 @@ from hpc.runtime.methods import load_ref
 # of the base weights of their own (vLLM): what the memory plan charges them
 # (hpc/plan/terms.py, which reads this without importing torch)
 OWN_WEIGHTS_AND_POOL = ("vllm",)
-
-# name -> "module:class"; the order is auto's preference (hf, the reference, runs every model)
-BACKENDS = {
-    "engine": "hpc.engine.engine_backend:EngineBackend",
-    "vllm": "hpc.engine.vllm_backend:VLLMBackend",
-    "hf": "hpc.engine.hf_backend:HFBackend",
-}
-
 
 class DecodeBackend(ABC):
     """What decodes a job's completions (a job holds one, ``Job.decoder``).

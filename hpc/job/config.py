@@ -1,6 +1,6 @@
-"""The sections every job has, composed: ``model``, ``lora`` (:mod:`hpc.models.config`), ``task``,
-``reward`` (:mod:`hpc.data.config`), ``plan`` (:mod:`hpc.plan.config`) and the two a job's loop
-owns, ``eval`` (held-out evaluation and pass@k) and ``run`` (output, budgets, checkpoints). A
+"""The sections every job has, composed: ``model`` (:mod:`hpc.engine.config`), ``lora``
+(:mod:`hpc.models.config`), ``task``, ``reward`` (:mod:`hpc.data.config`), ``plan``
+(:mod:`hpc.plan.config`) and the two a job's loop owns, ``eval`` (held-out evaluation and pass@k) and ``run`` (output, budgets, checkpoints). A
 method's job config subclasses :class:`JobConfig` and adds its own section. Torch-free."""
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import typing
 from dataclasses import dataclass, field
 
 from hpc.data.config import RewardModelConfig, TaskConfig
-from hpc.models.config import LoraConfig, ModelConfig
+from hpc.engine.config import ModelConfig
+from hpc.models.config import LoraConfig
 from hpc.plan.config import PlanConfig
 from hpc.runtime.config import get_key, param, require_per_rank
 from hpc.runtime.methods import methods

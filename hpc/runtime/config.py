@@ -16,8 +16,9 @@ YAML mapping (YAML would keep the last without a word), a list key with no item,
 value or nesting beyond the bounds of :mod:`hpc.runtime.config_yaml`, checked before the text
 is parsed.
 
-This floor holds the machinery only. Each section lives beside its owner: ``model`` and
-``lora`` in :mod:`hpc.models.config`, ``task`` and ``reward`` in :mod:`hpc.data.config`,
+This floor holds the machinery only. Each section lives beside its owner: ``model`` in
+:mod:`hpc.engine.config` (beside the backends' registry its ``engine`` key names), ``lora`` in
+:mod:`hpc.models.config`, ``task`` and ``reward`` in :mod:`hpc.data.config`,
 ``plan`` in :mod:`hpc.plan.config`, ``eval``, ``run`` and the job config every job extends in
 :mod:`hpc.job.config`, a method's own in its package (:mod:`hpc.runtime.methods`).
 """

@@ -30,6 +30,24 @@ def param(default, help: str, *, min=None, max=None, above=None, choices=None, f
     return field(default=default, metadata=meta)
 
 
+class Choices:
+    """A key's allowed values read when a value is checked: the ``fixed`` ones (e.g. ``auto``),
+    then the names ``registry`` (a plain-dict registry) holds then, so a name registered after
+    the key was declared is accepted."""
+
+    def __init__(self, *fixed: str, registry: dict):
+        self.fixed, self.registry = fixed, registry
+
+    def __iter__(self):
+        return iter([*self.fixed, *self.registry])
+
+    def __contains__(self, value) -> bool:
+        return value in self.fixed or value in self.registry
+
+    def __len__(self) -> int:
+        return len(self.fixed) + len(self.registry)
+
+
 def rule_text(meta: dict) -> str:
     """The allowed values of a key as text: 'one of a, b', '>= 1 <= 9' or ''."""
     if meta.get("choices"):
