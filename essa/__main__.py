@@ -1,9 +1,9 @@
 """``essa`` / ``python -m essa``: the ESSA trainer (see essa.trainer). ``--help`` is answered
-from essa.config alone (:func:`hpc.runtime.cli.method_command`), without importing torch."""
+from essa.config alone (:func:`hpc.runtime.cli.job_command`), without importing torch."""
 from essa.method import METHOD
-from hpc.runtime.cli import method_command
+from hpc.runtime.cli import job_command
 
-main = method_command(METHOD)
+main = job_command(METHOD)
 
 if __name__ == "__main__":
     main()

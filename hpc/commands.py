@@ -12,12 +12,12 @@ import sys
 
 from hpc.models.hub import local_or_cached
 from hpc.evaluate import EVAL
-from hpc.runtime.cli import EXIT_CODES_HELP, OneLineParser, method_command
+from hpc.runtime.cli import EXIT_CODES_HELP, OneLineParser, job_command
 from hpc.job.config import JobConfig
 from hpc.runtime.config import load_config
 from hpc.runtime.errors import UserError, user_errors_exit
 
-evaluate = method_command(EVAL)
+evaluate = job_command(EVAL)
 
 
 @user_errors_exit

@@ -19,7 +19,7 @@ import typing
 from hpc.runtime.config import config_keys, load_config, rule_text
 from hpc.runtime.errors import (EXIT_USER_ERROR, PeerFailed, UserError, exit_agreed,
                                 exit_user_error, launched)
-from hpc.runtime.methods import load_ref
+from hpc.runtime.methods import MethodSpec, load_ref
 from hpc.runtime.preempt import EXIT_PREEMPTED, stop_signals
 
 EXIT_CODES_HELP = (f"exit codes: 0 done; {EXIT_USER_ERROR} user error (one line on stderr naming "
@@ -99,49 +99,40 @@ def job_help(prog: str, about: str, job_cls) -> str:
 
 
 # The jobs' check before their imports (hpc.job.inputs: data files, model and adapter folders,
-# the run folder),
-# named here by reference only: imported when a job starts, not when --help is answered.
+# the run folder), named here by reference only: imported when a job starts, not when --help
+# is answered.
 JOB_INPUTS = "hpc.job.inputs:check_inputs"
 
 
-def job_command(prog: str, config_ref: str, run_ref: str, about: str,
-                check_ref: str | None = None, method: str = ""):
-    """A console entry point: ``--help`` from the config class at ``config_ref``; anything else
-    installs the preemption handler (:func:`hpc.runtime.preempt.stop_signals`: a signal from
-    here on is honoured at the job's next safe point, however long the imports and the model
-    loading take), reads the command line and the config and runs the torch-free check at
-    ``check_ref`` (if given; the jobs: :data:`JOB_INPUTS`) on it, the job's ``method`` (the
-    name its run folder and run file take) and whether it resumes: a mistake in any ends here,
-    in about a second, before torch is imported, with exit 2 on every rank
-    (:func:`agree_on_inputs`); then runs ``run_ref``
-    (``'module:function'``, called with the arguments; it reads them again)."""
+def job_command(spec: MethodSpec) -> typing.Callable:
+    """The console entry point of the job ``spec`` describes: ``--help`` from its job config
+    class; anything else installs the preemption handler
+    (:func:`hpc.runtime.preempt.stop_signals`: a signal from here on is honoured at the job's
+    next safe point, however long the imports and the model loading take), reads the command
+    line and the config and runs the torch-free check :data:`JOB_INPUTS` on it, the job's name
+    (its run folder's and run file's) and whether it resumes: a mistake in any ends here, in
+    about a second, before torch is imported, with exit 2 on every rank
+    (:func:`agree_on_inputs`); then runs the spec's ``trainer`` (called with the arguments; it
+    reads them again)."""
 
     def main(argv=None):
         argv = sys.argv[1:] if argv is None else list(argv)
         if any(arg in HELP_FLAGS for arg in argv):
-            print(job_help(prog, about, load_ref(config_ref)))
+            print(job_help(spec.command, spec.about, spec.job_class()))
             return 0
         stop_signals()
         cfg, failed = None, None
         try:
-            config_path, overrides, resume = parse_args(prog, argv)
-            cfg = load_config(load_ref(config_ref), config_path, overrides)
-            if check_ref:
-                load_ref(check_ref)(cfg, method, resume)
+            config_path, overrides, resume = parse_args(spec.command, argv)
+            cfg = load_config(spec.job_class(), config_path, overrides)
+            load_ref(JOB_INPUTS)(cfg, spec.name, resume)
         except UserError as err:
             failed = err
         agree_on_inputs(failed, cfg)
-        return load_ref(run_ref)(argv)
+        return load_ref(spec.trainer)(argv)
 
-    main.__doc__ = f"``{prog}``: {about}"
+    main.__doc__ = f"``{spec.command}``: {spec.about}"
     return main
-
-
-def method_command(spec) -> typing.Callable:
-    """The console entry point of a training method, from its
-    :class:`hpc.runtime.methods.MethodSpec`: :func:`job_command` with the job's input checks."""
-    return job_command(spec.command, spec.job, spec.trainer, spec.about, check_ref=JOB_INPUTS,
-                       method=spec.name)
 
 
 def agree_on_inputs(err: UserError | None, cfg=None) -> None:
