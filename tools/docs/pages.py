@@ -131,21 +131,22 @@ def printed(path: str) -> list:
 
 # ---- the toy's results ----------------------------------------------------------------------
 
-DEMO = f"{RESULTS}/demo-kernels-pinned-2026-12-02.txt"
+DEMO = f"{RESULTS}/demo-2026-12-06.txt"  # make demo as the code stands
+KERNELS_DEMO = f"{RESULTS}/demo-kernels-pinned-2026-12-02.txt"  # the pinned-kernels experiment
 FAMILY = f"{RESULTS}/reproduce-fgrpo-family-2026-12-06"
 REPRODUCE = f"{RESULTS}/reproduce-2026-11-30/summary.txt"
 CEILING = f"{RESULTS}/essa_ceiling-2026-11-30.txt"
 
 
-def demo_table(page: str, after: str) -> str:
-    return "```\n" + "\n".join(text_table(DEMO, after)) + "\n```\n\n" + caption(page, DEMO)
+def demo_table(page: str, path: str, after: str) -> str:
+    return "```\n" + "\n".join(text_table(path, after)) + "\n```\n\n" + caption(page, path)
 
 
 def demo_gains(page: str) -> str:
     """The greedy points ESSA and F-GRPO gain over SFT in the demo's table, and from the ESSA
     paper's warm start at equal training time and tokens (:func:`warm_start_gains`)."""
     rows = {line.split()[0]: float(line.split()[1].rstrip("%"))
-            for line in text_table(DEMO, "## default caller")[1:]}
+            for line in text_table(DEMO, "## make demo")[1:]}
     gains = warm_start_gains()
     return (f"On this toy, at equal work F-GRPO gains {rows['fgrpo'] - rows['sft']:.0f} points "
             f"of greedy accuracy over SFT and ESSA {rows['essa'] - rows['sft']:.0f}. "
@@ -459,8 +460,11 @@ def rollout_engine_32b(page: str) -> str:
 
 SHIPPED = f"hpc-plan {CLUSTER} model.path=/models/Qwen2.5-7B-Instruct --ranks 8"
 BLOCKS = {  # name: (results files it reads, its text on a page)
-    "demo": ([DEMO], lambda page: demo_table(page, "## default caller")),
-    "demo-native": ([DEMO], lambda page: demo_table(page, "## DEMO_NATIVE_KERNELS=1")),
+    "demo": ([DEMO], lambda page: demo_table(page, DEMO, "## make demo")),
+    "demo-pinned": ([KERNELS_DEMO], lambda page: demo_table(page, KERNELS_DEMO,
+                                                            "## default caller")),
+    "demo-native": ([KERNELS_DEMO], lambda page: demo_table(page, KERNELS_DEMO,
+                                                            "## DEMO_NATIVE_KERNELS=1")),
     "demo-gains": ([DEMO, f"{WARM}/summary.json"], demo_gains),
     "essa-warm-start": ([f"{WARM}/summary.json"], warm_start_tables),
     "plot-essa-warm-start": ([f"{WARM}/summary.json"], lambda page: plot(
