@@ -14,8 +14,7 @@ from essa.method import METHOD
 from essa.optimizers import Tracked, make_optimizer
 from essa.population import ScoringRequest, minibatch_indices, owners, score_members
 from hpc.models.adapter_space import LoraEntrySpace, SingularValueSpace
-from hpc.data.reward_model import with_reward_model
-from hpc.data.tasks import load_task
+from hpc.data.tasks import job_task
 from hpc.evaluate import evaluate
 from hpc.models.loading import load_adapter, load_model
 from hpc.runtime.errors import UserError, user_errors_exit
@@ -46,8 +45,7 @@ class ESSA(Method):
         super().__init__(job)
         cfg, world = job.cfg, job.world
         e = self.e = cfg.essa
-        self.task = on_all_ranks(world, lambda: with_reward_model(
-            load_task(cfg.task, cfg.model.path), cfg.reward, cfg.model.dtype, job.device))
+        self.task = on_all_ranks(world, lambda: job_task(cfg, job.device))
         if len(self.task.train) == 0 or len(self.task.eval) == 0:
             raise UserError(f"task {cfg.task.name} has an empty training or held-out split")
         self.model, self.tok = on_all_ranks(world, lambda: load_model(

@@ -22,8 +22,7 @@ from fgrpo.policy import TrainedPolicy
 from fgrpo.sampling import sample_step
 from fgrpo.step import train_on_rollouts
 from hpc.gradient_method import step_seed
-from hpc.data.reward_model import with_reward_model
-from hpc.data.tasks import load_task
+from hpc.data.tasks import job_task
 from hpc.job.lifecycle import finish, on_all_ranks, start_job
 from hpc.job.loop import run_loop
 from hpc.runtime.errors import UserError, user_errors_exit
@@ -42,8 +41,7 @@ class FGRPO(TrainedPolicy):
         super().__init__(job)
         cfg, world = job.cfg, job.world
         f = self.f = cfg.fgrpo
-        self.task = on_all_ranks(world, lambda: with_reward_model(
-            load_task(cfg.task, cfg.model.path), cfg.reward, cfg.model.dtype, job.device))
+        self.task = on_all_ranks(world, lambda: job_task(cfg, job.device))
         if min(f.batch_prompts, len(self.task.train)) < world.size:
             raise UserError(f"{len(self.task.train)} training prompts and fgrpo.batch_prompts="
                             f"{f.batch_prompts} leave some of the {world.size} ranks without a "

@@ -154,13 +154,11 @@ def main(argv=None):
     from hpc.models.quantize import quantized_linears
     from hpc.runtime.runstore import RunStore, environment_attrs
     from hpc.job.loop import share_graph_check
-    from hpc.data.tasks import load_task
-    from hpc.data.reward_model import with_reward_model
+    from hpc.data.tasks import job_task
 
     job = start_job(EVAL, argv)
     cfg, world = job.cfg, job.world
-    task = on_all_ranks(world, lambda: with_reward_model(
-        load_task(cfg.task, cfg.model.path), cfg.reward, cfg.model.dtype, job.device))
+    task = on_all_ranks(world, lambda: job_task(cfg, job.device))
     model, tok = on_all_ranks(world, lambda: load_model(
         cfg.model.path, cfg.model.dtype, job.device, load=cfg.model.load,
         wrap=(lambda base: load_adapter(base, cfg.lora.adapter)) if cfg.lora.adapter else None,

@@ -114,3 +114,13 @@ def load_task(cfg, model_path: str = "", part: str = "rest") -> Task:
         held, rest = sft_split_indices(len(task.train), cfg.sft_split, cfg.seed)
         task.train = task.train.subset(held if part == "held" else rest)
     return apply_prompt_format(task, cfg, model_path)
+
+
+def job_task(cfg, device) -> Task:
+    """The task a training or evaluation job of config ``cfg`` runs on: :func:`load_task` of
+    its ``task`` section in its model's prompt format, scored by ``reward.model`` where one is
+    set (:func:`hpc.data.reward_model.with_reward_model`, loaded on ``device``)."""
+    from hpc.data.reward_model import with_reward_model  # torch: only when a job loads its task
+
+    return with_reward_model(load_task(cfg.task, cfg.model.path), cfg.reward, cfg.model.dtype,
+                             device)
